@@ -1,0 +1,1 @@
+"""Smoke benchmarks built from real bundled data (see docs/data.md)."""

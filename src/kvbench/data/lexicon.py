@@ -1,0 +1,42 @@
+"""The closed vocabularies of the synthetic long-context tasks.
+
+RULER and SCBench draw keys from word lists or UUIDs and values from numbers.
+Here keys are upper-case three-letter codes (``" QZV"``) and values are
+two-digit numbers (``" 42"``): both are made single BPE tokens by including
+them in the tokenizer's training corpus (:mod:`kvbench.models.tokenizer`),
+so a retrieval answer is one token and keys never occur in the prose filler
+(stdlib comments contain no such upper-case codes, and samples re-check it).
+"""
+from __future__ import annotations
+
+import itertools
+import random
+
+#: Number of distinct key codes in the lexicon (enough unique keys for 4k-token KV lists).
+N_KEYS = 1536
+_LETTERS = "BCDFGHJKLMNPQRSTVWXZ"  # consonants only: avoids real words and English acronyms
+
+
+def key_codes() -> list[str]:
+    """``N_KEYS`` distinct three-consonant codes, fixed order (seeded shuffle)."""
+    codes = ["".join(t) for t in itertools.product(_LETTERS, repeat=3)]
+    random.Random(1234).shuffle(codes)
+    return sorted(codes[:N_KEYS])
+
+
+def value_numbers() -> list[str]:
+    """Two-digit values ``"10"`` .. ``"99"`` as strings."""
+    return [str(i) for i in range(10, 100)]
+
+
+def tokenizer_corpus_lines(repeats: int = 200) -> list[str]:
+    """Lines that teach the BPE tokenizer the lexicon as whole tokens."""
+    keys, vals = key_codes(), value_numbers()
+    lines = []
+    for r in range(repeats):
+        rng = random.Random(r)
+        ks = keys[:]
+        rng.shuffle(ks)
+        for i in range(0, len(ks), 16):
+            lines.append(" ".join(f"{k} {rng.choice(vals)}" for k in ks[i : i + 16]))
+    return lines
