@@ -1,8 +1,9 @@
 """The closed vocabularies of the synthetic long-context tasks.
 
 RULER and SCBench draw keys from word lists or UUIDs and values from numbers.
-Here keys are upper-case three-letter codes (``" QZV"``) and values are
-two-digit numbers (``" 42"``): both are made single BPE tokens by including
+Here keys are upper-case three-consonant codes (``" QZV"``) and values are
+lower-case ones (``" bqz"``); numbers cannot be values because the Qwen2
+pre-tokeniser splits digits one by one. Both are made single BPE tokens by including
 them in the tokenizer's training corpus (:mod:`kvbench.models.tokenizer`),
 so a retrieval answer is one token and keys never occur in the prose filler
 (stdlib comments contain no such upper-case codes, and samples re-check it).
@@ -24,14 +25,20 @@ def key_codes() -> list[str]:
     return sorted(codes[:N_KEYS])
 
 
-def value_numbers() -> list[str]:
-    """Two-digit values ``"10"`` .. ``"99"`` as strings."""
-    return [str(i) for i in range(10, 100)]
+#: Number of distinct value codes.
+N_VALUES = 90
+
+
+def value_codes() -> list[str]:
+    """``N_VALUES`` distinct lower-case three-consonant codes (disjoint from keys by case)."""
+    codes = ["".join(t) for t in itertools.product(_LETTERS.lower(), repeat=3)]
+    random.Random(4321).shuffle(codes)
+    return sorted(codes[:N_VALUES])
 
 
 def tokenizer_corpus_lines(repeats: int = 200) -> list[str]:
     """Lines that teach the BPE tokenizer the lexicon as whole tokens."""
-    keys, vals = key_codes(), value_numbers()
+    keys, vals = key_codes(), value_codes()
     lines = []
     for r in range(repeats):
         rng = random.Random(r)

@@ -13,8 +13,9 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
+from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
 from kvbench.data import corpus, lexicon
 
@@ -66,12 +67,19 @@ def build_tokenizer(vocab_size: int = 4096, max_chars: int = 3_000_000) -> PreTr
     Raises:
         ValueError: ``vocab_size`` too small to hold the bytes, specials and lexicon.
     """
-    min_size = 256 + len(SPECIAL_TOKENS) + lexicon.N_KEYS + len(lexicon.value_numbers())
+    min_size = 256 + len(SPECIAL_TOKENS) + lexicon.N_KEYS + lexicon.N_VALUES
     if vocab_size < min_size + 256:
         raise ValueError(f"vocab_size must be >= {min_size + 256} to hold the lexicon as single tokens, got {vocab_size}")
     tok = Tokenizer(models.BPE())
-    # GPT-2 regex keeps " 42" and " QZV" as one pre-token (Qwen2's splits digits).
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    # Exactly Qwen2's normaliser and pre-tokeniser (digits split one by one):
+    # AutoTokenizer rebuilds a checkpoint whose config says qwen2 as a
+    # Qwen2Tokenizer with this pipeline, so any other choice would tokenise
+    # differently once saved beside the model (tests/test_models.py).
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
@@ -108,10 +116,10 @@ def save_tokenizer(out_dir: str | Path, vocab_size: int = 4096) -> dict:
     out_dir = Path(out_dir)
     tok = build_tokenizer(vocab_size)
     tok.save_pretrained(out_dir)
-    single = [w for w in lexicon.key_codes() + lexicon.value_numbers() if len(tok.encode(" " + w)) == 1]
+    single = [w for w in lexicon.key_codes() + lexicon.value_codes() if len(tok.encode(" " + w)) == 1]
     return {
         "vocab_size": len(tok),
         "lexicon_single_tokens": len(single),
-        "lexicon_size": lexicon.N_KEYS + len(lexicon.value_numbers()),
+        "lexicon_size": lexicon.N_KEYS + lexicon.N_VALUES,
         "sha256": hashlib.sha256((out_dir / "tokenizer.json").read_bytes()).hexdigest(),
     }

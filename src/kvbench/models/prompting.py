@@ -1,0 +1,117 @@
+"""Turn a benchmark record into model inputs: the one place prompts are formatted.
+
+Training and evaluation both call :func:`encode_record`, so the format a zoo
+model learned is exactly the format it is evaluated on. Record fields are
+specified in ``docs/architecture.md``.
+
+- text records: raw ``context + question`` (base-model style, as RULER and
+  LongBench prompt base models); the answer is the continuation.
+- VLM records: the processor's chat template over
+  ``[system, user(content + question)]`` with the generation prompt; the answer
+  is the assistant turn, closed by the tokenizer's EOS (``<|im_end|>``).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from PIL import Image
+
+IGNORE_INDEX = -100
+
+
+def _tokenizer(proc: Any) -> Any:
+    return getattr(proc, "tokenizer", proc)
+
+
+def _ids(tok: Any, text: str) -> list[int]:
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+def _load_image(img: Any, base_dir: str | Path | None) -> Image.Image:
+    if isinstance(img, Image.Image):
+        return img.convert("RGB")
+    path = Path(img)
+    if not path.is_absolute() and base_dir is not None:
+        path = Path(base_dir) / path
+    if not path.is_file():
+        raise FileNotFoundError(f"image {img!r} not found (looked at {path})")
+    with Image.open(path) as im:
+        return im.convert("RGB")
+
+
+def vlm_messages(record: dict, system_key: str = "system") -> list[dict]:
+    """Chat messages of a VLM record; ``system_key="generic_system"`` gives the cache-time prefix."""
+    user = [dict(p) for p in record["content"]] + [{"type": "text", "text": record["question"]}]
+    for p in user:
+        if p["type"] == "image":
+            p.pop("image", None)  # the processor receives images separately, in order
+    return [{"role": "system", "content": record[system_key]}, {"role": "user", "content": user}]
+
+
+def _answer_turns(record: dict, kind: str, eos: str) -> list[tuple[str, bool]]:
+    """(text, is_label) segments after the prompt: the answer, then any extra queries."""
+    extra = record.get("meta", {}).get("extra_queries", [])
+    if kind == "text":
+        segs = [(record["answer"], True)]
+        for q in extra:
+            segs += [(q["question"], False), (q["answer"], True)]
+        return segs
+    segs = [(record["answer"] + eos, True), ("\n", False)]
+    for q in extra:
+        segs += [(f"<|im_start|>user\n{q['question']}{eos}\n<|im_start|>assistant\n", False),
+                 (q["answer"] + eos, True), ("\n", False)]
+    return segs
+
+
+def encode_record(record: dict, proc: Any, base_dir: str | Path | None = None, with_answer: bool = False) -> dict:
+    """Encode one record (batch size 1).
+
+    Args:
+        record: a benchmark record (``kind`` ``"text"`` or ``"vlm"``).
+        proc: tokenizer (text) or processor (VLM).
+        base_dir: directory that relative image paths are resolved against.
+        with_answer: append the gold answer (and ``meta.extra_queries``) with labels.
+
+    Returns:
+        dict with ``input_ids`` and ``attention_mask`` (int64, ``[1, T]``),
+        ``prompt_len`` (int, tokens before the first answer token), for VLM
+        records also ``pixel_values`` (float32, ``[n_patches, C*t*p*p]``),
+        ``image_grid_thw`` (int64, ``[n_images, 3]``) and ``mm_token_type_ids``
+        (``[1, T]``; without it transformers >= 5 silently falls back to 1-D
+        positions instead of M-RoPE), and with ``with_answer`` ``labels``
+        (int64 ``[1, T]``, -100 outside answer tokens).
+
+    Raises:
+        ValueError: unknown ``kind``.
+        FileNotFoundError: an image path does not exist.
+    """
+    kind = record.get("kind")
+    tok = _tokenizer(proc)
+    if kind == "text":
+        enc = {"input_ids": torch.tensor([_ids(tok, record["context"] + record["question"])])}
+    elif kind == "vlm":
+        images = [_load_image(p["image"], base_dir) for p in record["content"] if p["type"] == "image"]
+        text = proc.apply_chat_template(vlm_messages(record), tokenize=False, add_generation_prompt=True)
+        enc = dict(proc(text=[text], images=images or None, return_tensors="pt"))
+        enc.pop("attention_mask", None)
+    else:
+        raise ValueError(f"record {record.get('id')!r}: kind must be 'text' or 'vlm', got {kind!r}")
+    prompt_len = enc["input_ids"].shape[1]
+    labels = [IGNORE_INDEX] * prompt_len
+    if with_answer:
+        extra_ids: list[int] = []
+        for text, is_label in _answer_turns(record, kind, tok.eos_token or ""):
+            ids = _ids(tok, text)
+            extra_ids += ids
+            labels += ids if is_label else [IGNORE_INDEX] * len(ids)
+        tail = torch.tensor([extra_ids], dtype=enc["input_ids"].dtype)
+        enc["input_ids"] = torch.cat([enc["input_ids"], tail], dim=1)
+        if "mm_token_type_ids" in enc:
+            enc["mm_token_type_ids"] = torch.cat(
+                [enc["mm_token_type_ids"], torch.zeros_like(tail, dtype=enc["mm_token_type_ids"].dtype)], dim=1)
+        enc["labels"] = torch.tensor([labels])
+    enc["attention_mask"] = torch.ones_like(enc["input_ids"])
+    enc["prompt_len"] = prompt_len
+    return enc

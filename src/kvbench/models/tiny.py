@@ -1,0 +1,126 @@
+"""Tiny configurations of the real transformers classes: the embedded default zoo.
+
+Both models are built with the same classes a real checkpoint uses, from a
+config only (no hub files), so every code path (attention interface, cache
+classes, M-RoPE position ids, processor) is the real one:
+
+- ``tiny-qwen2-lm``: ``Qwen2ForCausalLM``, 8 layers, d=128, 4 query / 2 KV heads
+  (GQA, head_dim 32), tied embeddings (~1.6M parameters). The shape follows
+  ``shared/notes/training.md``, where it was measured to learn induction-style
+  retrieval on one CPU thread.
+- ``tiny-qwen2.5-vl``: ``Qwen2_5_VLForConditionalGeneration`` with a real vision
+  tower (14-px patches, 2x2 merge, window attention) and a 6-layer text model,
+  d=128, 4 query / 2 KV heads, M-RoPE sections [4, 6, 6] (sum = head_dim/2).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from transformers import (
+    PretrainedConfig,
+    PreTrainedTokenizerBase,
+    Qwen2_5_VLConfig,
+    Qwen2Config,
+)
+
+#: Image-processor settings of the zoo VLM: 14-px patches merged 2x2, so one
+#: visual token covers 28x28 px (one digit cell of the smoke pages).
+VLM_IMAGE_PROCESSOR = dict(
+    patch_size=14, merge_size=2, temporal_patch_size=2,
+    min_pixels=28 * 28, max_pixels=28 * 28 * 256,
+)
+
+
+@dataclass(frozen=True)
+class ZooSpec:
+    """One zoo entry: its name, family (``"lm"`` or ``"vlm"``) and class name."""
+
+    name: str
+    kind: str
+    architecture: str
+    text: dict = field(default_factory=dict)
+    vision: dict = field(default_factory=dict)
+
+
+ZOO: dict[str, ZooSpec] = {
+    "tiny-qwen2-lm": ZooSpec(
+        name="tiny-qwen2-lm",
+        kind="lm",
+        architecture="Qwen2ForCausalLM",
+        text=dict(
+            hidden_size=128, intermediate_size=384, num_hidden_layers=8,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+            max_position_embeddings=8192, rope_theta=10000.0, tie_word_embeddings=True,
+        ),
+    ),
+    "tiny-qwen2.5-vl": ZooSpec(
+        name="tiny-qwen2.5-vl",
+        kind="vlm",
+        architecture="Qwen2_5_VLForConditionalGeneration",
+        text=dict(
+            hidden_size=128, intermediate_size=384, num_hidden_layers=6,
+            num_attention_heads=4, num_key_value_heads=2,
+            max_position_embeddings=4096, rope_theta=10000.0, tie_word_embeddings=True,
+            rope_scaling={"type": "mrope", "mrope_section": [4, 6, 6]},
+        ),
+        vision=dict(
+            depth=2, hidden_size=64, intermediate_size=128, num_heads=2, in_channels=3,
+            patch_size=14, spatial_merge_size=2, temporal_patch_size=2,
+            window_size=112, fullatt_block_indexes=[1],
+        ),
+    ),
+}
+
+
+def zoo_spec(name: str) -> ZooSpec:
+    """Look up a zoo entry. Raises ``KeyError`` naming the valid names."""
+    if name not in ZOO:
+        raise KeyError(f"unknown zoo model {name!r}; expected one of {sorted(ZOO)}")
+    return ZOO[name]
+
+
+def build_config(name: str, tokenizer: PreTrainedTokenizerBase) -> PretrainedConfig:
+    """The transformers config of zoo model ``name`` for ``tokenizer``'s vocabulary.
+
+    Special-token ids (eos/pad, and the image/vision ids of the VLM) are taken
+    from the tokenizer, so the checkpoint is self-consistent.
+    """
+    spec = zoo_spec(name)
+    ids = dict(
+        vocab_size=len(tokenizer),
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+    )
+    if spec.kind == "lm":
+        cfg = Qwen2Config(**spec.text, **ids, attn_implementation="sdpa")
+    else:
+        tid = tokenizer.convert_tokens_to_ids
+        cfg = Qwen2_5_VLConfig(
+            text_config={**spec.text, **ids},
+            vision_config={**spec.vision, "out_hidden_size": spec.text["hidden_size"]},
+            image_token_id=tid("<|image_pad|>"),
+            video_token_id=tid("<|video_pad|>"),
+            vision_start_token_id=tid("<|vision_start|>"),
+            vision_end_token_id=tid("<|vision_end|>"),
+            tie_word_embeddings=True,
+            **ids,
+        )
+    cfg.architectures = [spec.architecture]
+    return cfg
+
+
+def build_processor(tokenizer: PreTrainedTokenizerBase):
+    """The zoo VLM's real ``Qwen2_5_VLProcessor`` around the offline tokenizer.
+
+    Uses ``Qwen2VLImageProcessor`` with :data:`VLM_IMAGE_PROCESSOR` (one visual
+    token per 28x28 px) and the tokenizer's chat template.
+    """
+    from transformers import Qwen2_5_VLProcessor, Qwen2VLImageProcessor, Qwen2VLVideoProcessor
+
+    return Qwen2_5_VLProcessor(
+        image_processor=Qwen2VLImageProcessor(**VLM_IMAGE_PROCESSOR),
+        tokenizer=tokenizer,
+        video_processor=Qwen2VLVideoProcessor(),
+        chat_template=tokenizer.chat_template,
+    )
