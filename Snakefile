@@ -1,0 +1,53 @@
+"""kvbench: the reproducibility pipeline for CONDUIT and ResidualKV.
+
+Read top-down: config -> validation -> rule files (workflow/rules/) ->
+`kvbench <verb>` (src/kvbench/cli.py). Targets: docs/workflow.md.
+"""
+import os
+import re
+
+from snakemake.utils import min_version, validate
+
+min_version("9.27")
+
+
+# The default profile is config/config.yaml. A `--configfile` given on the
+# command line REPLACES it rather than being merged into it (Snakemake's own
+# behaviour would merge, leaking the smoke zoo into config/paper.yaml); the
+# path is anchored at the Snakefile so `--directory` works.
+if not workflow.overwrite_configfiles:
+
+    configfile: os.path.join(workflow.basedir, "config", "config.yaml")
+
+
+validate(config, "workflow/schemas/config.schema.yaml")
+
+
+include: "workflow/rules/common.smk"
+
+
+# Wildcards only ever take configured names, so model/task names with dots
+# (tiny-qwen2.5-vl) never split across path components.
+wildcard_constraints:
+    profile=re.escape(PROFILE),
+    model=alternation(MODELS),
+    task=alternation(DATASETS),
+    method=r"[A-Za-z0-9][A-Za-z0-9._-]*",
+
+
+include: "workflow/rules/tokenizer.smk"
+include: "workflow/rules/data.smk"
+include: "workflow/rules/models.smk"
+include: "workflow/rules/eval.smk"
+include: "workflow/rules/report.smk"
+include: "workflow/rules/targets.smk"
+
+
+localrules:
+    all,
+
+
+rule all:
+    default_target: True
+    input:
+        default_targets(),

@@ -1,0 +1,125 @@
+"""Multi-image document QA over pages of handwritten digits (CONDUIT's multi-image setting).
+
+A request shows K pages (K uniform in 2..6 unless given), each a 3x3 grid of
+real digit scans (84x84 px = 9 Qwen2.5-VL visual tokens, see
+:mod:`kvbench.data.digits`), preceded by a serving prefix that contains a
+reading instruction (:mod:`kvbench.data.instructions`). The question names one
+cell; the answer is the instruction applied to that cell's digit, so a model
+must read the page *under the instruction*, which is what stale per-image KV
+reuse (pages cached under ``generic_system``) can get wrong.
+
+Record (kind ``"vlm"``, see docs/architecture.md)::
+
+    content  = [{"type": "text", "text": "Page 1:"}, {"type": "image", "image": <PIL.Image>}, ...]
+    question = "Page {p}, row {r}, column {c}?"   (1-based)
+    answer   = str(instruction_fn(digit))          (one digit, max_new_tokens 1)
+    metric   = "exact_match", chance = 0.1
+    meta     = {K, page, row, col, digit, instruction, digit_indices, [extra_queries]}
+"""
+from __future__ import annotations
+
+import random
+from typing import Callable
+
+from kvbench.data import digits, instructions
+
+ROWS = COLS = 3
+K_RANGE = (2, 6)
+
+
+def grid_record(
+    rng: random.Random,
+    split: str,
+    *,
+    K: int,
+    rows: int,
+    cols: int,
+    page_labels: bool,
+    question_fn: Callable[[int, int, int], str],
+    n_queries: int,
+    instruction: str | None,
+    family: str,
+) -> dict:
+    """One VLM record over ``K`` pages of ``rows x cols`` digit cells (shared by docpages and digitgrid).
+
+    Args:
+        rng: the record's random generator (all draws come from it).
+        split: ``"train"`` or ``"test"``: which scan pool the digits come from.
+        K: number of pages (>= 1).
+        rows, cols: grid shape of each page.
+        page_labels: put a ``"Page k:"`` text part before each page.
+        question_fn: ``(page, row, col) -> question`` (1-based).
+        n_queries: questions about distinct cells; the first is the record's
+            ``question``/``answer``, the rest go to ``meta["extra_queries"]``.
+        instruction: fix the instruction by name, or ``None`` to draw one.
+        family: generator name used in ``task`` and ``id``.
+
+    Raises:
+        ValueError: bad ``K``, ``n_queries`` or ``split``.
+    """
+    if K < 1:
+        raise ValueError(f"K must be >= 1, got {K}")
+    n_cells = K * rows * cols
+    if not 1 <= n_queries <= n_cells:
+        raise ValueError(f"n_queries must be in 1..{n_cells} (distinct cells), got {n_queries}")
+    scan_pool = digits.pool(split)
+    labels = digits.labels()
+    name, system = instructions.sample_system(rng, instruction)
+    pages = [[rng.choice(scan_pool) for _ in range(rows * cols)] for _ in range(K)]
+    content: list[dict] = []
+    for k, idx in enumerate(pages, 1):
+        if page_labels:
+            content.append({"type": "text", "text": f"Page {k}:"})
+        content.append({"type": "image", "image": digits.render_page(idx, rows, cols)})
+    cells = rng.sample(range(n_cells), n_queries)
+    queries = []
+    for cell in cells:
+        p, rc = divmod(cell, rows * cols)
+        r, c = divmod(rc, cols)
+        digit = int(labels[pages[p][rc]])
+        queries.append(dict(page=p + 1, row=r + 1, col=c + 1, digit=digit,
+                            question=question_fn(p + 1, r + 1, c + 1),
+                            answer=str(instructions.apply(name, digit))))
+    q0 = queries[0]
+    meta = {"K": K, "page": q0["page"], "row": q0["row"], "col": q0["col"], "digit": q0["digit"],
+            "instruction": name, "digit_indices": pages}
+    if split == "train" or n_queries > 1:
+        meta["extra_queries"] = [{"question": q["question"], "answer": q["answer"]} for q in queries[1:]]
+    return {
+        "id": f"{family}-{split}-{rng.getrandbits(48):012x}",
+        "task": family,
+        "split": split,
+        "kind": "vlm",
+        "system": system,
+        "generic_system": instructions.GENERIC_SYSTEM,
+        "content": content,
+        "question": q0["question"],
+        "answer": q0["answer"],
+        "max_new_tokens": 1,
+        "metric": "exact_match",
+        "chance": 0.1,
+        "meta": meta,
+    }
+
+
+def sample(rng: random.Random, split: str, n_queries: int | None = None, K: int | None = None,
+           instruction: str | None = None) -> dict:
+    """One docpages record (images as in-memory ``PIL.Image``).
+
+    Parameters
+    ----------
+    rng : random.Random — the record's generator.
+    split : str — ``"train"`` or ``"test"`` (disjoint scan pools).
+    n_queries : int, default 1 for test, 8 for train — questions per record (distinct cells).
+    K : int, default uniform in 2..6 — number of 84x84 pages.
+    instruction : str, default drawn uniformly — one of :data:`instructions.INSTRUCTIONS`.
+    """
+    if K is None:
+        K = rng.randint(*K_RANGE)
+    if n_queries is None:
+        n_queries = 8 if split == "train" else 1
+    return grid_record(
+        rng, split, K=K, rows=ROWS, cols=COLS, page_labels=True,
+        question_fn=lambda p, r, c: f"Page {p}, row {r}, column {c}?",
+        n_queries=n_queries, instruction=instruction, family="docpages",
+    )

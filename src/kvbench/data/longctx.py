@@ -1,0 +1,321 @@
+"""RULER / SCBench-style long-context text tasks with lengths measured in tokens.
+
+Three generators, all over the closed lexicon of :mod:`kvbench.data.lexicon`
+(keys: upper-case three-consonant codes ``" QZV"``, values: lower-case ones
+``" bqz"``), each written with a leading space so that it is exactly ONE token
+of the zoo tokenizer (checked for the whole lexicon on first use). A key or
+value that the sample relies on never occurs elsewhere in the context: codes
+whose token appears in the prose filler (or, for keys, whose letters appear
+anywhere in it) are excluded per sample. Every hop is a plain induction lookup —
+the question ends with the key token and the answer is the token that followed
+it in the context — because a tiny model learns induction but not
+role-conditional lookups (shared/notes/training.md).
+
+- ``niah`` (RULER needle-in-a-haystack): real prose lines (stdlib comments and
+  docstrings, :func:`kvbench.data.corpus.prose_lines`) with needles
+  ``" KEY VAL."`` at random line boundaries; ``"\\nQuery: KEY"`` -> ``" VAL"``.
+- ``kv`` (RULER/SCBench key-value retrieval): ``"Pairs:" + " KEY VAL," * n``
+  with unique keys; ``"\\nQuery: KEY"`` -> ``" VAL"``.
+- ``vt`` (RULER variable tracking): prose haystack with chains
+  ``" NUM X1."``, ``" X1 X2."``, ... (NUM a value code, X a key code) (``"SRC DST."`` means DST takes SRC's
+  value) plus 2-3 distractor chains; ``"\\nChain: NUM"`` -> ``" X1 X2 ..."``.
+
+Length contract: ``n_tokens(context + question)`` lies in
+``[length_tokens - 64, length_tokens]`` (in practice within a few tokens of
+``length_tokens``), measured with the given tokenizer without special tokens.
+Every context piece (prose line, needle, statement, pair) starts with a space
+and prose lines start with a letter, so piece token counts add up (Qwen2's
+pre-tokeniser splits before " word"); the count of the assembled
+``context + question`` is re-measured (a trailing "." can merge with the
+question's "\n") and the filler is shortened if it overshoots.
+"""
+from __future__ import annotations
+
+import random
+import re
+from functools import lru_cache
+
+from kvbench.data import corpus, lexicon
+
+#: Tolerance of the length contract (tokens below ``length_tokens``).
+LENGTH_TOLERANCE = 64
+_SPLITS = ("train", "test")
+
+
+def encode(tok, texts: list[str]) -> list[list[int]]:
+    """Token ids of each text, no special tokens (the fast backend directly when there is one)."""
+    backend = getattr(tok, "backend_tokenizer", None)
+    if backend is not None:
+        return [e.ids for e in backend.encode_batch(texts, add_special_tokens=False)]
+    return tok(texts, add_special_tokens=False)["input_ids"]
+
+
+def n_tokens(tok, text: str) -> int:
+    """Number of tokens of ``text`` (no special tokens added)."""
+    return len(encode(tok, [text])[0])
+
+
+@lru_cache(maxsize=8)
+def lexicon_tokens(tok) -> tuple[list[str], list[str], dict[str, int]]:
+    """``(keys, values, token_id)`` after checking each ``" " + code`` is one token.
+
+    ``token_id`` maps every key and value code to the id of ``" " + code``.
+
+    Raises:
+        ValueError: the tokenizer splits some lexicon entries (it was not built
+            by :func:`kvbench.models.tokenizer.build_tokenizer`); names a few.
+    """
+    keys, values = lexicon.key_codes(), lexicon.value_codes()
+    words = keys + values
+    ids = encode(tok, [" " + w for w in words])
+    bad = [w for w, i in zip(words, ids) if len(i) != 1]
+    if bad:
+        raise ValueError(f"tokenizer splits {len(bad)} lexicon entries into several tokens, e.g. "
+                         f"{[' ' + w for w in bad[:5]]}; build it with `kvbench tokenizer`")
+    return keys, values, {w: i[0] for w, i in zip(words, ids)}
+
+
+class _Prose:
+    """Prose lines of one split with lazily cached token ids of ``" " + line``."""
+
+    def __init__(self, tok, split: str):
+        self.tok = tok
+        self.lines = corpus.prose_lines(split)
+        if not self.lines:
+            raise ValueError(f"no prose lines in the {split!r} stdlib split")
+        self.ids: list[list[int] | None] = [None] * len(self.lines)
+
+    def line_ids(self, i: int) -> list[int]:
+        if self.ids[i] is None:  # encode the next 128 lines in one batch
+            todo = [j for j in range(i, min(i + 128, len(self.lines))) if self.ids[j] is None]
+            for j, x in zip(todo, encode(self.tok, [" " + self.lines[j] for j in todo])):
+                self.ids[j] = x
+        return self.ids[i]
+
+
+@lru_cache(maxsize=8)
+def _prose(tok, split: str) -> _Prose:
+    return _Prose(tok, split)
+
+
+def _check(split: str, length_tokens: int) -> None:
+    if split not in _SPLITS:
+        raise ValueError(f"split must be 'train' or 'test', got {split!r}")
+    if int(length_tokens) != length_tokens or length_tokens < 16:
+        raise ValueError(f"length_tokens must be an integer >= 16, got {length_tokens!r}")
+
+
+def haystack(rng: random.Random, tok, split: str, budget: int) -> tuple[list[str], set[int]]:
+    """Consecutive prose lines from a random start, as pieces ``" " + line``, ``budget`` tokens at most.
+
+    Lines are taken while they fit; the first line that does not fit is cut at
+    a word boundary to fill the rest, so the total is ``budget`` or a token or
+    two less (the pool wraps around at its end).
+
+    Returns:
+        ``(pieces, token_ids)``: the pieces and the set of token ids they contain.
+    """
+    prose = _prose(tok, split)
+    n = len(prose.lines)
+    i, total, pieces, used = rng.randrange(n), 0, [], set()
+    while total < budget:
+        ids = prose.line_ids(i % n)
+        if total + len(ids) <= budget:
+            pieces.append(" " + prose.lines[i % n])
+            used.update(ids)
+            total += len(ids)
+            i += 1
+            continue
+        words = prose.lines[i % n].split()
+        lo, hi, best = 0, len(words), []  # largest prefix of words that fits
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            ids = encode(tok, [" " + " ".join(words[:mid])])[0]
+            if len(ids) <= budget - total:
+                lo, best = mid, ids
+            else:
+                hi = mid - 1
+        if lo:
+            pieces.append(" " + " ".join(words[:lo]))
+            used.update(best)
+        break
+    return pieces, used
+
+
+def _absent(codes: list[str], token_id: dict[str, int], used: set[int], text: str | None = None) -> list[str]:
+    """Codes whose token is not in ``used`` (and, if ``text`` is given, whose letters never occur in it)."""
+    present = set(re.findall(r"(?=([A-Z]{3}))", text)) if text is not None else set()
+    return [c for c in codes if token_id[c] not in used and c not in present]
+
+
+def _insert(rng: random.Random, pieces: list[str], chains: list[list[str]]) -> tuple[list[str], set[int], list[list[float]]]:
+    """Insert statement chains at uniformly random line boundaries, each chain in order.
+
+    Returns the new piece list, the indices of the inserted pieces in it and,
+    per chain, the depth (boundary / n_lines, in [0, 1]) of each statement.
+    """
+    order = [c for c, ch in enumerate(chains) for _ in ch]
+    rng.shuffle(order)  # interleaving of the chains; within a chain the order is kept
+    bounds = sorted(rng.randint(0, len(pieces)) for _ in order)
+    at: dict[int, list[str]] = {}
+    nxt = [0] * len(chains)
+    depths: list[list[float]] = [[] for _ in chains]
+    for b, c in zip(bounds, order):
+        at.setdefault(b, []).append(chains[c][nxt[c]])
+        nxt[c] += 1
+        depths[c].append(round(b / max(len(pieces), 1), 4))
+    out: list[str] = []
+    inserted: set[int] = set()
+    for j in range(len(pieces) + 1):
+        for stmt in at.get(j, []):
+            inserted.add(len(out))
+            out.append(stmt)
+        if j < len(pieces):
+            out.append(pieces[j])
+    return out, inserted, depths
+
+
+def _fit(tok, pieces: list[str], inserted: set[int], question: str, length_tokens: int) -> tuple[str, int]:
+    """Join pieces; while ``context + question`` exceeds ``length_tokens``, cut the last word of filler.
+
+    Piece counts add up except where a trailing "." merges with the next
+    token, so this loop runs at most a couple of times.
+    Returns ``(context, n_tokens(context + question))``.
+    """
+    pieces = list(pieces)
+    while True:
+        context = "".join(pieces)
+        total = n_tokens(tok, context + question)
+        if total <= length_tokens:
+            return context, total
+        filler = [k for k in range(len(pieces)) if k not in inserted and pieces[k]]
+        if not filler:
+            raise AssertionError(f"{total} tokens > length_tokens={length_tokens} and no filler left to cut")
+        j = filler[-1]
+        words = pieces[j].split()
+        pieces[j] = " " + " ".join(words[:-1]) if len(words) > 1 else ""
+
+
+def _record(family: str, rng: random.Random, split: str, tok, length_tokens: int, context: str, total: int,
+            queries: list[tuple[str, str]], max_new_tokens: int, chance: float, meta: dict) -> dict:
+    question, answer = queries[0]
+    if not length_tokens - LENGTH_TOLERANCE <= total <= length_tokens:
+        raise AssertionError(f"{family}: {total} tokens outside [{length_tokens - LENGTH_TOLERANCE}, {length_tokens}]")
+    meta = {"n_tokens": total, "length_tokens": length_tokens, **meta}
+    if split == "train" or len(queries) > 1:
+        meta["extra_queries"] = [{"question": q, "answer": a} for q, a in queries[1:]]
+    return {
+        "id": f"{family}-{split}-{rng.getrandbits(48):012x}",
+        "task": family, "split": split, "kind": "text",
+        "context": context, "question": question, "answer": answer,
+        "max_new_tokens": max_new_tokens, "metric": "exact_match", "chance": chance, "meta": meta,
+    }
+
+
+def sample_niah(rng: random.Random, split: str, tok, length_tokens: int = 1024, n_queries: int | None = None) -> dict:
+    """Needle in a haystack: one needle per query.
+
+    Parameters
+    ----------
+    length_tokens : int, default 1024 — target of ``n_tokens(context + question)``.
+    n_queries : int, default 1 for test, uniform 1..4 for train — number of needles
+        (each queried once, in random order; the first query is the record's).
+
+    chance = 1/90 (a uniform guess over the lexicon's values).
+    """
+    _check(split, length_tokens)
+    keys, values, tid = lexicon_tokens(tok)
+    n = n_queries if n_queries is not None else (rng.randint(1, 4) if split == "train" else 1)
+    if n < 1:
+        raise ValueError(f"niah n_queries must be >= 1, got {n}")
+    q_len = n_tokens(tok, "\nQuery:") + 1
+    budget = length_tokens - q_len - n * (2 + n_tokens(tok, "."))
+    if budget < 0:
+        raise ValueError(f"length_tokens={length_tokens} too short for {n} needles")
+    pieces, used = haystack(rng, tok, split, budget)
+    ks = rng.sample(_absent(keys, tid, used, "".join(pieces)), n)
+    vs = [rng.choice(values) for _ in ks]
+    pieces, inserted, depths = _insert(rng, pieces, [[f" {k} {v}."] for k, v in zip(ks, vs)])
+    order = rng.sample(range(n), n)
+    queries = [(f"\nQuery: {ks[i]}", f" {vs[i]}") for i in order]
+    context, total = _fit(tok, pieces, inserted, queries[0][0], length_tokens)
+    meta = {"n_needles": n, "key": ks[order[0]], "value": vs[order[0]], "depth": depths[order[0]][0],
+            "needles": [{"key": k, "value": v, "depth": d[0]} for k, v, d in zip(ks, vs, depths)]}
+    return _record("niah", rng, split, tok, length_tokens, context, total, queries, 1, 1 / len(values), meta)
+
+
+def sample_kv(rng: random.Random, split: str, tok, length_tokens: int = 1024, n_queries: int | None = None) -> dict:
+    """Key-value retrieval over ``"Pairs:" + " KEY VAL," * n_pairs`` (unique keys, random values).
+
+    Parameters
+    ----------
+    length_tokens : int, default 1024 — as many pairs as fit (3 tokens each);
+        at most :data:`lexicon.N_KEYS` pairs, i.e. about 4.6k tokens.
+    n_queries : int, default 1 for test, 16 for train — distinct pairs queried.
+
+    The data are synthetic, so ``split`` only selects the query defaults.
+    chance = 1/90.
+    """
+    _check(split, length_tokens)
+    keys, values, _ = lexicon_tokens(tok)
+    n_q = n_queries if n_queries is not None else (16 if split == "train" else 1)
+    head = "Pairs:"
+    q_len = n_tokens(tok, "\nQuery:") + 1
+    n_pairs = min((length_tokens - n_tokens(tok, head) - q_len) // (2 + n_tokens(tok, ",")), len(keys))
+    if not 1 <= n_q <= n_pairs:
+        raise ValueError(f"kv n_queries must be in 1..{n_pairs} at length_tokens={length_tokens}, got {n_q}")
+    ks = rng.sample(keys, n_pairs)
+    vs = [rng.choice(values) for _ in ks]
+    asked = rng.sample(range(n_pairs), n_q)
+    queries = [(f"\nQuery: {ks[i]}", f" {vs[i]}") for i in asked]
+    pieces = [head] + [f" {k} {v}," for k, v in zip(ks, vs)]
+    context, total = _fit(tok, pieces, set(range(len(pieces))), queries[0][0], length_tokens)
+    meta = {"n_pairs": n_pairs, "key": ks[asked[0]], "value": vs[asked[0]], "index": asked[0],
+            "depth": round(asked[0] / n_pairs, 4)}
+    return _record("kv", rng, split, tok, length_tokens, context, total, queries, 1, 1 / len(values), meta)
+
+
+def sample_vt(rng: random.Random, split: str, tok, length_tokens: int = 1024, n_queries: int | None = None,
+              hops: int | None = None, n_distractors: int | None = None) -> dict:
+    """Variable tracking: follow ``" NUM X1."``, ``" X1 X2."``, ... and list every variable holding NUM.
+
+    NUM is a value code (``" bqz"``), the variables X are key codes (``" QZV"``).
+
+    Parameters
+    ----------
+    length_tokens : int, default 1024.
+    n_queries : int, default 1 for test, all chains for train — chains queried
+        (the first is the target chain, the rest random other chains).
+    hops : int, default 2 for test, uniform 1..3 for train — variables per chain
+        (= statements per chain = answer tokens = ``max_new_tokens``).
+    n_distractors : int, default uniform 2..3 — further chains with other NUMs and variables.
+
+    chance = (1 / number of variables in the sample) ** hops.
+    """
+    _check(split, length_tokens)
+    keys, values, tid = lexicon_tokens(tok)
+    hops = hops if hops is not None else (rng.randint(1, 3) if split == "train" else 2)
+    nd = n_distractors if n_distractors is not None else rng.randint(2, 3)
+    if hops < 1 or nd < 0:
+        raise ValueError(f"vt needs hops >= 1 and n_distractors >= 0, got hops={hops}, n_distractors={nd}")
+    n_chains = 1 + nd
+    n_q = n_queries if n_queries is not None else (n_chains if split == "train" else 1)
+    if not 1 <= n_q <= n_chains:
+        raise ValueError(f"vt n_queries must be in 1..{n_chains} (one per chain), got {n_q}")
+    q_len = n_tokens(tok, "\nChain:") + 1
+    budget = length_tokens - q_len - hops * n_chains * (2 + n_tokens(tok, "."))
+    if budget < 0:
+        raise ValueError(f"length_tokens={length_tokens} too short for {n_chains} chains of {hops} hops")
+    pieces, used = haystack(rng, tok, split, budget)
+    var = rng.sample(_absent(keys, tid, used, "".join(pieces)), hops * n_chains)
+    nums = rng.sample(_absent(values, tid, used), n_chains)
+    chains = [var[j * hops:(j + 1) * hops] for j in range(n_chains)]
+    stmts = [[f" {nums[j]} {ch[0]}."] + [f" {a} {b}." for a, b in zip(ch, ch[1:])] for j, ch in enumerate(chains)]
+    pieces, inserted, depths = _insert(rng, pieces, stmts)
+    asked = [0] + rng.sample(range(1, n_chains), n_q - 1)
+    queries = [(f"\nChain: {nums[j]}", "".join(f" {x}" for x in chains[j])) for j in asked]
+    context, total = _fit(tok, pieces, inserted, queries[0][0], length_tokens)
+    meta = {"hops": hops, "n_chains": n_chains, "num": nums[0], "chain": chains[0], "depths": depths[0],
+            "distractors": [{"num": nums[j], "chain": chains[j]} for j in range(1, n_chains)]}
+    chance = (1.0 / len(var)) ** hops
+    return _record("vt", rng, split, tok, length_tokens, context, total, queries, hops, chance, meta)

@@ -1,0 +1,1 @@
+"""Evaluation: methods (KV-cache policies), metrics and the run loop (``kvbench eval``)."""

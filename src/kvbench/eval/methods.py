@@ -1,0 +1,129 @@
+"""Evaluation methods: how a model answers one record (the KV-cache policy under test).
+
+A method is a small dataclass whose fields are its hyper-parameters, with one
+:meth:`EvalMethod.predict`. The shared machinery (encoding through
+:func:`kvbench.models.prompting.encode_record`, greedy ``generate`` settings,
+decoding of the continuation) lives in the base class, so a refresh or
+compression method is one file plus one line in :data:`METHODS`.
+
+- ``full``: greedy decoding with the full, exact KV cache (transformers'
+  ``generate`` with its default ``DynamicCache``): the upper-bound baseline.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+
+from kvbench.models.prompting import encode_record
+
+
+def _tokenizer(proc: Any) -> Any:
+    return getattr(proc, "tokenizer", proc)
+
+
+@dataclass
+class EvalMethod:
+    """Base class of evaluation methods (one record in, one prediction string out).
+
+    Subclasses set ``name`` and implement :meth:`predict`; dataclass fields are
+    the method's hyper-parameters and are recorded in ``run_info.json``.
+    """
+
+    name: ClassVar[str] = ""
+
+    def predict(self, model: Any, proc: Any, record: dict, base_dir: str | Path | None) -> str:
+        """Answer ``record``; returns the decoded continuation (special tokens removed)."""
+        raise NotImplementedError
+
+    def config(self) -> dict:
+        """``{"name": ..., **hyper-parameters}`` for ``run_info.json``."""
+        return {"name": self.name, **dataclasses.asdict(self)}
+
+    # -- shared machinery ------------------------------------------------------
+    @staticmethod
+    def encode(model: Any, proc: Any, record: dict, base_dir: str | Path | None) -> tuple[dict, int]:
+        """Prompt tensors on the model's device and the prompt length in tokens.
+
+        Returns ``(inputs, prompt_len)``: ``inputs`` holds ``input_ids`` and
+        ``attention_mask`` (int64 ``[1, T]``) and, for VLM records,
+        ``pixel_values`` (``[n_patches, C*t*p*p]``, cast to the model's dtype),
+        ``image_grid_thw`` and ``mm_token_type_ids``.
+        """
+        enc = encode_record(record, proc, base_dir, with_answer=False)
+        prompt_len = int(enc.pop("prompt_len"))
+        dtype = getattr(model, "dtype", None)
+        inputs = {}
+        for k, v in enc.items():
+            if isinstance(v, torch.Tensor):
+                v = v.to(model.device)
+                if v.is_floating_point() and dtype is not None:
+                    v = v.to(dtype)
+            inputs[k] = v
+        return inputs, prompt_len
+
+    @staticmethod
+    def greedy_kwargs(model: Any, proc: Any, max_new_tokens: int) -> dict:
+        """``generate`` kwargs for plain greedy decoding that stops at EOS.
+
+        Sampling, beams and the repetition penalty a real checkpoint's
+        ``generation_config.json`` may carry (Qwen2.5-VL-Instruct: 1.05) are
+        overridden, so every method decodes the same way.
+        """
+        tok = _tokenizer(proc)
+        eos = model.generation_config.eos_token_id
+        if eos is None:
+            eos = tok.eos_token_id
+        pad = model.generation_config.pad_token_id
+        if pad is None:
+            pad = tok.pad_token_id if tok.pad_token_id is not None else (eos[0] if isinstance(eos, list) else eos)
+        return {"max_new_tokens": int(max_new_tokens), "do_sample": False, "num_beams": 1,
+                "repetition_penalty": 1.0, "eos_token_id": eos, "pad_token_id": pad}
+
+    @staticmethod
+    def decode(proc: Any, record: dict, new_ids: torch.Tensor) -> str:
+        """Decode generated ids ``[n_new]`` with special tokens skipped.
+
+        Text records keep the raw continuation (metrics strip); VLM answers
+        (an assistant turn) are stripped of surrounding whitespace.
+        """
+        text = _tokenizer(proc).decode(new_ids.tolist(), skip_special_tokens=True)
+        return text.strip() if record.get("kind") == "vlm" else text
+
+
+@dataclass
+class FullCache(EvalMethod):
+    """Full KV cache, greedy decoding: ``model.generate`` with transformers' ``DynamicCache``.
+
+    The prompt is prefilled once and every generated token attends to the exact
+    KV of all previous tokens; no reuse, refresh or compression. Generation
+    stops at EOS or after ``record["max_new_tokens"]`` tokens.
+    """
+
+    name: ClassVar[str] = "full"
+
+    @torch.inference_mode()
+    def predict(self, model: Any, proc: Any, record: dict, base_dir: str | Path | None) -> str:
+        inputs, prompt_len = self.encode(model, proc, record, base_dir)
+        out = model.generate(**inputs, **self.greedy_kwargs(model, proc, record["max_new_tokens"]))
+        return self.decode(proc, record, out[0, prompt_len:])
+
+
+#: Method registry: name -> class. A new method is one file plus one line here.
+METHODS: dict[str, type[EvalMethod]] = {
+    FullCache.name: FullCache,
+}
+
+
+def get_method(name: str, **params: Any) -> EvalMethod:
+    """Instantiate method ``name`` with hyper-parameters ``params``.
+
+    Raises:
+        ValueError: unknown name (the message lists the valid ones).
+    """
+    if name not in METHODS:
+        raise ValueError(f"unknown evaluation method {name!r}; expected one of {sorted(METHODS)}")
+    return METHODS[name](**params)

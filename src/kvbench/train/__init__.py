@@ -1,0 +1,1 @@
+"""Training the tiny zoo on the CPU: recipes, batches, a resumable loop."""

@@ -1,0 +1,113 @@
+"""Training batches: random-offset copy, smoke-task mixtures, vision-probe pages.
+
+Every batch is a pure function of ``(seed, phase name, step)``: its generator
+is ``random.Random(f"{seed}:{phase}:{step}")``, so a resumed run draws exactly
+the batches an uninterrupted run would have drawn.
+"""
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import torch
+
+from kvbench.models.prompting import IGNORE_INDEX, encode_record
+from kvbench.train.recipes import Phase
+
+
+def step_rng(seed: int, phase: str, step: int) -> random.Random:
+    """The batch generator of one step (string seeds hash deterministically)."""
+    return random.Random(f"{seed}:{phase}:{step}")
+
+
+def copy_batch(rng: random.Random, phase: Phase, tok: Any) -> dict:
+    """Random-offset copy: a random token span reappears later; loss on the repeat.
+
+    A fixed repeat offset is learned by position and does not transfer to
+    retrieval (``shared/notes/training.md``), so both offsets are random.
+    Returns ``input_ids``/``labels`` (int64, ``[batch, seq_len]``).
+    """
+    L = phase.seq_len
+    special = set(tok.all_special_ids)
+    vocab = [i for i in range(len(tok)) if i not in special]
+    ids = torch.empty(phase.batch, L, dtype=torch.long)
+    labels = torch.full((phase.batch, L), IGNORE_INDEX, dtype=torch.long)
+    for b in range(phase.batch):
+        x = [rng.choice(vocab) for _ in range(L)]
+        m = rng.randint(max(2, L // 6), L // 3)
+        i = rng.randint(0, L - 2 * m)
+        j = rng.randint(i + m, L - m)
+        x[j:j + m] = x[i:i + m]
+        ids[b] = torch.tensor(x)
+        labels[b, j + 1:j + m] = ids[b, j + 1:j + m]
+    return {"input_ids": ids, "labels": labels, "attention_mask": torch.ones_like(ids)}
+
+
+def _collate(encs: list[dict], pad_id: int) -> dict:
+    """Right-pad a list of batch-1 encodings into one batch (images concatenated in order)."""
+    T = max(e["input_ids"].shape[1] for e in encs)
+    out: dict[str, Any] = {}
+
+    def pad(key: str, value: int) -> torch.Tensor:
+        rows = [torch.nn.functional.pad(e[key][0], (0, T - e[key].shape[1]), value=value) for e in encs]
+        return torch.stack(rows)
+
+    out["input_ids"] = pad("input_ids", pad_id)
+    out["attention_mask"] = pad("attention_mask", 0)
+    out["labels"] = pad("labels", IGNORE_INDEX)
+    if "mm_token_type_ids" in encs[0]:
+        out["mm_token_type_ids"] = pad("mm_token_type_ids", 0)
+    if any("pixel_values" in e for e in encs):
+        out["pixel_values"] = torch.cat([e["pixel_values"] for e in encs if "pixel_values" in e])
+        out["image_grid_thw"] = torch.cat([e["image_grid_thw"] for e in encs if "image_grid_thw" in e])
+    return out
+
+
+def task_batch(rng: random.Random, phase: Phase, proc: Any) -> dict:
+    """A batch of smoke-task records drawn from the train pools by mixture weight.
+
+    A mixture entry with ``full_loss: True`` (code) trains on every token
+    (language modelling); the others only on answer tokens.
+    """
+    from kvbench.data import smoke
+
+    tok = getattr(proc, "tokenizer", proc)
+    families = [m[0] for m in phase.mixture]
+    weights = [m[1] for m in phase.mixture]
+    params = {m[0]: dict(m[2]) for m in phase.mixture}
+    encs = []
+    for _ in range(phase.batch):
+        fam = rng.choices(families, weights)[0]
+        p = dict(params[fam])
+        full_loss = p.pop("full_loss", False)
+        record = smoke.sample(fam, rng, "train", tokenizer=tok, **p)
+        enc = encode_record(record, proc, with_answer=True)
+        if full_loss:
+            enc["labels"] = enc["input_ids"].clone()
+        encs.append(enc)
+    return _collate(encs, tok.pad_token_id)
+
+
+def vision_probe_batch(rng: random.Random, phase: Phase, proc: Any) -> dict:
+    """Pages of train-pool digit scans and the digit of each visual token.
+
+    Pages are 3x3 or 4x4 grids of 28x28 px cells, so visual token ``i`` of a
+    page is cell ``i`` in row-major order. Returns ``pixel_values``,
+    ``image_grid_thw`` and ``digit_labels`` (int64, ``[n_tokens]``).
+    """
+    from kvbench.data import digits
+
+    pool, labels = digits.pool("train"), digits.labels()
+    images, ys = [], []
+    for _ in range(phase.batch):
+        n = rng.choice((3, 4))
+        idx = [rng.choice(pool) for _ in range(n * n)]
+        images.append(digits.render_page(idx, n, n))
+        ys += [int(labels[i]) for i in idx]
+    enc = proc.image_processor(images=images, return_tensors="pt")
+    return {"pixel_values": enc["pixel_values"], "image_grid_thw": enc["image_grid_thw"],
+            "digit_labels": torch.tensor(ys)}
+
+
+BATCHES = {"copy": lambda rng, ph, proc: copy_batch(rng, ph, getattr(proc, "tokenizer", proc)),
+           "tasks": task_batch, "vision_probe": vision_probe_batch}

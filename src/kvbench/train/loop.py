@@ -1,0 +1,168 @@
+"""The resumable CPU training loop shared by every zoo model.
+
+Loss: cross-entropy on label tokens, normalised per sequence and averaged over
+the batch (``shared/notes/training.md``: otherwise long copy spans swamp the
+few retrieval answers). AdamW, gradient clipping at 1.0, per-phase warm-up +
+cosine schedule computed from the step (no scheduler state to save).
+State is saved every ``save_every_s`` seconds, at phase ends, on SIGTERM/SIGINT
+and when the wall-clock budget runs out; a rerun resumes from it.
+"""
+from __future__ import annotations
+
+import math
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from kvbench.models.prompting import IGNORE_INDEX
+from kvbench.train.batches import BATCHES, step_rng
+from kvbench.train.recipes import Phase
+from kvbench.train.state import load_state, save_state
+from kvbench.utils.io import atomic_path
+
+
+def lr_at(phase: Phase, step: int) -> float:
+    """Learning rate of ``phase`` at ``step`` (0-based): linear warm-up, cosine to 10%."""
+    if step < phase.warmup:
+        return phase.lr * (step + 1) / phase.warmup
+    t = (step - phase.warmup) / max(1, phase.steps - phase.warmup)
+    return phase.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, t))))
+
+
+def sequence_loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """Per-sequence-normalised next-token CE and answer-token accuracy.
+
+    Args:
+        logits: float ``[B, T, V]``.
+        labels: int64 ``[B, T]``, ``-100`` where no loss applies; the label at
+            position t is token t (the shift happens here).
+    """
+    lg, lb = logits[:, :-1].float(), labels[:, 1:]
+    mask = lb != IGNORE_INDEX
+    ce = F.cross_entropy(lg.transpose(1, 2), lb.clamp(min=0), reduction="none") * mask
+    per_seq = ce.sum(1) / mask.sum(1).clamp(min=1)
+    has = mask.any(1)
+    loss = per_seq[has].mean() if has.any() else ce.sum() * 0
+    acc = ((lg.argmax(-1) == lb) & mask).sum().item() / max(1, mask.sum().item())
+    return loss, acc
+
+
+class _Stop:
+    """Turns SIGTERM/SIGINT into a flag the loop checks, so state is saved before exit."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._old = {}
+
+    def __enter__(self) -> "_Stop":
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:  # noqa: ARG002
+        self.requested = True
+
+    def __exit__(self, *exc) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+
+
+class Interrupted(RuntimeError):
+    """Training stopped by a signal after saving its state; rerun to resume."""
+
+
+def run_phases(
+    model: Any, proc: Any, phases: list[Phase], workdir: str | Path, *, seed: int,
+    budget_s: float, extra_modules: dict[str, torch.nn.Module] | None = None,
+    save_every_s: float = 60.0, log_every: int = 5, max_steps: int | None = None,
+) -> dict:
+    """Train ``model`` through ``phases``, resuming from ``workdir/state`` if present.
+
+    Writes ``workdir/curves.csv`` (step, phase, seq_len, lr, loss, acc, wall_s).
+    ``max_steps`` stops (state saved, ``stopped_early`` set) after that many
+    global steps, as an interruption would; a later call resumes.
+
+    Returns:
+        dict with ``steps`` (global steps done), ``train_time_s`` (summed over
+        resumes), ``stopped_by_budget`` (bool), ``last_loss``, ``last_acc``.
+
+    Raises:
+        Interrupted: SIGTERM/SIGINT arrived (state saved first).
+    """
+    workdir = Path(workdir)
+    extra = extra_modules or {}
+    modules = {"model": model, **extra}
+    params = [p for m in modules.values() for p in m.parameters()]
+    opt = torch.optim.AdamW(params, lr=phases[0].lr, betas=(0.9, 0.98), weight_decay=0.01)
+    meta = load_state(workdir / "state", modules, opt) or {"global_step": 0, "train_time_s": 0.0}
+    curves_path = workdir / "curves.csv"
+    rows = []
+    if meta["global_step"] and curves_path.exists():
+        rows = pd.read_csv(curves_path).query(f"step < {meta['global_step']}").to_dict("records")
+    done, elapsed0 = meta["global_step"], meta["train_time_s"]
+    total = sum(p.steps for p in phases)
+    t0 = time.monotonic()
+    last_save = t0
+    stopped_by_budget = stopped_early = False
+    loss_v = acc = float("nan")
+
+    def save() -> None:
+        m = {"global_step": g, "train_time_s": elapsed0 + time.monotonic() - t0}
+        save_state(workdir / "state", modules, opt, m)
+        with atomic_path(curves_path) as tmp:
+            pd.DataFrame(rows).to_csv(tmp, index=False)
+
+    model.train()
+    g = 0
+    with _Stop() as stop, tqdm(total=total, initial=done, desc=workdir.name, unit="step") as bar:
+        for phase in phases:
+            for s in range(phase.steps):
+                if g < done:
+                    g += 1
+                    continue
+                for group in opt.param_groups:
+                    group["lr"] = lr_at(phase, s)
+                batch = BATCHES[phase.kind](step_rng(seed, phase.name, s), phase, proc)
+                if phase.kind == "vision_probe":
+                    feats = model.model.get_image_features(batch["pixel_values"], batch["image_grid_thw"]).pooler_output
+                    logits = extra["probe"](torch.cat(list(feats)))
+                    loss = F.cross_entropy(logits, batch["digit_labels"])
+                    acc = (logits.argmax(-1) == batch["digit_labels"]).float().mean().item()
+                else:
+                    labels = batch.pop("labels")
+                    loss, acc = sequence_loss(model(**batch).logits, labels)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(params, 1.0)
+                opt.step()
+                g += 1
+                loss_v = loss.item()
+                bar.update(1)
+                bar.set_postfix(phase=phase.name, loss=f"{loss_v:.3f}", acc=f"{acc:.2f}")
+                wall = elapsed0 + time.monotonic() - t0
+                if s % log_every == 0 or s == phase.steps - 1:
+                    rows.append({"step": g - 1, "phase": phase.name, "seq_len": phase.seq_len,
+                                 "lr": opt.param_groups[0]["lr"], "loss": loss_v, "acc": acc, "wall_s": round(wall, 2)})
+                if stop.requested:
+                    save()
+                    raise Interrupted(f"training interrupted at step {g}; state saved in {workdir / 'state'}")
+                if (wall >= budget_s or (max_steps is not None and g >= max_steps)) and g < total:
+                    stopped_by_budget = wall >= budget_s
+                    stopped_early = True
+                    break
+                if time.monotonic() - last_save >= save_every_s or s == phase.steps - 1:
+                    save()
+                    last_save = time.monotonic()
+            if stopped_early:
+                break
+    save()
+    model.eval()
+    return {"steps": g, "total_steps": total, "train_time_s": round(elapsed0 + time.monotonic() - t0, 1),
+            "stopped_by_budget": stopped_by_budget,
+            "stopped_early": stopped_early, "last_loss": loss_v, "last_acc": acc}

@@ -1,0 +1,188 @@
+"""kvbench.eval: metrics, method registry, and run_eval end to end on random-weight tiny models."""
+from __future__ import annotations
+
+import json
+import math
+import random
+
+import pytest
+from _zoo_fixtures import random_checkpoint, small_tokenizer, text_record, vlm_record, write_png, write_split
+
+from kvbench.eval import metrics
+from kvbench.eval.methods import METHODS, EvalMethod, FullCache, get_method
+from kvbench.eval.metrics import aggregate, edit_sim, exact_match, first_code_line, indel_ratio
+from kvbench.eval.runner import run_eval
+from kvbench.utils.io import read_jsonl
+
+
+@pytest.fixture(scope="session")
+def zoo_tokenizer():
+    return small_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def tiny_lm_dir(zoo_tokenizer, tmp_path_factory):
+    return random_checkpoint("tiny-qwen2-lm", zoo_tokenizer, tmp_path_factory.mktemp("zoo"))
+
+
+@pytest.fixture(scope="session")
+def tiny_vlm_dir(zoo_tokenizer, tmp_path_factory):
+    return random_checkpoint("tiny-qwen2.5-vl", zoo_tokenizer, tmp_path_factory.mktemp("zoo"))
+
+
+# -- metrics -------------------------------------------------------------------------------------
+def test_exact_match_strips_both_sides():
+    assert exact_match(" 42\n", "42") == 1.0
+    assert exact_match("42", " 42 ") == 1.0
+    assert exact_match("421", "42") == 0.0
+    assert exact_match("", "42") == 0.0
+
+
+def test_edit_sim_values():
+    assert edit_sim("x = foo(1)", "x = foo(1)") == 1.0
+    # fuzzywuzzy's documented example: fuzz.ratio("this is a test", "this is a test!") == 97 (rounded)
+    assert edit_sim("this is a test", "this is a test!") == pytest.approx(28 / 29)
+    assert indel_ratio("kitten", "sitting") == pytest.approx(2 * 4 / 13)
+    assert edit_sim("abc", "xyz") == 0.0
+    assert indel_ratio("", "") == 1.0 and indel_ratio("", "a") == 0.0
+
+
+def test_edit_sim_skips_comment_lines_like_longbench():
+    pred = "\n\n# a comment\n// another\n```python\nreturn x + 1\nsecond line"
+    assert first_code_line(pred) == "return x + 1"
+    assert edit_sim(pred, "return x + 1") == 1.0
+    assert first_code_line("y = 1  # trailing comment\nz = 2") == "z = 2"  # '#' anywhere disqualifies a line
+    assert first_code_line("#only\n#comments") == ""
+    assert first_code_line("# c\n\nx") == ""  # LongBench skips leading newlines only, not inner empty lines
+
+
+def test_lcs_fallback_matches_dynamic_programming():
+    def dp(a, b):
+        m = [[0] * (len(b) + 1) for _ in range(len(a) + 1)]
+        for i, ca in enumerate(a):
+            for j, cb in enumerate(b):
+                m[i + 1][j + 1] = m[i][j] + 1 if ca == cb else max(m[i][j + 1], m[i + 1][j])
+        return m[-1][-1]
+
+    rng = random.Random(0)
+    for _ in range(300):
+        a = "".join(rng.choice("ab c(") for _ in range(rng.randint(0, 30)))
+        b = "".join(rng.choice("abc d") for _ in range(rng.randint(0, 80)))
+        assert metrics._lcs_len(a, b) == dp(a, b)
+
+
+def test_aggregate_binary_uses_wilson():
+    rows = [{"score": s, "status": "ok", "chance": 0.1} for s in [1, 1, 1, 0]] + [
+        {"score": 0.0, "status": "error", "chance": 0.3}]
+    agg = aggregate(rows)
+    assert agg["score"] == pytest.approx(0.6)
+    assert (agg["n"], agg["n_ok"], agg["n_error"]) == (5, 4, 1)
+    assert agg["chance"] == pytest.approx(0.14)
+    assert agg["ci95_method"] == "wilson"
+    # Wilson 95% for 3/5: (0.2307, 0.8824)
+    assert agg["ci95"] == pytest.approx([0.23072, 0.88236], abs=1e-4)
+    assert aggregate([{"score": 0.0, "chance": 0.5}])["ci95"][0] == 0.0
+    assert aggregate([{"score": 1.0, "chance": 0.5}] * 3)["ci95"][1] == 1.0
+
+
+def test_aggregate_continuous_uses_normal_interval():
+    scores = [0.2, 0.4, 0.6, 0.8]
+    agg = aggregate([{"score": s, "status": "ok", "chance": 0.0} for s in scores])
+    sd = math.sqrt(sum((s - 0.5) ** 2 for s in scores) / 3)
+    half = metrics.Z95 * sd / 2
+    assert agg["ci95_method"] == "normal"
+    assert agg["ci95"] == pytest.approx([0.5 - half, 0.5 + half])
+
+
+# -- methods -------------------------------------------------------------------------------------
+def test_method_registry():
+    assert METHODS["full"] is FullCache and issubclass(FullCache, EvalMethod)
+    assert get_method("full").config() == {"name": "full"}
+    with pytest.raises(ValueError, match=r"'nope'.*full"):
+        get_method("nope")
+
+
+# -- run_eval ------------------------------------------------------------------------------------
+def test_run_eval_text_end_to_end(tiny_lm_dir, tmp_path):
+    recs = [text_record(0), text_record(1, metric="edit_sim"), text_record(2)]
+    split = write_split(tmp_path / "data" / "test.jsonl", recs)
+    out = tmp_path / "run"
+    m = run_eval(tiny_lm_dir, split, method="full", out_dir=out, seed=0, threads=1)
+    assert {p.name for p in out.iterdir()} == {"predictions.jsonl", "metrics.json", "run_info.json"}
+    assert json.loads((out / "metrics.json").read_text()) == m
+    assert (m["n"], m["n_ok"], m["n_error"], m["task"], m["method"], m["model"]) == (3, 3, 0, "toy", "full", "tiny-qwen2-lm")
+    assert 0.0 <= m["score"] <= 1.0 and m["chance"] == pytest.approx(0.1)
+    preds = read_jsonl(out / "predictions.jsonl")
+    assert [p["id"] for p in preds] == ["t0", "t1", "t2"]
+    for p, r in zip(preds, recs):
+        assert set(p) >= {"id", "prediction", "gold", "score", "chance", "status", "error", "latency_ms"}
+        assert p["status"] == "ok" and p["error"] is None and isinstance(p["prediction"], str)
+        assert p["gold"] == r["answer"] and 0.0 <= p["score"] <= 1.0 and p["latency_ms"] > 0
+    info = json.loads((out / "run_info.json").read_text())
+    assert info["seed"] == 0 and info["threads"] == 1 and info["args"]["method"] == "full"
+    assert info["model"]["attn_implementation"] == "sdpa" and len(info["model"]["config_sha256"]) == 64
+    assert info["versions"]["torch"] and info["versions"]["transformers"] and info["versions"]["python"]
+    assert "commit" in info["git"] and info["wall_s"] > 0 and info["hostname"]
+    assert info["started_at"] <= info["ended_at"]
+    # same seed, same predictions (greedy)
+    run_eval(tiny_lm_dir, split, out_dir=tmp_path / "run2", limit=2)
+    assert [p["prediction"] for p in read_jsonl(tmp_path / "run2" / "predictions.jsonl")] == [
+        p["prediction"] for p in preds[:2]]
+
+
+def test_run_eval_vlm(tiny_vlm_dir, tmp_path):
+    data = tmp_path / "vl"
+    recs = [vlm_record(i, f"images/{write_png(data / 'images' / f'p{i}.png', seed=i)}") for i in range(2)]
+    split = write_split(data / "test.jsonl", recs)
+    m = run_eval(tiny_vlm_dir, split, out_dir=tmp_path / "run")
+    preds = read_jsonl(tmp_path / "run" / "predictions.jsonl")
+    assert [p["status"] for p in preds] == ["ok", "ok"], preds
+    assert m["n"] == 2 and m["model"] == "tiny-qwen2.5-vl" and 0.0 <= m["score"] <= 1.0
+
+
+def test_failing_sample_is_recorded_not_fatal(tiny_vlm_dir, tmp_path):
+    data = tmp_path / "vl"
+    ok = vlm_record(0, f"images/{write_png(data / 'images' / 'p0.png', seed=0)}")
+    bad = vlm_record(1, "images/missing.png")
+    m = run_eval(tiny_vlm_dir, write_split(data / "test.jsonl", [ok, bad]), out_dir=tmp_path / "run")
+    preds = {p["id"]: p for p in read_jsonl(tmp_path / "run" / "predictions.jsonl")}
+    assert preds["v1"]["status"] == "error" and preds["v1"]["score"] == 0.0
+    assert "FileNotFoundError" in preds["v1"]["error"] and preds["v0"]["status"] == "ok"
+    assert (m["n"], m["n_ok"], m["n_error"]) == (2, 1, 1)
+    with pytest.raises(RuntimeError, match="all 1 samples failed"):
+        run_eval(tiny_vlm_dir, write_split(data / "bad.jsonl", [bad]), out_dir=tmp_path / "run_bad")
+    assert not (tmp_path / "run_bad" / "metrics.json").exists()
+
+
+def test_unknown_method_raises(tmp_path):
+    split = write_split(tmp_path / "test.jsonl", [text_record(0)])
+    with pytest.raises(ValueError, match=r"unknown evaluation method 'snapkv'.*\['full'\]"):
+        run_eval("does-not-matter", split, method="snapkv", out_dir=tmp_path / "run")
+
+
+@pytest.mark.parametrize("field", ["answer", "metric", "context"])
+def test_missing_field_raises_before_loading(tmp_path, field):
+    bad = text_record(1)
+    del bad[field]
+    split = write_split(tmp_path / "test.jsonl", [text_record(0), bad])
+    with pytest.raises(ValueError, match=rf"'t1'.*missing required field '{field}'"):
+        run_eval("does-not-matter", split, out_dir=tmp_path / "run")
+
+
+def test_invalid_records_raise(tmp_path):
+    for bad, msg in [([text_record(0), text_record(0)], "duplicate"),
+                     ([text_record(0, metric="bleu")], "metric"),
+                     ([text_record(0, max_new_tokens=0)], "max_new_tokens"),
+                     ([text_record(0, kind="audio")], "kind")]:
+        with pytest.raises(ValueError, match=msg):
+            run_eval("does-not-matter", write_split(tmp_path / "t.jsonl", bad), out_dir=tmp_path / "run")
+
+
+def test_eval_cli_verb(tiny_lm_dir, tmp_path, capsys):
+    from kvbench.cli import main
+
+    split = write_split(tmp_path / "test.jsonl", [text_record(0), text_record(1)])
+    out = tmp_path / "results" / "runs" / "smoke" / "tiny-qwen2-lm" / "toy" / "full"
+    assert main(["eval", "--model", str(tiny_lm_dir), "--split", str(split), "--out", str(out), "--limit", "1"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["n"] == 1 and json.loads((out / "metrics.json").read_text()) == printed

@@ -1,0 +1,107 @@
+"""Training loop: determinism, exact resume after interruption, no pickle on disk, schedules, overrides."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import transformers
+
+from kvbench.models.tiny import build_config, build_processor
+from kvbench.train.loop import lr_at, run_phases, sequence_loss
+from kvbench.train.recipes import Phase, apply_overrides, lm_recipe, vlm_recipe
+
+PHASES = [Phase("copy", "copy", steps=6, lr=3e-3, warmup=2, batch=4, seq_len=32)]
+
+
+def _lm(tokenizer, seed=0):
+    torch.manual_seed(seed)
+    cfg = build_config("tiny-qwen2-lm", tokenizer)
+    return transformers.Qwen2ForCausalLM(cfg)
+
+
+def _weights(model):
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+def test_same_seed_same_weights(tokenizer, tmp_path):
+    a, b = _lm(tokenizer), _lm(tokenizer)
+    run_phases(a, tokenizer, PHASES, tmp_path / "a", seed=1, budget_s=1e9)
+    run_phases(b, tokenizer, PHASES, tmp_path / "b", seed=1, budget_s=1e9)
+    assert torch.equal(_weights(a), _weights(b))
+
+
+def test_interrupted_run_resumes_exactly(tokenizer, tmp_path):
+    ref = _lm(tokenizer)
+    run_phases(ref, tokenizer, PHASES, tmp_path / "ref", seed=3, budget_s=1e9)
+
+    first = _lm(tokenizer)
+    out = run_phases(first, tokenizer, PHASES, tmp_path / "cut", seed=3, budget_s=1e9, max_steps=4)
+    assert out["stopped_early"] and out["steps"] == 4
+    resumed = _lm(tokenizer, seed=99)  # fresh process: weights come from the saved state only
+    out = run_phases(resumed, tokenizer, PHASES, tmp_path / "cut", seed=3, budget_s=1e9)
+    assert out["steps"] == 6 and not out["stopped_early"]
+    assert torch.equal(_weights(ref), _weights(resumed))
+    import pandas as pd
+
+    curves = pd.read_csv(tmp_path / "cut" / "curves.csv")
+    assert curves["step"].is_monotonic_increasing and curves["step"].max() == 5
+
+
+def test_state_on_disk_is_not_pickle(tokenizer, tmp_path):
+    run_phases(_lm(tokenizer), tokenizer, PHASES, tmp_path, seed=0, budget_s=1e9, max_steps=2)
+    names = sorted(p.name for p in (tmp_path / "state").iterdir())
+    assert names == ["meta.json", "model.safetensors", "optimizer.json", "optimizer.safetensors"]
+
+
+def test_state_of_another_model_is_refused(tokenizer, tmp_path):
+    run_phases(_lm(tokenizer), tokenizer, PHASES, tmp_path, seed=0, budget_s=1e9, max_steps=2)
+    cfg = build_config("tiny-qwen2.5-vl", tokenizer)
+    vlm = transformers.Qwen2_5_VLForConditionalGeneration(cfg)
+    with pytest.raises(ValueError, match="does not match the model"):
+        run_phases(vlm, build_processor(tokenizer), PHASES, tmp_path, seed=0, budget_s=1e9)
+
+
+def test_vision_probe_phase_learns_digits(tokenizer, tmp_path):
+    torch.manual_seed(0)
+    cfg = build_config("tiny-qwen2.5-vl", tokenizer)
+    vlm = transformers.Qwen2_5_VLForConditionalGeneration(cfg)
+    probe = torch.nn.Linear(cfg.vision_config.out_hidden_size, 10)
+    phases = [Phase("vision_probe", "vision_probe", steps=40, lr=3e-3, warmup=5, batch=8)]
+    out = run_phases(vlm, build_processor(tokenizer), phases, tmp_path, seed=0, budget_s=1e9,
+                     extra_modules={"probe": probe})
+    assert out["last_loss"] < 1.5  # chance is ln(10) = 2.30
+
+
+def test_lr_schedule():
+    p = Phase("p", "copy", steps=110, lr=1e-3, warmup=10)
+    assert lr_at(p, 0) == pytest.approx(1e-4)
+    assert lr_at(p, 9) == pytest.approx(1e-3)
+    assert lr_at(p, 10) == pytest.approx(1e-3)
+    assert lr_at(p, 60) == pytest.approx(1e-3 * (0.1 + 0.45))
+    assert lr_at(p, 110) == pytest.approx(1e-4)
+
+
+def test_sequence_loss_normalises_per_sequence():
+    V = 4
+    logits = torch.zeros(2, 4, V)
+    logits[0, 0, 1] = 10.0  # sequence 0 predicts its single label perfectly
+    labels = torch.tensor([[-100, 1, -100, -100], [-100, 2, 3, 3]])  # argmax of zero logits is 0: never a label
+    loss, acc = sequence_loss(logits, labels)
+    ce_perfect = -torch.log_softmax(torch.tensor([0.0, 10.0, 0.0, 0.0]), 0)[1].item()
+    expected = (ce_perfect + math.log(V)) / 2  # mean of per-sequence means
+    assert loss.item() == pytest.approx(expected, rel=1e-5)
+    assert acc == pytest.approx(1 / 4)
+
+
+def test_overrides():
+    scaled = apply_overrides(lm_recipe(), {"steps_scale": 0.1})
+    assert [p.steps for p in scaled] == [max(1, round(p.steps * 0.1)) for p in lm_recipe()]
+    changed = apply_overrides(vlm_recipe(), {"phases": {"tasks": {"lr": 1e-4}}, "drop_phases": ["vision_probe"]})
+    assert [p.name for p in changed] == ["tasks"] and changed[0].lr == 1e-4
+    with pytest.raises(ValueError, match="unknown training override"):
+        apply_overrides(lm_recipe(), {"step_scale": 2})
+    with pytest.raises(ValueError, match="unknown phase 'nope'"):
+        apply_overrides(lm_recipe(), {"phases": {"nope": {}}})
+    with pytest.raises(ValueError, match="steps_scale must be a positive number"):
+        apply_overrides(lm_recipe(), {"steps_scale": -1})

@@ -1,0 +1,248 @@
+"""The Snakemake workflow: lint, dry runs, config validation, target aliases, envs.
+
+Snakemake runs as ``python -m snakemake -s <repo>/Snakefile --directory <tmp>``
+so no test writes into the repository. Only ``test_ci_end_to_end`` (slow)
+runs real jobs.
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+import yaml
+from packaging.requirements import Requirement
+
+REPO = Path(__file__).resolve().parents[1]
+SNAKEFILE = REPO / "Snakefile"
+CONFIG = REPO / "config" / "config.yaml"
+CI_CONFIG = REPO / "config" / "ci.yaml"
+PAPER_CONFIG = REPO / "config" / "paper.yaml"
+
+
+def snakemake(workdir: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """Run Snakemake on the repository's Snakefile inside ``workdir``; output in .stdout (stderr merged)."""
+    env = dict(os.environ)
+    # Shell rules call `kvbench` and `python` from PATH: use this interpreter's environment.
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    cmd = [sys.executable, "-m", "snakemake", "-s", str(SNAKEFILE), "--directory", str(workdir), *args]
+    return subprocess.run(cmd, cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, timeout=timeout)
+
+
+def planned_jobs(out: str) -> dict[str, int]:
+    """The 'Job stats' table of a dry run as {rule: count}."""
+    table = out.split("Job stats:", 1)[1]
+    return {m.group(1): int(m.group(2)) for m in re.finditer(r"^(\w+)\s+(\d+)$", table, flags=re.M) if m.group(1) != "total"}
+
+
+def write_config(path: Path, cfg: dict) -> Path:
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return path
+
+
+def load(path: Path) -> dict:
+    return yaml.safe_load(path.read_text())
+
+
+# --- lint and dry runs -------------------------------------------------------------------------
+
+def test_lint_is_clean(tmp_path):
+    r = snakemake(tmp_path, "--lint")
+    assert r.returncode == 0, r.stdout
+
+
+@pytest.mark.parametrize("configfile", [None, CI_CONFIG], ids=["smoke", "ci"])
+@pytest.mark.parametrize("targets", [["all"], ["results/smoke/zoo.csv", "figures/smoke/zoo_training.pdf", "runs"]],
+                         ids=["all", "named"])
+def test_dry_run_resolves(tmp_path, configfile, targets):
+    args = ["-n", *targets] + (["--configfile", str(configfile)] if configfile else [])
+    r = snakemake(tmp_path, *args)
+    assert r.returncode == 0, r.stdout
+    assert not (tmp_path / "results").exists() and not (tmp_path / "zoo").exists()
+
+
+def test_default_target_is_the_zoo_report(tmp_path):
+    r = snakemake(tmp_path, "-n")
+    assert r.returncode == 0, r.stdout
+    cfg = load(CONFIG)
+    n_runs = sum(len(tasks) for tasks in cfg["eval"]["matrix"].values())
+    jobs = planned_jobs(r.stdout)
+    assert jobs == {"tokenizer": 1, "data": len(cfg["datasets"]), "train": len(cfg["models"]),
+                    "eval": n_runs, "report_zoo": 1, "report_zoo_figure": 1, "all": 1}
+
+
+def test_configfile_replaces_the_default(tmp_path):
+    """`--configfile config/ci.yaml` must not inherit config.yaml's extra datasets or budgets."""
+    r = snakemake(tmp_path, "-n", "-p", "--configfile", str(CI_CONFIG))
+    assert r.returncode == 0, r.stdout
+    cfg = load(CI_CONFIG)
+    assert planned_jobs(r.stdout)["data"] == len(cfg["datasets"])
+    assert "niah_4k" not in r.stdout
+    assert "--budget-s 90" in r.stdout and "--budget-s 840" not in r.stdout
+    assert "results/runs/ci/" in r.stdout
+
+
+# --- short target names ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("n", ["3", "4"])
+def test_ambiguous_figure_fails_naming_both_canonical_targets(tmp_path, n):
+    r = snakemake(tmp_path, "-n", f"figures/fig{n}.pdf")
+    assert r.returncode != 0
+    assert f"figures/conduit/fig{n}.pdf" in r.stdout
+    assert f"figures/residualkv/fig{n}.pdf" in r.stdout
+
+
+@pytest.mark.parametrize("alias, canonical, rule", [
+    ("results/table3.csv", "results/conduit/table3.csv", "conduit_table_alias"),
+    ("results/tableIII.csv", "results/residualkv/tableIII.csv", "residualkv_table_alias"),
+    ("figures/fig8.pdf", "figures/residualkv/fig8.pdf", "residualkv_figure_alias"),
+])
+def test_short_names_map_to_canonical_targets(tmp_path, alias, canonical, rule):
+    # No producing rule yet: the honest missing-input error names the canonical target.
+    r = snakemake(tmp_path, "-n", alias)
+    assert r.returncode != 0
+    assert "MissingInputException" in r.stdout and canonical in r.stdout
+    # Once the canonical target exists, the alias is a copy of it.
+    (tmp_path / canonical).parent.mkdir(parents=True)
+    (tmp_path / canonical).write_text("x\n")
+    r = snakemake(tmp_path, "-n", alias)
+    assert r.returncode == 0, r.stdout
+    assert planned_jobs(r.stdout) == {rule: 1}
+
+
+def test_figure_7_has_no_short_name(tmp_path):
+    r = snakemake(tmp_path, "-n", "figures/fig7.pdf")
+    assert r.returncode != 0
+
+
+# --- config validation -------------------------------------------------------------------------
+
+def _validation_error(tmp_path, cfg) -> str:
+    r = snakemake(tmp_path, "-n", "--configfile", str(write_config(tmp_path / "bad.yaml", cfg)))
+    assert r.returncode != 0
+    assert "Error validating config file" in r.stdout, r.stdout
+    return r.stdout
+
+
+def test_unknown_top_level_key_is_named(tmp_path):
+    cfg = load(CONFIG)
+    cfg["sedd"] = 1
+    assert "'sedd' was unexpected" in _validation_error(tmp_path, cfg)
+
+
+def test_unknown_nested_key_is_named(tmp_path):
+    cfg = load(CONFIG)
+    cfg["models"]["tiny-qwen2-lm"]["zoo"]["budget"] = 10
+    assert "'budget' was unexpected" in _validation_error(tmp_path, cfg)
+
+
+def test_wrong_type_is_named(tmp_path):
+    cfg = load(CONFIG)
+    cfg["eval"]["threads"] = "two"
+    out = _validation_error(tmp_path, cfg)
+    assert "'two' is not of type 'integer'" in out and "['threads']" in out
+
+
+def test_model_needs_zoo_or_checkpoint(tmp_path):
+    cfg = load(CONFIG)
+    cfg["models"]["tiny-qwen2-lm"]["checkpoint"] = "/somewhere"
+    _validation_error(tmp_path, cfg)
+
+
+def test_matrix_must_name_configured_models_and_datasets(tmp_path):
+    cfg = load(CONFIG)
+    cfg["eval"]["matrix"]["tiny-qwen2-lm"].append("niah_8k")
+    r = snakemake(tmp_path, "-n", "--configfile", str(write_config(tmp_path / "bad.yaml", cfg)))
+    assert r.returncode != 0 and "'niah_8k'" in r.stdout
+
+
+# --- the paper profile (local checkpoints and benchmark files) ---------------------------------
+
+def _fake_paper_root(root: Path) -> dict:
+    """Create every checkpoint dir (with config.json) and JSONL file config/paper.yaml names."""
+    cfg = load(PAPER_CONFIG)
+    for spec in cfg["models"].values():
+        (root / spec["checkpoint"]).mkdir(parents=True, exist_ok=True)
+        (root / spec["checkpoint"] / "config.json").write_text("{}\n")
+    for spec in cfg["datasets"].values():
+        (root / spec["jsonl"]).parent.mkdir(parents=True, exist_ok=True)
+        (root / spec["jsonl"]).write_text("{}\n")
+    return cfg
+
+
+def test_paper_dry_run_resolves_with_local_files(tmp_path):
+    root = tmp_path / "kvbench-data"
+    cfg = _fake_paper_root(root)
+    r = snakemake(tmp_path, "-n", "-p", "--configfile", str(PAPER_CONFIG), "--config", f"paths={{root: {root}}}")
+    assert r.returncode == 0, r.stdout
+    n_runs = sum(len(t) for t in cfg["eval"]["matrix"].values()) * len(cfg["eval"].get("methods", ["full"]))
+    # Checkpoints are never trained and JSONL splits never materialised: only eval jobs.
+    assert planned_jobs(r.stdout) == {"eval": n_runs, "all": 1}
+    assert f"--model {root}/checkpoints/Qwen2.5-VL-3B-Instruct " in r.stdout
+    assert f"--split {root}/benchmarks/longbench/narrativeqa.jsonl " in r.stdout
+    assert "results/runs/paper/qwen3-4b/scb_kv/full" in r.stdout
+
+
+def test_paper_dry_run_names_a_missing_checkpoint(tmp_path):
+    root = tmp_path / "kvbench-data"
+    _fake_paper_root(root)
+    (root / "checkpoints" / "Qwen3-4B" / "config.json").unlink()
+    r = snakemake(tmp_path, "-n", "--configfile", str(PAPER_CONFIG), "--config", f"paths={{root: {root}}}")
+    assert r.returncode != 0
+    assert "checkpoints/Qwen3-4B/config.json" in r.stdout
+
+
+# --- rule hygiene and the conda env ------------------------------------------------------------
+
+def test_every_rule_with_outputs_declares_log_benchmark_conda_resources():
+    texts = {smk.name: smk.read_text() for smk in sorted((REPO / "workflow" / "rules").glob("*.smk"))}
+    checked = 0
+    for name, text in texts.items():
+        for block in re.split(r"^rule ", text, flags=re.M)[1:]:
+            rule = block.split(":", 1)[0]
+            if "\n    output:" not in block:
+                continue
+            for key in ("log:", "benchmark:", "conda:", "threads:", "resources:"):
+                assert f"\n    {key}" in block, f"{name}: rule {rule} lacks {key}"
+            assert "gpu=" in block and "mem_mb=" in block, f"{name}: rule {rule} lacks gpu/mem_mb"
+            checked += 1
+    assert checked >= 10
+
+
+def _requirements(lines) -> dict[str, str]:
+    reqs = [Requirement(line) for line in lines]
+    return {r.name.lower().replace("_", "-"): str(r.specifier) for r in reqs}
+
+
+def test_conda_env_matches_pyproject():
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    expected = list(project["dependencies"])
+    for extra in ("eval", "slurm"):
+        expected += project["optional-dependencies"][extra]
+    env = load(REPO / "envs" / "kvbench.yaml")
+    pip = next(d["pip"] for d in env["dependencies"] if isinstance(d, dict) and "pip" in d)
+    assert _requirements(pip) == _requirements(expected)
+    assert "python=3.11" in env["dependencies"] and "pip" in env["dependencies"]
+
+
+# --- the real thing ----------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_ci_end_to_end(tmp_path):
+    """CI's real slice: tokenizer, data, two trainings, evals and the zoo report (~10 minutes on 2 cores)."""
+    r = snakemake(tmp_path, "results/smoke/zoo.csv", "--cores", "2", "--configfile", str(CI_CONFIG),
+                  timeout=3600)
+    assert r.returncode == 0, r.stdout[-20000:]
+    table = (tmp_path / "results" / "smoke" / "zoo.csv").read_text().splitlines()
+    cfg = load(CI_CONFIG)
+    assert len(table) - 1 >= sum(len(t) for t in cfg["eval"]["matrix"].values())
+    for model, tasks in cfg["eval"]["matrix"].items():
+        for task in tasks:
+            run = tmp_path / "results" / "runs" / "ci" / model / task / "full"
+            assert {"metrics.json", "predictions.jsonl", "run_info.json"} <= {p.name for p in run.iterdir()}
+        assert (tmp_path / "zoo" / ".train" / model / "summary.json").exists()

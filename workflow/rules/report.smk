@@ -1,0 +1,57 @@
+# The zoo report: model x task scores of the `full` runs, and the training curves
+# (kvbench.report.zoo). Figures are marked for `snakemake --report`.
+
+
+rule report_zoo:
+    input:
+        metrics=matrix_metrics(methods=["full"]),
+        summaries=expand("zoo/.train/{model}/summary.json", model=ZOO_MODELS),
+    output:
+        report(
+            "results/smoke/zoo.csv",
+            caption="../report/zoo_table.rst",
+            category="Smoke suite",
+        ),
+    params:
+        runs=[run_dir(m, t, k) for m, t, k in matrix_cells(methods=["full"])],
+        train=[train_dir(m) for m in ZOO_MODELS],
+    log:
+        "logs/report/zoo.log",
+    benchmark:
+        "benchmarks/report/zoo.tsv"
+    threads: 1
+    resources:
+        mem_mb=2000,
+        runtime=10,
+        gpu=0,
+    conda:
+        "../../envs/kvbench.yaml"
+    shell:
+        "kvbench report zoo --runs {params.runs:q} --train {params.train:q} --out {output} > {log} 2>&1"
+
+
+rule report_zoo_figure:
+    input:
+        # summary.json is written after the final curves.csv (models.smk).
+        summaries=expand("zoo/.train/{model}/summary.json", model=ZOO_MODELS),
+    output:
+        report(
+            "figures/smoke/zoo_training.pdf",
+            caption="../report/zoo_training.rst",
+            category="Smoke suite",
+        ),
+    params:
+        train=[train_dir(m) for m in ZOO_MODELS],
+    log:
+        "logs/report/zoo_figure.log",
+    benchmark:
+        "benchmarks/report/zoo_figure.tsv"
+    threads: 1
+    resources:
+        mem_mb=2000,
+        runtime=10,
+        gpu=0,
+    conda:
+        "../../envs/kvbench.yaml"
+    shell:
+        "kvbench report zoo-figure --train {params.train:q} --out {output} > {log} 2>&1"

@@ -1,0 +1,23 @@
+# The zoo's offline byte-level BPE tokenizer (kvbench.models.tokenizer).
+# Output: tokenizer.json stands for the save_pretrained directory (docs/decisions.md, "Workflow").
+
+
+rule tokenizer:
+    output:
+        "zoo/tokenizer/tokenizer.json",
+    params:
+        out=lambda wc, output: os.path.dirname(output[0]),
+        vocab_size=config["zoo"]["tokenizer"]["vocab_size"],
+    log:
+        "logs/tokenizer/tokenizer.log",
+    benchmark:
+        "benchmarks/tokenizer/tokenizer.tsv"
+    threads: 1
+    resources:
+        mem_mb=4000,
+        runtime=15,
+        gpu=0,
+    conda:
+        "../../envs/kvbench.yaml"
+    shell:
+        "kvbench tokenizer --out {params.out} --vocab-size {params.vocab_size} > {log} 2>&1"
