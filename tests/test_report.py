@@ -44,7 +44,7 @@ def test_zoo_table_round_trips(tmp_path):
               _train(tmp_path, "tiny-qwen2.5-vl", 99.25, 80, 1_767_872)]
     out = tmp_path / "results" / "smoke" / "zoo.csv"
     write_zoo_table(runs, trains, out)
-    assert out.read_text().splitlines()[0] == ZOO_HEADER
+    assert out.read_text().splitlines()[0] == ZOO_HEADER.format(profile="smoke")
     df = pd.read_csv(out, comment="#")
     assert list(df.columns) == ZOO_COLUMNS
     assert list(zip(df["model"], df["task"])) == [

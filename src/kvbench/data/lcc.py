@@ -14,30 +14,17 @@ Record (kind ``"text"``)::
     answer   = the next non-empty line, leading whitespace stripped
                (comment-only lines and lines over 48 tokens are never targets)
     max_new_tokens = 48, metric = "edit_sim"
-    chance   = code_sim_score of the copy-the-previous-non-empty-line baseline
+    chance   = edit similarity of the copy-the-previous-non-empty-line baseline
 
-:func:`code_sim_score` is LongBench's ``code_sim_score`` (first prediction line
-without a comment/backtick marker, ``fuzz.ratio / 100``). LongBench calls
-``fuzzywuzzy.fuzz.ratio``; this module uses ``rapidfuzz.fuzz.ratio`` when
-rapidfuzz is installed and otherwise ``difflib.SequenceMatcher.ratio`` (what
-fuzzywuzzy itself falls back to without python-Levenshtein), rounded like
-fuzzywuzzy to whole percent. :data:`FUZZ_BACKEND` says which one is in use.
+The metric is :func:`kvbench.eval.metrics.edit_sim` (LongBench's ``code_sim_score``).
 """
 from __future__ import annotations
 
 import bisect
-import difflib
 import random
 
 from kvbench.data import corpus
-
-try:  # pragma: no cover - depends on the environment
-    from rapidfuzz import fuzz as _fuzz
-
-    FUZZ_BACKEND = "rapidfuzz"
-except ImportError:  # pragma: no cover
-    _fuzz = None
-    FUZZ_BACKEND = "difflib"
+from kvbench.eval.metrics import edit_sim
 
 MIN_LINES = 20
 MAX_NEW_TOKENS = 48
@@ -45,30 +32,10 @@ _PREFIX_TRIES = 20
 _MAX_TRIES = 100
 
 
-def fuzz_ratio(a: str, b: str) -> int:
-    """Similarity of two strings in whole percent, 0..100 (fuzzywuzzy's ``fuzz.ratio``)."""
-    if _fuzz is not None:
-        return int(round(_fuzz.ratio(a, b)))
-    return int(round(100 * difflib.SequenceMatcher(None, a, b).ratio()))
-
-
-def code_sim_score(prediction: str, ground_truth: str) -> float:
-    """LongBench ``code_sim_score``: first prediction line without ``` ` ```, ``#`` or ``//``, vs the gold line.
-
-    Returns a float in [0, 1].
-    """
-    first = ""
-    for line in prediction.lstrip("\n").split("\n"):
-        if "`" not in line and "#" not in line and "//" not in line:
-            first = line
-            break
-    return fuzz_ratio(first, ground_truth) / 100
-
-
 def copy_last_line_baseline(context: str, answer: str) -> float:
     """Chance level of an LCC record: score of predicting the previous non-empty line (stripped)."""
     prev = next((ln.strip() for ln in reversed(context.split("\n")) if ln.strip()), "")
-    return code_sim_score(prev, answer)
+    return edit_sim(prev, answer)
 
 
 def _files(split: str) -> tuple[tuple[str, str], ...]:
@@ -174,7 +141,7 @@ def sample(rng: random.Random, split: str, tok, length_tokens: int = 1000, n_que
             "max_new_tokens": MAX_NEW_TOKENS, "metric": "edit_sim",
             "chance": copy_last_line_baseline(context, answer),
             "meta": {"file": path, "line": i + 1, "mode": "window" if window else "prefix",
-                     "n_tokens": n_ctx, "length_tokens": length_tokens, "fuzz_backend": FUZZ_BACKEND,
+                     "n_tokens": n_ctx, "length_tokens": length_tokens,
                      **({"extra_queries": []} if split == "train" else {})},
         }
     raise ValueError(f"lcc: no target line within length_tokens={length_tokens} after {_MAX_TRIES} tries")

@@ -18,10 +18,10 @@ import pandas as pd
 from kvbench.utils.io import atomic_path
 
 #: First line of the zoo table (read it back with ``pd.read_csv(path, comment="#")``).
-ZOO_HEADER = "# kvbench smoke profile: tiny zoo models trained here on bundled data; not the papers' numbers"
+ZOO_HEADER = "# kvbench {profile} profile: tiny zoo models trained here on bundled data; not the papers' numbers"
 
 ZOO_COLUMNS = ["profile", "model", "task", "metric", "score", "ci95_lo", "ci95_hi", "chance", "n", "n_error",
-               "train_time_s", "train_steps", "params"]
+               "train_time_s", "train_steps", "train_budget_hit", "params"]
 
 
 def _read_json(path: Path) -> dict:
@@ -94,10 +94,11 @@ def write_zoo_table(run_dirs: Iterable[str | os.PathLike], train_dirs: Iterable[
             raise ValueError(f"write_zoo_table: two runs for model {key[0]!r}, task {key[1]!r}")
         seen.add(key)
         s = summaries.get(r["model"], {})
-        r.update(train_time_s=s.get("train_time_s"), train_steps=s.get("steps"), params=s.get("params"))
+        r.update(train_time_s=s.get("train_time_s"), train_steps=s.get("steps"), params=s.get("params"),
+                 train_budget_hit=s.get("stopped_by_budget"))
     df = pd.DataFrame(rows, columns=ZOO_COLUMNS).sort_values(["model", "task"], ignore_index=True)
     with atomic_path(out_csv) as tmp, open(tmp, "w", encoding="utf-8", newline="") as f:
-        f.write(ZOO_HEADER + "\n")
+        f.write(ZOO_HEADER.format(profile="/".join(sorted({str(r["profile"]) for r in rows}))) + "\n")
         df.to_csv(f, index=False)
     return df
 
