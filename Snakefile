@@ -5,6 +5,7 @@ Read top-down: config -> validation -> rule files (workflow/rules/) ->
 """
 import os
 import re
+import sys
 
 from snakemake.utils import min_version, validate
 
@@ -21,6 +22,15 @@ if not workflow.overwrite_configfiles:
 
 
 validate(config, "workflow/schemas/config.schema.yaml")
+
+envvars:
+    "PATH",
+
+
+# Rules call `kvbench` from PATH. Put the interpreter running Snakemake first, so
+# `.venv/bin/snakemake` works without activating the venv; with `--sdm conda`
+# Snakemake activates the rule's env, whose bin/ then comes first.
+os.environ["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
 
 
 include: "workflow/rules/common.smk"

@@ -103,10 +103,10 @@ def test_vlm_records(family, side, cells):
             if family == "docpages":
                 assert 2 <= m["K"] <= 6
                 assert [p["text"] for p in rec["content"] if p["type"] == "text"] == [f"Page {k}:" for k in range(1, m["K"] + 1)]
-                assert rec["question"] == f"Page {m['page']}, row {m['row']}, column {m['col']}?"
+                assert rec["question"] == f"Page {m['page']}, cell {'ABCDEFGHI'[(m['row'] - 1) * 3 + m['col'] - 1]}?"
             else:
                 assert m["K"] == 1 and len(rec["content"]) == 1
-                assert rec["question"] == f"Row {m['row']}, column {m['col']}?"
+                assert rec["question"] == f"Cell {'ABCDEFGHIJKLMNOP'[(m['row'] - 1) * 4 + m['col'] - 1]}?"
             if split == "train":
                 assert len(m["extra_queries"]) == 7  # 8 queries per training sequence by default
     rec = docpages.sample(random.Random(0), "train", n_queries=5, K=3, instruction="plus_five")

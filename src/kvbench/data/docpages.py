@@ -11,7 +11,7 @@ reuse (pages cached under ``generic_system``) can get wrong.
 Record (kind ``"vlm"``, see docs/architecture.md)::
 
     content  = [{"type": "text", "text": "Page 1:"}, {"type": "image", "image": <PIL.Image>}, ...]
-    question = "Page {p}, row {r}, column {c}?"   (1-based)
+    question = "Page {p}, cell {X}?"   (cells lettered A, B, C, ... row-major)
     answer   = str(instruction_fn(digit))          (one digit, max_new_tokens 1)
     metric   = "exact_match", chance = 0.1
     meta     = {K, page, row, col, digit, instruction, digit_indices, [extra_queries]}
@@ -25,6 +25,17 @@ from kvbench.data import digits, instructions
 
 ROWS = COLS = 3
 K_RANGE = (2, 6)
+_LETTERS = "ABCDEFGHIJKLMNOP"
+
+
+def cell_name(row: int, col: int, cols: int) -> str:
+    """Letter of a 1-based (row, col) cell, row-major: A B C / D E F / G H I on a 3x3 page.
+
+    One token names the cell. The staleness trial (shared/notes/staleness.md)
+    learned with one question token per cell but stayed at chance when a cell
+    was named by several tokens (row and column numbers).
+    """
+    return _LETTERS[(row - 1) * cols + (col - 1)]
 
 
 def grid_record(
@@ -120,6 +131,6 @@ def sample(rng: random.Random, split: str, n_queries: int | None = None, K: int 
         n_queries = 8 if split == "train" else 1
     return grid_record(
         rng, split, K=K, rows=ROWS, cols=COLS, page_labels=True,
-        question_fn=lambda p, r, c: f"Page {p}, row {r}, column {c}?",
+        question_fn=lambda p, r, c: f"Page {p}, cell {cell_name(r, c, COLS)}?",
         n_queries=n_queries, instruction=instruction, family="docpages",
     )

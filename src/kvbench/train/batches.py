@@ -20,6 +20,14 @@ def step_rng(seed: int, phase: str, step: int) -> random.Random:
     return random.Random(f"{seed}:{phase}:{step}")
 
 
+def _lexicon_ids(tok: Any) -> list[int]:
+    """Token ids of the lexicon's keys and values (each one token, with its leading space)."""
+    from kvbench.data import lexicon
+
+    ids = [tok(" " + w, add_special_tokens=False)["input_ids"] for w in lexicon.key_codes() + lexicon.value_codes()]
+    return sorted({i[0] for i in ids if len(i) == 1})
+
+
 def copy_batch(rng: random.Random, phase: Phase, tok: Any) -> dict:
     """Random-offset copy: a random token span reappears later; loss on the repeat.
 
@@ -28,13 +36,16 @@ def copy_batch(rng: random.Random, phase: Phase, tok: Any) -> dict:
     Returns ``input_ids``/``labels`` (int64, ``[batch, seq_len]``).
     """
     L = phase.seq_len
-    special = set(tok.all_special_ids)
-    vocab = [i for i in range(len(tok)) if i not in special]
+    if phase.copy_vocab:
+        vocab = _lexicon_ids(tok)[: phase.copy_vocab]
+    else:
+        special = set(tok.all_special_ids)
+        vocab = [i for i in range(len(tok)) if i not in special]
     ids = torch.empty(phase.batch, L, dtype=torch.long)
     labels = torch.full((phase.batch, L), IGNORE_INDEX, dtype=torch.long)
     for b in range(phase.batch):
         x = [rng.choice(vocab) for _ in range(L)]
-        m = rng.randint(max(2, L // 6), L // 3)
+        m = rng.randint(max(2, L // 4), L // 2 - 1)
         i = rng.randint(0, L - 2 * m)
         j = rng.randint(i + m, L - m)
         x[j:j + m] = x[i:i + m]

@@ -28,9 +28,11 @@ from kvbench.utils.io import atomic_path
 
 
 def lr_at(phase: Phase, step: int) -> float:
-    """Learning rate of ``phase`` at ``step`` (0-based): linear warm-up, cosine to 10%."""
+    """Learning rate of ``phase`` at ``step`` (0-based): linear warm-up, then cosine to 10% (or constant)."""
     if step < phase.warmup:
         return phase.lr * (step + 1) / phase.warmup
+    if not phase.decay:
+        return phase.lr
     t = (step - phase.warmup) / max(1, phase.steps - phase.warmup)
     return phase.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, t))))
 
