@@ -98,7 +98,7 @@ def test_overrides():
     scaled = apply_overrides(lm_recipe(), {"steps_scale": 0.1})
     assert [p.steps for p in scaled] == [max(1, round(p.steps * 0.1)) for p in lm_recipe()]
     changed = apply_overrides(vlm_recipe(), {"phases": {"tasks": {"lr": 1e-4}}, "drop_phases": ["vision_probe"]})
-    assert [p.name for p in changed] == ["tasks"] and changed[0].lr == 1e-4
+    assert [p.name for p in changed] == ["grid", "tasks"] and changed[1].lr == 1e-4
     with pytest.raises(ValueError, match="unknown training override"):
         apply_overrides(lm_recipe(), {"step_scale": 2})
     with pytest.raises(ValueError, match="unknown phase 'nope'"):

@@ -234,8 +234,8 @@ def test_conda_env_matches_pyproject():
 @pytest.mark.slow
 def test_ci_end_to_end(tmp_path):
     """CI's real slice: tokenizer, data, two trainings, evals and the zoo report (~10 minutes on 2 cores)."""
-    r = snakemake(tmp_path, "results/smoke/zoo.csv", "--cores", "2", "--configfile", str(CI_CONFIG),
-                  timeout=3600)
+    r = snakemake(tmp_path, "results/smoke/zoo.csv", "figures/smoke/zoo_training.pdf", "--cores", "2",
+                  "--configfile", str(CI_CONFIG), timeout=3600)
     assert r.returncode == 0, r.stdout[-20000:]
     table = (tmp_path / "results" / "smoke" / "zoo.csv").read_text().splitlines()
     cfg = load(CI_CONFIG)
@@ -245,6 +245,10 @@ def test_ci_end_to_end(tmp_path):
             run = tmp_path / "results" / "runs" / "ci" / model / task / "full"
             assert {"metrics.json", "predictions.jsonl", "run_info.json"} <= {p.name for p in run.iterdir()}
         assert (tmp_path / "zoo" / ".train" / model / "summary.json").exists()
+    assert (tmp_path / "figures" / "smoke" / "zoo_training.pdf").read_bytes().startswith(b"%PDF")
+    # Everything is up to date: a second invocation has nothing to do.
+    again = snakemake(tmp_path, "results/smoke/zoo.csv", "-n", "--configfile", str(CI_CONFIG))
+    assert "Nothing to be done" in again.stdout, again.stdout[-3000:]
 
 
 def test_ci_runs_the_readme_test_command():
