@@ -63,7 +63,7 @@ def lm_recipe() -> list[Phase]:
     # 512 copy tokens and a constant lr reproduce the trial's conditions (vocabulary 512,
     # lr 3e-3); over the full 4,096-token vocabulary with a decaying lr the circuit
     # had not formed after 400 steps.
-    phases = [Phase("copy32", "copy", steps=450, lr=3e-3, warmup=30, batch=64, seq_len=32,
+    phases = [Phase("copy32", "copy", steps=500, lr=3e-3, warmup=30, batch=64, seq_len=32,
                     copy_vocab=512, decay=False)]
     for seq_len, steps in ((64, 40), (128, 40), (256, 60), (512, 90), (1024, 220), (2048, 60)):
         batch = max(2, 4096 // seq_len)
