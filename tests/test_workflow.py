@@ -82,7 +82,7 @@ def test_configfile_replaces_the_default(tmp_path):
     cfg = load(CI_CONFIG)
     assert planned_jobs(r.stdout)["data"] == len(cfg["datasets"])
     assert "niah_4k" not in r.stdout
-    assert "--budget-s 300" in r.stdout and "--budget-s 840" not in r.stdout
+    assert "--budget-s 900" in r.stdout and "--budget-s 840" not in r.stdout
     assert "results/runs/ci/" in r.stdout
 
 
@@ -258,3 +258,19 @@ def test_ci_runs_the_readme_test_command():
     blocks = re.findall(r"```\n(.*?)\n```", readme, flags=re.S)
     test_cmd = next(b for b in blocks if "pytest" in b)
     assert test_cmd.strip() in ci.splitlines()
+
+
+@pytest.mark.parametrize("patch,needle", [
+    ({"eval": {"methods": ["full", "bogusmethod"]}}, "unknown method 'bogusmethod'"),
+    ({"training": {"overrides": {"bogus": 1}}}, "unknown training override"),
+    ({"datasets": {"nope_task": {"kind": "text", "smoke": {"n_train": 1, "n_test": 1}}}}, "no smoke generator named 'nope_task'"),
+])
+def test_unknown_names_fail_the_dry_run(tmp_path, patch, needle):
+    """Names only the package knows (methods, generators, overrides) are checked before any job runs."""
+    cfg = load(CI_CONFIG)
+    for key, value in patch.items():
+        cfg[key] = {**cfg[key], **value}
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    r = snakemake(tmp_path, "-n", "--configfile", str(path))
+    assert r.returncode != 0 and needle in r.stdout, r.stdout[-3000:]

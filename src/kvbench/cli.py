@@ -26,7 +26,12 @@ def _data(a: argparse.Namespace) -> None:
 def _train(a: argparse.Namespace) -> None:
     from kvbench.train.zoo import train_zoo_model
 
-    overrides = json.loads(a.overrides) if a.overrides else {}
+    try:
+        overrides = json.loads(a.overrides) if a.overrides else {}
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--overrides must be a JSON object, got {a.overrides!r} ({e.msg})") from e
+    if not isinstance(overrides, dict):
+        raise ValueError(f"--overrides must be a JSON object, got {a.overrides!r}")
     summary = train_zoo_model(
         a.model, tokenizer_dir=a.tokenizer, out_dir=a.out, workdir=a.workdir,
         budget_s=a.budget_s, seed=a.seed, threads=a.threads, overrides=overrides,
@@ -44,6 +49,8 @@ def _eval(a: argparse.Namespace) -> None:
 def _report(a: argparse.Namespace) -> None:
     from kvbench.report import zoo
 
+    if a.what == "zoo-figure" and not str(a.out).endswith(".pdf"):
+        raise ValueError(f"--out of zoo-figure must end in .pdf, got {a.out!r}")
     if a.what == "zoo":
         zoo.write_zoo_table(a.runs, a.train, a.out)
     elif a.what == "zoo-figure":
@@ -100,9 +107,24 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``kvbench`` console script."""
+    """Entry point of the ``kvbench`` console script.
+
+    Bad input (``ValueError``, ``KeyError``, a missing file) ends with one line
+    ``kvbench <verb>: error: <message>`` and exit status 2 instead of a traceback;
+    an interrupted training run exits 130 after saving its state.
+    """
     args = build_parser().parse_args(argv)
-    args.func(args)
+    from kvbench.train.loop import Interrupted
+
+    try:
+        args.func(args)
+    except Interrupted as e:
+        print(f"kvbench {args.verb}: {e}", file=sys.stderr)
+        return 130
+    except (ValueError, KeyError, FileNotFoundError) as e:
+        msg = e.args[0] if isinstance(e, KeyError) and e.args else e
+        print(f"kvbench {args.verb}: error: {msg}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -33,6 +33,33 @@ def _check_matrix():
 _check_matrix()
 
 
+def _check_names():
+    """Fail before any job runs if a method, smoke generator or training override is unknown.
+
+    The package's own registries are the single source of truth, so the dry run
+    catches what would otherwise fail only after the models had trained.
+    """
+    from kvbench.data.smoke import TASKS
+    from kvbench.eval.methods import METHODS
+    from kvbench.train.recipes import RECIPES, apply_overrides
+
+    for method in config["eval"]["methods"]:
+        if method not in METHODS:
+            raise ValueError(f"config eval.methods: unknown method {method!r}; expected one of {sorted(METHODS)}")
+    for name in SMOKE_DATASETS:
+        if name not in TASKS:
+            raise ValueError(f"config datasets.{name}: no smoke generator named {name!r}; expected one of {sorted(TASKS)}")
+    for name in ZOO_MODELS:
+        overrides = {**config["training"]["overrides"], **MODELS[name]["zoo"]["overrides"]}
+        try:
+            apply_overrides(RECIPES[MODELS[name]["kind"]](), overrides)
+        except ValueError as e:
+            raise ValueError(f"config training overrides of model {name!r}: {e}") from e
+
+
+_check_names()
+
+
 def alternation(names):
     """Regex matching exactly one of ``names`` (a never-matching regex when empty)."""
     names = sorted(names, key=len, reverse=True)

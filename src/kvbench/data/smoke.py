@@ -122,7 +122,7 @@ def materialise(task: str, out_dir: str | Path, tokenizer_dir: str | Path | None
         out_dir: output directory (created).
         tokenizer_dir: tokenizer directory (``save_pretrained`` layout); needed by text tasks.
         seed: base seed.
-        n_train, n_test: number of records per split (>= 0).
+        n_train, n_test: number of records per split (n_train >= 0, n_test >= 1).
 
     Returns:
         The ``meta.json`` content (task, generator, seed, n, params, mean chance, sha256 per file).
@@ -134,8 +134,8 @@ def materialise(task: str, out_dir: str | Path, tokenizer_dir: str | Path | None
     spec = TASKS.get(task)
     if spec is None:
         raise ValueError(f"unknown smoke task {task!r}; valid tasks: {', '.join(TASKS)}")
-    if n_train < 0 or n_test < 0:
-        raise ValueError(f"n_train and n_test must be >= 0, got n_train={n_train}, n_test={n_test}")
+    if n_train < 0 or n_test < 1:
+        raise ValueError(f"need n_train >= 0 and n_test >= 1, got n_train={n_train}, n_test={n_test}")
     tok = None
     if spec.kind == "text":
         if tokenizer_dir is None:

@@ -180,6 +180,8 @@ def run_eval(
     split_path, out_dir = Path(split_path), Path(out_dir)
     records = read_jsonl(split_path)
     if limit is not None:
+        if int(limit) < 0:
+            raise ValueError(f"limit must be >= 0 (records to evaluate), got {limit}")
         records = records[: int(limit)]
     if not records:
         raise ValueError(f"{split_path}: no records to evaluate (limit={limit})")

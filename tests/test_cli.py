@@ -1,0 +1,39 @@
+"""The `kvbench` CLI: bad input ends in one clear line and exit status 2, not a traceback."""
+from __future__ import annotations
+
+import pytest
+
+from kvbench.cli import main
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["train", "--model", "tiny-qwen2-lm", "--tokenizer", "x", "--out", "o", "--workdir", "w", "--budget-s", "1",
+      "--overrides", "not json"], "--overrides must be a JSON object, got 'not json'"),
+    (["train", "--model", "tiny-qwen2-lm", "--tokenizer", "x", "--out", "o", "--workdir", "w", "--budget-s", "1",
+      "--overrides", "[1, 2]"], "--overrides must be a JSON object"),
+    (["train", "--model", "nope", "--tokenizer", "x", "--out", "o", "--workdir", "w", "--budget-s", "1"],
+     "unknown zoo model 'nope'"),
+    (["data", "--task", "nope", "--tokenizer", "x", "--out", "o"], "nope"),
+    (["report", "zoo-figure", "--out", "x.png"], "must end in .pdf"),
+])
+def test_bad_input_is_one_line_and_exit_2(argv, needle, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and needle in err[0] and err[0].startswith(f"kvbench {argv[0]}: error:")
+
+
+def test_eval_negative_limit_is_refused(lm_dir, tmp_path, capsys):
+    split = tmp_path / "s.jsonl"
+    split.write_text('{"id": "a", "task": "t", "split": "test", "kind": "text", "context": "x", "question": "y",'
+                     ' "answer": "z", "max_new_tokens": 1, "metric": "exact_match", "chance": 0.1, "meta": {}}\n')
+    assert main(["eval", "--model", str(lm_dir), "--split", str(split), "--out", str(tmp_path / "run"),
+                 "--limit", "-1"]) == 2
+    assert "limit must be >= 0" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
+def test_data_needs_a_test_record(tokenizer_dir, tmp_path, capsys):
+    assert main(["data", "--task", "kv_1k", "--tokenizer", str(tokenizer_dir), "--out", str(tmp_path / "d"),
+                 "--n-test", "0"]) == 2
+    assert "n_test >= 1" in capsys.readouterr().err
