@@ -11,6 +11,7 @@ compression method is one file plus one line in :data:`METHODS`.
 """
 from __future__ import annotations
 
+import abc
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +27,7 @@ def _tokenizer(proc: Any) -> Any:
 
 
 @dataclass
-class EvalMethod:
+class EvalMethod(abc.ABC):
     """Base class of evaluation methods (one record in, one prediction string out).
 
     Subclasses set ``name`` and implement :meth:`predict`; dataclass fields are
@@ -35,9 +36,9 @@ class EvalMethod:
 
     name: ClassVar[str] = ""
 
+    @abc.abstractmethod
     def predict(self, model: Any, proc: Any, record: dict, base_dir: str | Path | None) -> str:
         """Answer ``record``; returns the decoded continuation (special tokens removed)."""
-        raise NotImplementedError
 
     def config(self) -> dict:
         """``{"name": ..., **hyper-parameters}`` for ``run_info.json``."""
