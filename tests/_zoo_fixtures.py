@@ -1,36 +1,11 @@
-"""Random-weight tiny zoo checkpoints and small splits for eval/report tests.
-
-Plain helpers; test modules wrap them in session-scoped fixtures (building the
-tokenizer takes ~5 s, each checkpoint well under 1 s).
-"""
+"""Small benchmark records and splits for eval/report tests (checkpoints come from conftest.py)."""
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
 import numpy as np
-import torch
-import transformers
 from PIL import Image
-
-
-def small_tokenizer():
-    """The zoo tokenizer trained on a smaller corpus and vocabulary (speed); same specials and template."""
-    from kvbench.models.tokenizer import build_tokenizer
-
-    return build_tokenizer(vocab_size=2560, max_chars=200_000)
-
-
-def random_checkpoint(name: str, tok, out: Path) -> Path:
-    """Save zoo model ``name`` with random weights (seed 0) under ``out/name``; returns the directory."""
-    from kvbench.models.loader import save_checkpoint
-    from kvbench.models.tiny import build_config, build_processor
-
-    torch.manual_seed(0)
-    cfg = build_config(name, tok)
-    model = getattr(transformers, cfg.architectures[0])(cfg)
-    proc = build_processor(tok) if "vl" in name else tok
-    return save_checkpoint(model, proc, out / name)
 
 
 def text_record(i: int, metric: str = "exact_match", **kw) -> dict:

@@ -23,12 +23,12 @@ def tokenizer(tokenizer_dir):
 
 def _random_zoo_checkpoint(name: str, tokenizer, out_dir):
     from kvbench.models.loader import save_checkpoint
-    from kvbench.models.tiny import build_config, build_processor
+    from kvbench.models.tiny import build_config, build_processor, zoo_spec
 
     torch.manual_seed(0)
     cfg = build_config(name, tokenizer)
     model = getattr(transformers, cfg.architectures[0])(cfg)
-    proc = build_processor(tokenizer) if cfg.architectures[0].startswith("Qwen2_5_VL") else tokenizer
+    proc = build_processor(tokenizer) if zoo_spec(name).kind == "vlm" else tokenizer
     return save_checkpoint(model, proc, out_dir)
 
 

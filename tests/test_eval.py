@@ -5,7 +5,7 @@ import json
 import math
 
 import pytest
-from _zoo_fixtures import random_checkpoint, small_tokenizer, text_record, vlm_record, write_png, write_split
+from _zoo_fixtures import text_record, vlm_record, write_png, write_split
 
 from kvbench.eval import metrics
 from kvbench.eval.methods import METHODS, EvalMethod, FullCache, get_method
@@ -15,18 +15,15 @@ from kvbench.utils.io import read_jsonl
 
 
 @pytest.fixture(scope="session")
-def zoo_tokenizer():
-    return small_tokenizer()
+def tiny_lm_dir(lm_dir):
+    """The shared random-weight LM checkpoint of conftest.py."""
+    return lm_dir
 
 
 @pytest.fixture(scope="session")
-def tiny_lm_dir(zoo_tokenizer, tmp_path_factory):
-    return random_checkpoint("tiny-qwen2-lm", zoo_tokenizer, tmp_path_factory.mktemp("zoo"))
-
-
-@pytest.fixture(scope="session")
-def tiny_vlm_dir(zoo_tokenizer, tmp_path_factory):
-    return random_checkpoint("tiny-qwen2.5-vl", zoo_tokenizer, tmp_path_factory.mktemp("zoo"))
+def tiny_vlm_dir(vlm_dir):
+    """The shared random-weight VLM checkpoint of conftest.py."""
+    return vlm_dir
 
 
 # -- metrics -------------------------------------------------------------------------------------
