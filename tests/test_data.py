@@ -69,6 +69,22 @@ def test_render_cell_and_page_geometry():
         digits.render_cell(np.zeros((28, 28)))
 
 
+def test_labelled_cell_prints_code_above_the_scan():
+    scan = digits.images()[0]
+    a, b, c = (digits.render_cell(scan, lab)[:, :, 0] for lab in ("3E", "4E", " E"))
+    assert np.array_equal(a[14:], b[14:])  # same handwriting band
+    assert not np.array_equal(a[:14, :14], b[:14, :14])  # page digit in the left top patch
+    assert np.array_equal(a[:14, 14:], b[:14, 14:])  # letter in the right top patch
+    assert c[:14, :14].min() == 255  # a space leaves the patch blank
+    assert a[14:].min() < 64  # ink of the scan
+    page = digits.render_page([0, 1], rows=1, cols=2, labels=["1A", "1B"])
+    assert np.array_equal(np.asarray(page)[:, 28:], digits.render_cell(digits.images()[1], "1B"))
+    with pytest.raises(ValueError, match="exactly 2 characters"):
+        digits.render_cell(scan, "12E")
+    with pytest.raises(ValueError, match="2 labels"):
+        digits.render_page([0, 1], rows=1, cols=2, labels=["1A"])
+
+
 def test_instructions_change_the_answer_and_prefix():
     assert [instructions.apply(n, 3) for n in ("identity", "plus_one", "plus_five", "nine_minus")] == [3, 4, 8, 6]
     for name in instructions.INSTRUCTIONS:  # every instruction is a bijection on digits
@@ -96,17 +112,22 @@ def test_vlm_records(family, side, cells):
             pool = set(digits.pool(split))
             assert all(j in pool for ix in m["digit_indices"] for j in ix)
             grid = int(cells ** 0.5)
-            scan = m["digit_indices"][m["page"] - 1][(m["row"] - 1) * grid + m["col"] - 1]
+            cell = (m["row"] - 1) * grid + m["col"] - 1
+            scan = m["digit_indices"][m["page"] - 1][cell]
             assert m["digit"] == labels[scan]
+            code = (str(m["page"]) if family == "docpages" else " ") + "ABCDEFGHIJKLMNOP"[cell]
+            r, c = divmod(cell, grid)
+            page_px = np.asarray(pages[m["page"] - 1])[28 * r:28 * r + 28, 28 * c:28 * c + 28]
+            assert np.array_equal(page_px, digits.render_cell(digits.images()[scan], code))  # printed field code
             assert rec["answer"] == str(instructions.apply(m["instruction"], m["digit"]))
             assert rec["max_new_tokens"] == 1 and rec["chance"] == 0.1 and rec["metric"] == "exact_match"
             if family == "docpages":
                 assert 2 <= m["K"] <= 6
                 assert [p["text"] for p in rec["content"] if p["type"] == "text"] == [f"Page {k}:" for k in range(1, m["K"] + 1)]
-                assert rec["question"] == f"Page {m['page']}, cell {'ABCDEFGHI'[(m['row'] - 1) * 3 + m['col'] - 1]}?"
+                assert rec["question"] == f"Page {m['page']}, cell {'ABCDEFGHI'[(m['row'] - 1) * 3 + m['col'] - 1]}"
             else:
                 assert m["K"] == 1 and len(rec["content"]) == 1
-                assert rec["question"] == f"Cell {'ABCDEFGHIJKLMNOP'[(m['row'] - 1) * 4 + m['col'] - 1]}?"
+                assert rec["question"] == f"Cell {'ABCDEFGHIJKLMNOP'[(m['row'] - 1) * 4 + m['col'] - 1]}"
             if split == "train":
                 assert len(m["extra_queries"]) == 7  # 8 queries per training sequence by default
     rec = docpages.sample(random.Random(0), "train", n_queries=5, K=3, instruction="plus_five")

@@ -8,6 +8,7 @@ import torch
 import transformers
 
 from kvbench.models.tiny import build_config, build_processor
+from kvbench.train.batches import PROBE_CLASSES
 from kvbench.train.loop import lr_at, run_phases, sequence_loss
 from kvbench.train.recipes import Phase, apply_overrides, lm_recipe, vlm_recipe
 
@@ -66,11 +67,12 @@ def test_vision_probe_phase_learns_digits(tokenizer, tmp_path):
     torch.manual_seed(0)
     cfg = build_config("tiny-qwen2.5-vl", tokenizer)
     vlm = transformers.Qwen2_5_VLForConditionalGeneration(cfg)
-    probe = torch.nn.Linear(cfg.vision_config.out_hidden_size, 10)
-    phases = [Phase("vision_probe", "vision_probe", steps=40, lr=3e-3, warmup=5, batch=8)]
+    probe = torch.nn.Linear(cfg.vision_config.out_hidden_size, sum(PROBE_CLASSES.values()))
+    phases = [Phase("vision_probe", "vision_probe", steps=80, lr=3e-3, warmup=5, batch=8)]
     out = run_phases(vlm, build_processor(tokenizer), phases, tmp_path, seed=0, budget_s=1e9,
                      extra_modules={"probe": probe})
-    assert out["last_loss"] < 1.5  # chance is ln(10) = 2.30
+    # chance: ln 10 + ln 16 + ln 7 = 7.0 summed over the digit, letter and page heads; digit accuracy 0.1
+    assert out["last_loss"] < 4.0 and out["last_acc"] > 0.2, (out["last_loss"], out["last_acc"])
 
 
 def test_lr_schedule():

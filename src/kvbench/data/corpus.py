@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import sysconfig
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 #: Share of stdlib files assigned to the test pool (by path hash).
@@ -31,7 +31,7 @@ def split_of(rel_path: str) -> str:
     return "test" if h < TEST_SHARE else "train"
 
 
-@lru_cache(maxsize=None)
+@cache
 def stdlib_files(split: str | None = None, max_bytes: int = 400_000) -> tuple[tuple[str, str], ...]:
     """Sorted ``(relative_path, text)`` pairs of stdlib ``.py`` files.
 

@@ -1,8 +1,9 @@
 """Single-image (K=1) digit-grid QA, the smoke analogue of CONDUIT's Table 2 setting.
 
 One 4x4 grid of real digit scans (112x112 px = 16 Qwen2.5-VL visual tokens),
+each cell printed with its letter (no page number),
 served under an instruction prefix exactly as in :mod:`kvbench.data.docpages`;
-``content = [image]`` and ``question = "Cell {X}?"`` (cells lettered A..P row-major).
+``content = [image]`` and ``question = "Cell {X}"`` (cells lettered A..P row-major).
 Answer, metric (exact_match), chance (0.1) and meta fields are those of
 docpages with ``K = 1`` and ``page = 1``.
 """
@@ -36,6 +37,6 @@ def sample(rng: random.Random, split: str, n_queries: int | None = None, K: int 
         n_queries = 8 if split == "train" else 1
     return grid_record(
         rng, split, K=1, rows=ROWS, cols=COLS, page_labels=False,
-        question_fn=lambda p, r, c: f"Cell {cell_name(r, c, COLS)}?",
+        question_fn=lambda p, r, c: f"Cell {cell_name(r, c, COLS)}",
         n_queries=n_queries, instruction=instruction, family="digitgrid",
     )

@@ -2,7 +2,12 @@
 
 A request shows K pages (K uniform in 2..6 unless given), each a 3x3 grid of
 real digit scans (84x84 px = 9 Qwen2.5-VL visual tokens, see
-:mod:`kvbench.data.digits`), preceded by a serving prefix that contains a
+:mod:`kvbench.data.digits`) laid out like a form: each cell carries a printed
+field code, page number and cell letter (``"3E"``), above the handwriting. The
+printed codes make the lookup content-based: the model finds the field whose
+printed code matches the question, as it would on a real form, rather than
+counting visual-token positions, which a model trained for minutes on a CPU
+does not learn (docs/decisions.md, "Printed field codes"). Pages are preceded by a serving prefix that contains a
 reading instruction (:mod:`kvbench.data.instructions`). The question names one
 cell; the answer is the instruction applied to that cell's digit, so a model
 must read the page *under the instruction*, which is what stale per-image KV
@@ -11,7 +16,7 @@ reuse (pages cached under ``generic_system``) can get wrong.
 Record (kind ``"vlm"``, see docs/architecture.md)::
 
     content  = [{"type": "text", "text": "Page 1:"}, {"type": "image", "image": <PIL.Image>}, ...]
-    question = "Page {p}, cell {X}?"   (cells lettered A, B, C, ... row-major)
+    question = "Page {p}, cell {X}"    (cells lettered A, B, C, ... row-major; the answer follows directly)
     answer   = str(instruction_fn(digit))          (one digit, max_new_tokens 1)
     metric   = "exact_match", chance = 0.1
     meta     = {K, page, row, col, digit, instruction, digit_indices, [extra_queries]}
@@ -19,7 +24,7 @@ Record (kind ``"vlm"``, see docs/architecture.md)::
 from __future__ import annotations
 
 import random
-from typing import Callable
+from collections.abc import Callable
 
 from kvbench.data import digits, instructions
 
@@ -58,7 +63,8 @@ def grid_record(
         split: ``"train"`` or ``"test"``: which scan pool the digits come from.
         K: number of pages (>= 1).
         rows, cols: grid shape of each page.
-        page_labels: put a ``"Page k:"`` text part before each page.
+        page_labels: put a ``"Page k:"`` text part before each page and print
+            the page number in each cell's label (else only the cell letter).
         question_fn: ``(page, row, col) -> question`` (1-based).
         n_queries: questions about distinct cells; the first is the record's
             ``question``/``answer``, the rest go to ``meta["extra_queries"]``.
@@ -81,7 +87,8 @@ def grid_record(
     for k, idx in enumerate(pages, 1):
         if page_labels:
             content.append({"type": "text", "text": f"Page {k}:"})
-        content.append({"type": "image", "image": digits.render_page(idx, rows, cols)})
+        printed = [f"{k if page_labels else ' '}{cell_name(r + 1, c + 1, cols)}" for r in range(rows) for c in range(cols)]
+        content.append({"type": "image", "image": digits.render_page(idx, rows, cols, labels=printed)})
     cells = rng.sample(range(n_cells), n_queries)
     queries = []
     for cell in cells:
@@ -131,6 +138,6 @@ def sample(rng: random.Random, split: str, n_queries: int | None = None, K: int 
         n_queries = 8 if split == "train" else 1
     return grid_record(
         rng, split, K=K, rows=ROWS, cols=COLS, page_labels=True,
-        question_fn=lambda p, r, c: f"Page {p}, cell {cell_name(r, c, COLS)}?",
+        question_fn=lambda p, r, c: f"Page {p}, cell {cell_name(r, c, COLS)}",
         n_queries=n_queries, instruction=instruction, family="docpages",
     )

@@ -12,8 +12,8 @@ plus one of the instructions below, and always differs from the generic prefix
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 
 @dataclass(frozen=True)

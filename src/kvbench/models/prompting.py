@@ -50,18 +50,44 @@ def vlm_messages(record: dict, system_key: str = "system") -> list[dict]:
     return [{"role": "system", "content": record[system_key]}, {"role": "user", "content": user}]
 
 
-def _answer_turns(record: dict, kind: str, eos: str) -> list[tuple[str, bool]]:
-    """(text, is_label) segments after the prompt: the answer, then any extra queries."""
+def _answer_turns(record: dict, kind: str, proc: Any) -> list[tuple[str, bool]]:
+    """(text, is_label) segments after the prompt: the answer, then any extra queries.
+
+    For VLM records the glue between turns is rendered by the processor's own
+    chat template (a follow-up user turn holding only the question), so the
+    zoo's base-model template and a real checkpoint's chat template are both
+    honoured; the answer and the EOS that closes it are the labels.
+    """
     extra = record.get("meta", {}).get("extra_queries", [])
     if kind == "text":
         segs = [(record["answer"], True)]
         for q in extra:
             segs += [(q["question"], False), (q["answer"], True)]
         return segs
-    segs = [(record["answer"] + eos, True), ("\n", False)]
-    for q in extra:
-        segs += [(f"<|im_start|>user\n{q['question']}{eos}\n<|im_start|>assistant\n", False),
-                 (q["answer"] + eos, True), ("\n", False)]
+    eos = _tokenizer(proc).eos_token or ""
+
+    def render(msgs: list[dict], gen: bool) -> str:
+        return proc.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
+
+    msgs = vlm_messages(record)
+    prompt = render(msgs, True)
+    segs: list[tuple[str, bool]] = []
+    turns = [(record["answer"], None)] + [(q["answer"], q["question"]) for q in extra]
+    for k, (answer, _) in enumerate(turns):
+        msgs = msgs + [{"role": "assistant", "content": answer}]
+        convo = render(msgs, False)
+        if not convo.startswith(prompt + answer):
+            raise ValueError("the chat template does not render the conversation as prompt + answer; "
+                             "cannot place answer labels")
+        closing = convo[len(prompt) + len(answer):]
+        labelled = eos if closing.startswith(eos) else ""
+        segs += [(answer + labelled, True)]
+        if closing[len(labelled):]:
+            segs.append((closing[len(labelled):], False))
+        if k + 1 < len(turns):
+            msgs = msgs + [{"role": "user", "content": [{"type": "text", "text": turns[k + 1][1]}]}]
+            prompt = render(msgs, True)
+            segs.append((prompt[len(convo):], False))
     return segs
 
 
@@ -102,7 +128,7 @@ def encode_record(record: dict, proc: Any, base_dir: str | Path | None = None, w
     labels = [IGNORE_INDEX] * prompt_len
     if with_answer:
         extra_ids: list[int] = []
-        for text, is_label in _answer_turns(record, kind, tok.eos_token or ""):
+        for text, is_label in _answer_turns(record, kind, proc):
             ids = _ids(tok, text)
             extra_ids += ids
             labels += ids if is_label else [IGNORE_INDEX] * len(ids)

@@ -119,17 +119,44 @@ def build_config(name: str, tokenizer: PreTrainedTokenizerBase) -> PretrainedCon
     return cfg
 
 
+#: The zoo VLM's base-model prompt format: ``system + "\n" + user parts``, and each answer
+#: follows the question directly and is closed by ``<|im_end|>\n``. No role headers sit
+#: between a question and its answer, so the answer position holds the question's last
+#: token: a model trained for minutes learns a one-hop lookup there but stayed at chance
+#: when five template tokens separated them (docs/decisions.md, "Zoo VLM prompt format").
+#: Real checkpoints keep their own chat template.
+VLM_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['content'] is string %}{% set text = message['content'] %}"
+    "{% else %}{% set ns = namespace(t='') %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}{% set ns.t = ns.t + '<|vision_start|><|image_pad|><|vision_end|>' %}"
+    "{% elif part['type'] == 'text' %}{% set ns.t = ns.t + part['text'] %}{% endif %}"
+    "{% endfor %}{% set text = ns.t %}{% endif %}"
+    "{% if message['role'] == 'system' %}{{ text }}\n"
+    "{% elif message['role'] == 'assistant' %}{{ text }}<|im_end|>\n"
+    "{% else %}{{ text }}{% endif %}"
+    "{% endfor %}"
+)
+
+
 def build_processor(tokenizer: PreTrainedTokenizerBase):
     """The zoo VLM's real ``Qwen2_5_VLProcessor`` around the offline tokenizer.
 
     Uses ``Qwen2VLImageProcessor`` with :data:`VLM_IMAGE_PROCESSOR` (one visual
-    token per 28x28 px) and the tokenizer's chat template.
+    token per 28x28 px) and the base-model prompt format
+    :data:`VLM_CHAT_TEMPLATE` (set on the tokenizer too, so the saved
+    checkpoint carries one template).
     """
-    from transformers import Qwen2_5_VLProcessor, Qwen2VLImageProcessor, Qwen2VLVideoProcessor
+    from transformers import (
+        Qwen2_5_VLProcessor,
+        Qwen2VLImageProcessor,
+        Qwen2VLVideoProcessor,
+    )
 
+    tokenizer.chat_template = VLM_CHAT_TEMPLATE
     return Qwen2_5_VLProcessor(
         image_processor=Qwen2VLImageProcessor(**VLM_IMAGE_PROCESSOR),
         tokenizer=tokenizer,
         video_processor=Qwen2VLVideoProcessor(),
-        chat_template=tokenizer.chat_template,
+        chat_template=VLM_CHAT_TEMPLATE,
     )

@@ -99,25 +99,38 @@ def task_batch(rng: random.Random, phase: Phase, proc: Any) -> dict:
     return _collate(encs, tok.pad_token_id)
 
 
-def vision_probe_batch(rng: random.Random, phase: Phase, proc: Any) -> dict:
-    """Pages of train-pool digit scans and the digit of each visual token.
+#: Output layout of the vision probe's linear head: digit, printed cell letter, printed page (0 = none).
+PROBE_CLASSES = {"digit": 10, "letter": 16, "page": 7}
 
-    Pages are 3x3 or 4x4 grids of 28x28 px cells, so visual token ``i`` of a
-    page is cell ``i`` in row-major order. Returns ``pixel_values``,
-    ``image_grid_thw`` and ``digit_labels`` (int64, ``[n_tokens]``).
+
+def vision_probe_batch(rng: random.Random, phase: Phase, proc: Any) -> dict:
+    """Labelled pages of train-pool digit scans and the classes of each visual token.
+
+    Pages are drawn like the VLM tasks' pages: 3x3 grids printed with page
+    numbers 1..6 (docpages) or 4x4 grids printed with letters only
+    (digitgrid); cells are 28x28 px, so visual token ``i`` of a page is cell
+    ``i`` in row-major order. Returns ``pixel_values``, ``image_grid_thw`` and
+    int64 ``[n_tokens]`` targets ``digit_labels``, ``letter_labels`` (0..15),
+    ``page_labels`` (0 = no page printed, else 1..6); see :data:`PROBE_CLASSES`.
     """
     from kvbench.data import digits
+    from kvbench.data.docpages import cell_name
 
     pool, labels = digits.pool("train"), digits.labels()
-    images, ys = [], []
+    images, ys, letters, pages = [], [], [], []
     for _ in range(phase.batch):
         n = rng.choice((3, 4))
+        page = rng.randint(1, 6) if n == 3 else 0
         idx = [rng.choice(pool) for _ in range(n * n)]
-        images.append(digits.render_page(idx, n, n))
+        printed = [f"{page or ' '}{cell_name(i // n + 1, i % n + 1, n)}" for i in range(n * n)]
+        images.append(digits.render_page(idx, n, n, labels=printed))
         ys += [int(labels[i]) for i in idx]
+        letters += list(range(n * n))
+        pages += [page] * (n * n)
     enc = proc.image_processor(images=images, return_tensors="pt")
     return {"pixel_values": enc["pixel_values"], "image_grid_thw": enc["image_grid_thw"],
-            "digit_labels": torch.tensor(ys)}
+            "digit_labels": torch.tensor(ys), "letter_labels": torch.tensor(letters),
+            "page_labels": torch.tensor(pages)}
 
 
 BATCHES = {"copy": lambda rng, ph, proc: copy_batch(rng, ph, getattr(proc, "tokenizer", proc)),

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from kvbench.models.prompting import IGNORE_INDEX
-from kvbench.train.batches import BATCHES, step_rng
+from kvbench.train.batches import BATCHES, PROBE_CLASSES, step_rng
 from kvbench.train.recipes import Phase
 from kvbench.train.state import load_state, save_state
 from kvbench.utils.io import atomic_path
@@ -62,12 +62,12 @@ class _Stop:
         self.requested = False
         self._old = {}
 
-    def __enter__(self) -> "_Stop":
+    def __enter__(self) -> _Stop:
         for sig in (signal.SIGTERM, signal.SIGINT):
             self._old[sig] = signal.signal(sig, self._handle)
         return self
 
-    def _handle(self, signum, frame) -> None:  # noqa: ARG002
+    def _handle(self, signum, frame) -> None:
         self.requested = True
 
     def __exit__(self, *exc) -> None:
@@ -77,6 +77,18 @@ class _Stop:
 
 class Interrupted(RuntimeError):
     """Training stopped by a signal after saving its state; rerun to resume."""
+
+
+def probe_loss(logits: torch.Tensor, batch: dict) -> tuple[torch.Tensor, float]:
+    """Summed cross-entropy of the vision probe's three heads; accuracy of the digit head.
+
+    ``logits``: float ``[n_tokens, sum(PROBE_CLASSES)]`` laid out as
+    :data:`kvbench.train.batches.PROBE_CLASSES` (digit, letter, page).
+    """
+    parts = torch.split(logits, list(PROBE_CLASSES.values()), dim=-1)
+    loss = sum(F.cross_entropy(p, batch[f"{k}_labels"]) for p, k in zip(parts, PROBE_CLASSES))
+    acc = (parts[0].argmax(-1) == batch["digit_labels"]).float().mean().item()
+    return loss, acc
 
 
 def run_phases(
@@ -134,8 +146,7 @@ def run_phases(
                 if phase.kind == "vision_probe":
                     feats = model.model.get_image_features(batch["pixel_values"], batch["image_grid_thw"]).pooler_output
                     logits = extra["probe"](torch.cat(list(feats)))
-                    loss = F.cross_entropy(logits, batch["digit_labels"])
-                    acc = (logits.argmax(-1) == batch["digit_labels"]).float().mean().item()
+                    loss, acc = probe_loss(logits, batch)
                 else:
                     labels = batch.pop("labels")
                     loss, acc = sequence_loss(model(**batch).logits, labels)

@@ -19,6 +19,7 @@ from transformers import AutoTokenizer
 import kvbench
 from kvbench.models.loader import save_checkpoint
 from kvbench.models.tiny import build_config, build_processor, zoo_spec
+from kvbench.train.batches import PROBE_CLASSES
 from kvbench.train.loop import run_phases
 from kvbench.train.recipes import RECIPES, apply_overrides
 from kvbench.utils.io import write_json
@@ -55,9 +56,9 @@ def train_zoo_model(
     model = getattr(transformers, spec.architecture)(config)
     extra = {}
     if spec.kind == "vlm":
-        # Linear digit head on the vision tower's merged tokens, used only by the
-        # vision_probe phase and discarded afterwards.
-        extra["probe"] = torch.nn.Linear(config.vision_config.out_hidden_size, 10)
+        # Linear head (digit, printed letter, printed page) on the vision tower's merged
+        # tokens, used only by the vision_probe phase and discarded afterwards.
+        extra["probe"] = torch.nn.Linear(config.vision_config.out_hidden_size, sum(PROBE_CLASSES.values()))
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     started = time.time()

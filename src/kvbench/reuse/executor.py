@@ -1,0 +1,266 @@
+"""Phase 2 refresh executor: recompute chosen tokens through the model's own decoder layers (CONDUIT §3.5, App. A.1).
+
+At each decoder layer ``l`` a set of *computed rows* (sequence indices) runs
+through that layer's real module (norm, attention, MLP). Their new K/V are
+written into a copy of the layer's base K/V (the stale, re-rotated image cache;
+zeros at text), and their queries attend over **all** T keys of that copy with
+an exact per-position causal mask (row at sequence index i sees keys 0..i), so
+refreshed tokens see refreshed and reused entries alike, as in the authors'
+block-sparse Phase 2 (``model_runner.py``; rows = active segments, columns =
+all). Every other entry is reused as is. Text rows are computed at every layer
+(budgets count visual tokens only); visual rows follow a
+:class:`LayerSchedule`: one set for all layers (CONDUIT, ProphetKV, MPIC), or
+a non-increasing nested set per layer (CacheBlend, KVShare), chosen up front or
+on the fly from the layer's new vs. old K/V.
+
+The base tensors are cloned per layer: the reusable cache is never modified.
+
+Output (:class:`ExecResult`): float32 logits of the last position and the
+assembled post-RoPE K/V per layer, convertible to a ``DynamicCache`` for greedy
+decoding with the HF model (:func:`greedy_decode`).
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache
+
+from kvbench.reuse.adapter import VLMAdapter
+from kvbench.reuse.assemble import AssembledRequest
+
+
+@dataclass
+class LayerState:
+    """What a schedule sees at layer ``layer`` (all tensors batch 1; indices are sequence indices).
+
+    Attributes:
+        rows: int64 ``[n]`` rows computed at this layer, ascending (text + active visual).
+        active_visual: int64 visual rows computed at this layer, ascending.
+        keys, values: ``[1, n_kv, T, hd]`` the layer's K/V after this layer's writes (post-RoPE K).
+        old_keys, old_values: the layer's base K/V (stale cache) before the writes.
+        queries: ``[1, n_heads, n, hd]`` post-RoPE queries of ``rows``, or None unless the schedule asked.
+        scale: the attention's softmax scale.
+    """
+
+    layer: int
+    rows: torch.Tensor
+    active_visual: torch.Tensor
+    keys: torch.Tensor
+    values: torch.Tensor
+    old_keys: torch.Tensor
+    old_values: torch.Tensor
+    queries: torch.Tensor | None = None
+    scale: float = 1.0
+
+
+class LayerSchedule:
+    """Which visual rows are computed at each layer. The base class is static.
+
+    Args:
+        per_layer: visual sequence indices per layer (a single tensor means the
+            same set at every layer). Sets must be nested and non-increasing
+            (a token dropped at layer l has no hidden state to resume from).
+    """
+
+    def __init__(self, per_layer: torch.Tensor | Sequence[torch.Tensor]):
+        self.per_layer = per_layer
+
+    def _at(self, layer: int) -> torch.Tensor:
+        if torch.is_tensor(self.per_layer):
+            return self.per_layer
+        return self.per_layer[layer]
+
+    def start(self) -> torch.Tensor:
+        """Visual rows computed at layer 0."""
+        return self._at(0)
+
+    def wants_queries(self, layer: int) -> bool:
+        """Whether :class:`LayerState` at ``layer`` must carry queries."""
+        return False
+
+    def blend(self, state: LayerState) -> torch.Tensor | None:
+        """Inside layer ``state.layer``, after its K/V are computed and before attention: the visual rows
+        whose *new* K/V are kept at this layer (others get their old K/V back). None keeps all.
+        (CacheBlend's check layer.)"""
+        return None
+
+    def observe(self, state: LayerState) -> None:
+        """Called after each layer with the final K/V of that layer."""
+
+    def advance(self, state: LayerState) -> torch.Tensor:
+        """Visual rows computed at layer ``state.layer + 1`` (a subset of the rows kept at this layer)."""
+        return self._at(state.layer + 1)
+
+
+@dataclass
+class ExecResult:
+    """Output of one execution.
+
+    Attributes:
+        logits: float32 ``[vocab]`` at the last position.
+        keys, values: per layer ``[1, n_kv, T, hd]`` (post-RoPE keys), the cache a decode step reads.
+        computed_visual: per layer, visual sequence indices recomputed there.
+        next_position: position of the first generated token.
+        mrope: whether positions are 3-axis.
+    """
+
+    logits: torch.Tensor
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    computed_visual: list[torch.Tensor] = field(default_factory=list)
+    next_position: int = 0
+    mrope: bool = False
+
+    @property
+    def layer_counts(self) -> list[int]:
+        """Visual tokens recomputed per layer."""
+        return [int(t.numel()) for t in self.computed_visual]
+
+    def to_cache(self) -> DynamicCache:
+        """A fresh ``DynamicCache`` holding copies of the K/V (decoding appends to it, never to ``keys``)."""
+        cache = DynamicCache()
+        for i, (k, v) in enumerate(zip(self.keys, self.values)):
+            cache.update(k.clone(), v.clone(), i)
+        return cache
+
+
+class _RowWriter:
+    """Duck-typed cache handed to one decoder layer: scatters the computed rows' K/V into the full copy."""
+
+    def __init__(self, state: LayerState, schedule: LayerSchedule):
+        self.state = state
+        self.schedule = schedule
+        self.kept_visual = state.active_visual
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        st = self.state
+        st.keys.index_copy_(2, st.rows, key_states.to(st.keys.dtype))
+        st.values.index_copy_(2, st.rows, value_states.to(st.values.dtype))
+        kept = self.schedule.blend(st)
+        if kept is not None:
+            _check_subset(kept, st.active_visual, st.layer, "blend")
+            dropped = st.active_visual[~torch.isin(st.active_visual, kept)]
+            # dropped rows keep their reused (old) K/V at this layer, as CacheBlend's check layer does
+            st.keys[:, :, dropped] = st.old_keys[:, :, dropped]
+            st.values[:, :, dropped] = st.old_values[:, :, dropped]
+            self.kept_visual = torch.sort(kept).values
+        return st.keys, st.values
+
+
+def _check_subset(sub: torch.Tensor, sup: torch.Tensor, layer: int, what: str) -> None:
+    if sub.numel() and not bool(torch.isin(sub, sup).all()):
+        raise ValueError(f"layer {layer}: {what} set is not a subset of the rows computed there "
+                         "(per-layer selections must be nested and non-increasing)")
+
+
+def causal_rows_mask(rows: torch.Tensor, T: int, dtype: torch.dtype) -> torch.Tensor:
+    """Additive mask ``[1, 1, n, T]``: 0 where key index <= row index, dtype-min elsewhere."""
+    allowed = torch.arange(T, device=rows.device)[None, :] <= rows[:, None]
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=rows.device)
+    return mask.masked_fill(~allowed, torch.finfo(dtype).min)[None, None]
+
+
+@torch.no_grad()
+def execute(adapter: VLMAdapter, req: AssembledRequest, schedule: LayerSchedule, *,
+            base_keys: list[torch.Tensor] | None = None, base_values: list[torch.Tensor] | None = None,
+            text_rows: torch.Tensor | None = None) -> ExecResult:
+    """Run the decoder with the visual rows of ``schedule`` (plus text rows) computed, the rest reused.
+
+    Args:
+        adapter: the model adapter.
+        req: the assembled request.
+        schedule: visual rows per layer.
+        base_keys, base_values: per layer ``[1, n_kv, T, hd]`` entries for rows not computed
+            (default: ``req.stale_k`` / ``req.stale_v``). Never modified.
+        text_rows: text rows computed at every layer (default: all text). Passing a subset
+            (e.g. the trailing query) requires base K/V that are valid at the other text rows.
+
+    Raises:
+        ValueError: a schedule set is not a subset of the visual tokens or of the previous layer's
+            set, or ``text_rows`` lacks the last position (its logits are the output).
+    """
+    base_keys = req.stale_k if base_keys is None else base_keys
+    base_values = req.stale_v if base_values is None else base_values
+    text_rows = req.text_index if text_rows is None else text_rows
+    T = req.seq_len
+    if int(text_rows.max()) != T - 1:
+        raise ValueError("text_rows must contain the last position (its logits are the output)")
+    vis = torch.sort(schedule.start().to(req.visual_index.device)).values
+    _check_subset(vis, req.visual_index, 0, "visual")
+    rows = torch.sort(torch.cat([text_rows, vis])).values
+    h = req.embeds[:, rows]
+    keys, values, computed = [], [], []
+    for li, layer in enumerate(adapter.layers):
+        attn = layer.self_attn
+        state = LayerState(layer=li, rows=rows, active_visual=vis, keys=base_keys[li].clone(),
+                           values=base_values[li].clone(), old_keys=base_keys[li], old_values=base_values[li],
+                           scale=float(getattr(attn, "scaling", adapter.head_dim ** -0.5)))
+        writer = _RowWriter(state, schedule)
+        cos, sin = req.cos[:, rows], req.sin[:, rows]
+        hook = None
+        if schedule.wants_queries(li):
+            def grab(_m, _args, kwargs, _st=state, _li=li, _cos=cos, _sin=sin):
+                _st.queries = adapter.queries(_li, kwargs["hidden_states"], _cos, _sin)
+            hook = attn.register_forward_pre_hook(grab, with_kwargs=True)
+        try:
+            out = layer(h, attention_mask=causal_rows_mask(rows, T, h.dtype), position_embeddings=(cos, sin),
+                        cache=writer, use_cache=True, position_ids=None)
+        finally:
+            if hook is not None:
+                hook.remove()
+        h = out[0] if isinstance(out, tuple) else out
+        keys.append(state.keys)
+        values.append(state.values)
+        computed.append(writer.kept_visual)
+        state.active_visual = writer.kept_visual
+        schedule.observe(state)
+        if li + 1 < len(adapter.layers):
+            nxt = torch.sort(schedule.advance(state).to(rows.device)).values
+            _check_subset(nxt, writer.kept_visual, li + 1, "visual")
+            keep = torch.isin(rows, torch.cat([text_rows, nxt]))
+            h, rows, vis = h[:, keep], rows[keep], nxt
+    h = adapter.decoder.norm(h)
+    logits = adapter.lm_head(h[:, -1]).float()[0]
+    return ExecResult(logits=logits, keys=keys, values=values, computed_visual=computed,
+                      next_position=req.next_position, mrope=adapter.mrope)
+
+
+@torch.no_grad()
+def full_prefill(adapter: VLMAdapter, req: AssembledRequest) -> ExecResult:
+    """The model's own forward over the whole request (vision tower included): the reference every refresh
+    is measured against (``full`` policy)."""
+    out = adapter.full_forward(req.enc)
+    cache = out.cache
+    keys = [cache.layers[i].keys for i in range(adapter.n_layers)]
+    values = [cache.layers[i].values for i in range(adapter.n_layers)]
+    return ExecResult(logits=out.logits[0, -1].float(), keys=keys, values=values,
+                      computed_visual=[req.visual_index] * adapter.n_layers,
+                      next_position=req.next_position, mrope=adapter.mrope)
+
+
+@torch.no_grad()
+def greedy_decode(adapter: VLMAdapter, result: ExecResult, n_tokens: int) -> list[int]:
+    """Greedy-decode ``n_tokens`` tokens with the HF model from ``result``'s logits and K/V.
+
+    The first token is the argmax of ``result.logits``; each later one is one
+    model step over a ``DynamicCache`` copy of the assembled K/V, at position
+    ``next_position + i`` on every RoPE axis (the HF rule for text after the
+    last image: max position + 1, then +1 per token).
+    """
+    if n_tokens < 1:
+        raise ValueError(f"n_tokens must be >= 1, got {n_tokens}")
+    cache = result.to_cache()
+    tok = int(result.logits.argmax())
+    out = [tok]
+    for i in range(1, n_tokens):
+        pos = torch.tensor([[result.next_position + i - 1]], device=adapter.device)
+        if result.mrope:
+            pos = pos[None].expand(3, 1, 1)
+        step = adapter.model(input_ids=torch.tensor([[tok]], device=adapter.device), position_ids=pos,
+                             cache=cache, use_cache=True)
+        cache = step.cache
+        tok = int(step.logits[0, -1].argmax())
+        out.append(tok)
+    return out

@@ -1,0 +1,151 @@
+"""Refresh policies: the abstraction, the registry and the one entry point that runs a policy.
+
+A :class:`RefreshPolicy` turns the shared scoring pass (or nothing) into a
+:class:`RefreshPlan` (which visual rows are recomputed at which layer); the
+same executor (:mod:`kvbench.reuse.executor`) carries out every plan, so
+methods differ only in their selection rule (docs/architecture: "Two
+abstractions carry the methods").
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+
+from kvbench.reuse.adapter import VLMAdapter
+from kvbench.reuse.assemble import AssembledRequest, prepare
+from kvbench.reuse.cache_store import ImageKVStore
+from kvbench.reuse.executor import ExecResult, LayerSchedule, execute, full_prefill
+from kvbench.reuse.scoring import ScoringPass, scoring_pass
+from kvbench.reuse.validate import check_ratio
+
+
+@dataclass
+class RefreshPlan:
+    """What to recompute.
+
+    Attributes:
+        schedule: visual rows per layer; None means full prefill with the model's own forward.
+        selected: visual sequence indices of a single-set policy (None for layer-wise ones).
+        scores: float32 ``[N_visual]`` final ranking scores where the policy has them.
+        coefficients: float32 ``[K]`` image coefficients where the policy has them.
+        text_rows: text rows computed in Phase 2 (None: all text).
+        base_from_stage1: Phase 2 reuses the scoring pass's K/V (needed when ``text_rows`` is a subset).
+        info: policy-specific extras (layer counts, variant name, ...).
+    """
+
+    schedule: LayerSchedule | None
+    selected: torch.Tensor | None = None
+    scores: torch.Tensor | None = None
+    coefficients: torch.Tensor | None = None
+    text_rows: torch.Tensor | None = None
+    base_from_stage1: bool = False
+    info: dict = field(default_factory=dict)
+
+
+@dataclass
+class RefreshResult:
+    """A policy run: its output, its plan, and the scoring pass when one ran."""
+
+    policy: str
+    r: float
+    output: ExecResult
+    plan: RefreshPlan
+    scoring: ScoringPass | None = None
+
+    @property
+    def n_selected(self) -> int | None:
+        return None if self.plan.selected is None else int(self.plan.selected.numel())
+
+
+class RefreshPolicy(ABC):
+    """Base class: ``plan(req, scoring, r)`` → :class:`RefreshPlan`. Subclasses validate their parameters in
+    ``__init__`` (so :func:`get_policy` fails before any model work)."""
+
+    name: ClassVar[str]
+    uses_scoring: ClassVar[bool] = True
+
+    def params(self) -> dict[str, Any]:
+        """The policy's parameters (recorded with each run)."""
+        return dict(vars(self))
+
+    @abstractmethod
+    def plan(self, req: AssembledRequest, scoring: ScoringPass | None, r: float) -> RefreshPlan:
+        """The refresh plan for ``req`` at visual-token budget ratio ``r``."""
+
+
+REGISTRY: dict[str, type[RefreshPolicy]] = {}
+
+
+def register(*names: str):
+    """Class decorator: register a policy under ``cls.name`` and any extra ``names``."""
+    def deco(cls):
+        for n in (cls.name, *names):
+            if n in REGISTRY:
+                raise ValueError(f"refresh policy {n!r} registered twice")
+            REGISTRY[n] = cls
+        return cls
+    return deco
+
+
+def available_policies() -> list[str]:
+    """Registered policy names, sorted."""
+    return sorted(REGISTRY)
+
+
+def get_policy(name: str, **params: Any) -> RefreshPolicy:
+    """Instantiate a registered policy.
+
+    Raises:
+        ValueError: unknown name (message lists the registered ones) or a bad parameter.
+    """
+    if name not in REGISTRY:
+        raise ValueError(f"unknown refresh policy {name!r}; expected one of {available_policies()}")
+    return REGISTRY[name](**params)
+
+
+def refresh(adapter: VLMAdapter, req: AssembledRequest, policy: str | RefreshPolicy, r: float,
+            **params: Any) -> RefreshResult:
+    """Run ``policy`` at budget ratio ``r`` on an assembled request.
+
+    ``r`` and the policy are validated before any model work.
+
+    Raises:
+        ValueError: ``r`` outside [0, 1], unknown policy or bad policy parameter, request without
+            visual tokens.
+    """
+    r = check_ratio(r)
+    pol = get_policy(policy, **params) if isinstance(policy, str) else policy
+    if req.n_visual == 0:
+        raise ValueError("request has no visual tokens; the reuse engine needs >= 1 image")
+    sp = scoring_pass(adapter, req) if pol.uses_scoring else None
+    plan = pol.plan(req, sp, r)
+    if plan.schedule is None:
+        out = full_prefill(adapter, req)
+    else:
+        base_k = base_v = None
+        if plan.base_from_stage1:
+            if sp is None:
+                raise RuntimeError(f"policy {pol.name}: base_from_stage1 needs the scoring pass")
+            base_k, base_v = sp.stage1.keys, sp.stage1.values
+        out = execute(adapter, req, plan.schedule, base_keys=base_k, base_values=base_v, text_rows=plan.text_rows)
+    return RefreshResult(policy=pol.name, r=r, output=out, plan=plan, scoring=sp)
+
+
+def run_record(adapter: VLMAdapter, store: ImageKVStore, record: dict, policy: str, r: float,
+               base_dir: str | Path | None = None, **params: Any) -> RefreshResult:
+    """Validate, look up/build the record's image caches, assemble, and run ``policy``.
+
+    Raises:
+        ValueError: bad ``r``, unknown policy or parameter, or a record without images,
+            all before any cache or model work.
+    """
+    r = check_ratio(r)
+    pol = get_policy(policy, **params)
+    if not any(p.get("type") == "image" for p in record.get("content", [])):
+        raise ValueError(f"record {record.get('id')!r} has no image part; the reuse engine needs >= 1 image")
+    req = prepare(adapter, store, record, base_dir)
+    return refresh(adapter, req, pol, r)

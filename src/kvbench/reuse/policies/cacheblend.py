@@ -1,0 +1,161 @@
+"""CacheBlend, in two forms (shared/notes/sources.md).
+
+- ``cacheblend`` (the paper / ``YaoJiayi/CacheBlend``): layer 0 recomputes every visual token; at the
+  check layer (1) every visual token is computed again, the top ⌈r·N_visual⌉ by value deviation
+  Σ(v_new − v_old)² keep their new K/V there (the others get their reused K/V back, as the original
+  fuses ``old[imp] = new[imp]``), and that set is fixed for all later layers. ``deviation="k"`` uses
+  key deviation instead (LMCache's production variant). Text (the query suffix) is always computed.
+- ``cacheblend-conduit`` (as CONDUIT runs it, ``nanovllm/engine/cacheblend.py``): layer 0 = 100 % of
+  visual tokens, then counts decay linearly (non-increasing) so that their layer average equals
+  ⌈r·N_visual⌉ where reachable (:func:`linear_layer_counts`); after each layer that must shrink, the
+  active tokens are ranked by ‖k_new − k_old‖₂ + ‖v_new − v_old‖₂ at that layer and the top ones go on.
+
+Neither form reduces to plain reuse at r = 0: layer 0 is always fully recomputed.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+
+from kvbench.reuse.executor import LayerSchedule, LayerState
+from kvbench.reuse.policies._layers import n_layers_of
+from kvbench.reuse.policies.base import RefreshPlan, RefreshPolicy, register
+from kvbench.reuse.scoring import top_k
+from kvbench.reuse.validate import budget_count
+
+
+def linear_layer_counts(n_layers: int, n_visual: int, avg_count: int) -> list[int]:
+    """Per-layer visual counts: layer 0 = ``n_visual``, non-increasing, linear decay, integer, summing to
+    ``clip(avg_count·L, N, N·L)`` (layer average = ``avg_count`` where that is ≥ N/L).
+
+    The continuous profile N·max(0, 1 − l/H) is solved for the horizon H by bisection, floored, and the
+    remaining units go to the layers with the largest fractional parts that can take one without
+    breaking monotonicity.
+    """
+    N, L = int(n_visual), int(n_layers)
+    if L <= 0:
+        return []
+    if N <= 0:
+        return [0] * L
+    if L == 1:
+        return [N]
+    total = max(N, min(int(avg_count) * L, N * L))
+    if total >= N * L:
+        return [N] * L
+    if total <= N:
+        return [N] + [0] * (L - 1)
+
+    def profile(h: float) -> list[float]:
+        return [float(N)] + [N * max(0.0, 1.0 - i / h) for i in range(1, L)]
+
+    lo, hi = 0.0, 1.0
+    while sum(profile(hi)) < total:
+        hi *= 2.0
+    for _ in range(80):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if sum(profile(mid)) < total else (lo, mid)
+    cont = profile(hi)
+    counts = [min(N, math.floor(x + 1e-9)) for x in cont]
+    counts[0] = N
+    for i in range(1, L):
+        counts[i] = min(counts[i], counts[i - 1])
+    frac = [x - c for x, c in zip(cont, counts)]
+    for _ in range(total - sum(counts)):
+        cands = [i for i in range(1, L) if counts[i] < counts[i - 1]]
+        best = max(cands, key=lambda i: (frac[i], -i))
+        counts[best] += 1
+        frac[best] = -1.0
+    return counts
+
+
+def _flat(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """``[1, n_kv, T, hd]`` at sequence indices ``idx`` → float32 ``[n, n_kv·hd]``."""
+    return x[0, :, idx].float().transpose(0, 1).reshape(idx.numel(), -1)
+
+
+class ShrinkSchedule(LayerSchedule):
+    """Start with every visual token; after layer l keep the top ``counts[l+1]`` active tokens by ``score_fn``."""
+
+    def __init__(self, visual_index: torch.Tensor, counts: list[int],
+                 score_fn: Callable[[LayerState], torch.Tensor], needs_queries: bool = False):
+        super().__init__(visual_index)
+        self.counts = counts
+        self.score_fn = score_fn
+        self.needs_queries = needs_queries
+        self._active = visual_index.numel()
+
+    def wants_queries(self, layer: int) -> bool:
+        return (self.needs_queries and layer + 1 < len(self.counts)
+                and 0 < min(self.counts[layer + 1], self._active) < self._active)
+
+    def advance(self, state: LayerState) -> torch.Tensor:
+        active = state.active_visual
+        target = min(self.counts[state.layer + 1], active.numel())
+        if target >= active.numel():
+            nxt = active
+        elif target <= 0:
+            nxt = active[:0]
+        else:
+            nxt = active[top_k(self.score_fn(state), target)]
+        self._active = nxt.numel()
+        return nxt
+
+
+def kv_deviation(state: LayerState) -> torch.Tensor:
+    """‖k_new − k_old‖₂ + ‖v_new − v_old‖₂ per active visual token (CONDUIT's CacheBlend score)."""
+    idx = state.active_visual
+    dk = (_flat(state.keys, idx) - _flat(state.old_keys, idx)).norm(dim=-1)
+    dv = (_flat(state.values, idx) - _flat(state.old_values, idx)).norm(dim=-1)
+    return dk + dv
+
+
+class CheckLayerSchedule(LayerSchedule):
+    """CacheBlend's original schedule: all visual tokens up to the check layer, then a fixed top-k set."""
+
+    def __init__(self, visual_index: torch.Tensor, k: int, check_layer: int, deviation: str):
+        super().__init__(visual_index)
+        self.k, self.check_layer, self.deviation = k, check_layer, deviation
+        self.selected: torch.Tensor | None = None
+
+    def blend(self, state: LayerState) -> torch.Tensor | None:
+        if state.layer != self.check_layer:
+            return None
+        idx = state.active_visual
+        new, old = (state.values, state.old_values) if self.deviation == "v" else (state.keys, state.old_keys)
+        dev = ((_flat(new, idx) - _flat(old, idx)) ** 2).sum(dim=-1)
+        self.selected = idx[top_k(dev, self.k)]
+        return self.selected
+
+    def advance(self, state: LayerState) -> torch.Tensor:
+        return state.active_visual  # all before the check layer; the fixed kept set from then on
+
+
+@register()
+class CacheBlend(RefreshPolicy):
+    name = "cacheblend"
+    uses_scoring = False
+
+    def __init__(self, check_layer: int = 1, deviation: str = "v"):
+        if isinstance(check_layer, bool) or not isinstance(check_layer, int) or check_layer < 1:
+            raise ValueError(f"cacheblend check_layer must be an int >= 1, got {check_layer!r}")
+        if deviation not in ("v", "k"):
+            raise ValueError(f"cacheblend deviation must be 'v' or 'k', got {deviation!r}")
+        self.check_layer, self.deviation = check_layer, deviation
+
+    def plan(self, req, scoring, r):
+        sched = CheckLayerSchedule(req.visual_index, budget_count(r, req.n_visual), self.check_layer,
+                                   self.deviation)
+        return RefreshPlan(schedule=sched, info={"variant": "paper", "check_layer": self.check_layer})
+
+
+@register()
+class CacheBlendConduit(RefreshPolicy):
+    name = "cacheblend-conduit"
+    uses_scoring = False
+
+    def plan(self, req, scoring, r):
+        counts = linear_layer_counts(n_layers_of(req), req.n_visual, budget_count(r, req.n_visual))
+        return RefreshPlan(schedule=ShrinkSchedule(req.visual_index, counts, kv_deviation),
+                           info={"variant": "conduit-as-run", "layer_counts": counts})

@@ -1,0 +1,51 @@
+"""``conduit``: CONDUIT's refresh rule (§3.3-3.5, App. A.1-A.2; ``recompute.py`` / ``model_runner_kv_score.py``).
+
+Score s(t) = mean over layers of α_l(t)·‖V_l(t)‖ (all layers unless
+``layers`` is given, e.g. the single-image subsets 14,16,18,20,22 of
+Qwen2.5-VL-3B), times the image coefficient c_j = 1 + λ(m_j/mean m − 1)
+(λ = 1 default; c = 1 when K = 1), then one global top-⌈r·N_visual⌉.
+
+Parameters:
+    lam: λ in [0, 1].
+    layers: decoder layers averaged (None: all).
+    use_v_norm: multiply by ‖V‖ (False reproduces the "query attention only" ablation, Table 5).
+    coef_source: ``"score"`` (m_j from the fused score s, as the authors' code does) or ``"attention"``
+        (m_j from mean attention α only, the paper text's wording; docs/decisions-reuse.md).
+    phase2_text: ``"all"`` (Phase 2 recomputes every text token: r = 1 equals full prefill) or
+        ``"query"`` (as the authors' code runs: only the trailing query text is recomputed in Phase 2,
+        other text keeps its Stage I K/V).
+"""
+from __future__ import annotations
+
+from kvbench.reuse.executor import LayerSchedule
+from kvbench.reuse.policies.base import RefreshPlan, RefreshPolicy, register
+from kvbench.reuse.validate import check_strength
+
+
+@register()
+class Conduit(RefreshPolicy):
+    name = "conduit"
+
+    def __init__(self, lam: float = 1.0, layers: list[int] | None = None, use_v_norm: bool = True,
+                 coef_source: str = "score", phase2_text: str = "all"):
+        self.lam = check_strength(lam)
+        if coef_source not in ("score", "attention"):
+            raise ValueError(f"coef_source must be 'score' or 'attention', got {coef_source!r}")
+        if phase2_text not in ("all", "query"):
+            raise ValueError(f"phase2_text must be 'all' or 'query', got {phase2_text!r}")
+        if layers is not None and (not list(layers) or any(not isinstance(i, int) or i < 0 for i in layers)):
+            raise ValueError(f"layers must be None or a non-empty list of layer indices >= 0, got {layers!r}")
+        self.layers = None if layers is None else list(layers)
+        self.use_v_norm = bool(use_v_norm)
+        self.coef_source = coef_source
+        self.phase2_text = phase2_text
+
+    def plan(self, req, scoring, r):
+        s = scoring.token_scores(self.layers, self.use_v_norm)
+        src = s if self.coef_source == "score" else scoring.token_scores(self.layers, use_v_norm=False)
+        c = scoring.coefficients(src, self.lam)
+        final = s * c[req.image_of_visual]
+        sel = scoring.select(final, r)
+        query_only = self.phase2_text == "query"
+        return RefreshPlan(schedule=LayerSchedule(sel), selected=sel, scores=final, coefficients=c,
+                           text_rows=req.query_index if query_only else None, base_from_stage1=query_only)

@@ -1,0 +1,39 @@
+"""``kvshare-conduit`` (alias ``kvshare``): KVShare **as reimplemented in CONDUIT's code**
+(``nanovllm/engine/cacheblend.py``), not the KVShare paper's own method (whose "dual-stage high
+deviation" details are not public; shared/notes/sources.md).
+
+Same layer schedule as ``cacheblend-conduit`` (layer 0 = 100 %, linear decay to a layer average of
+⌈r·N_visual⌉). After each layer that must shrink, each active visual token is scored by
+attention mass × ‖v_new − v_old‖₁, where the mass is the causal softmax weight on that key from *all*
+rows computed at that layer (text and active visual), averaged over those rows and the query heads.
+Prefill only (no decode-stage reselection).
+"""
+from __future__ import annotations
+
+import torch
+
+from kvbench.reuse.executor import LayerState
+from kvbench.reuse.policies._layers import n_layers_of
+from kvbench.reuse.policies.base import RefreshPlan, RefreshPolicy, register
+from kvbench.reuse.policies.cacheblend import ShrinkSchedule, _flat, linear_layer_counts
+from kvbench.reuse.scoring import attention_mass
+from kvbench.reuse.validate import budget_count
+
+
+def kvshare_score(state: LayerState) -> torch.Tensor:
+    """attention mass(all computed rows → key) × ‖v_new − v_old‖₁ per active visual token."""
+    idx = state.active_visual
+    mass = attention_mass(state.queries, state.keys, state.rows, state.scale)[idx]
+    dv = (_flat(state.values, idx) - _flat(state.old_values, idx)).abs().sum(dim=-1)
+    return mass * dv
+
+
+@register("kvshare")
+class KVShareConduit(RefreshPolicy):
+    name = "kvshare-conduit"
+    uses_scoring = False
+
+    def plan(self, req, scoring, r):
+        counts = linear_layer_counts(n_layers_of(req), req.n_visual, budget_count(r, req.n_visual))
+        return RefreshPlan(schedule=ShrinkSchedule(req.visual_index, counts, kvshare_score, needs_queries=True),
+                           info={"variant": "conduit-reimplementation", "layer_counts": counts})

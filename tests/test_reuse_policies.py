@@ -1,0 +1,204 @@
+"""Engine invariants over every policy: r=1 = full prefill, r=0 = plain reuse, the reusable cache is
+untouched, runs are deterministic, decoding works, and bad input fails early."""
+from __future__ import annotations
+
+import hashlib
+import itertools
+
+import pytest
+import torch
+from _reuse_fixtures import record, tiny_vlm
+
+from kvbench.reuse import (
+    ImageKVStore,
+    adapter_for,
+    available_policies,
+    get_policy,
+    greedy_decode,
+    prepare,
+    refresh,
+    run_record,
+)
+from kvbench.reuse.policies.cacheblend import linear_layer_counts
+
+torch.set_num_threads(1)
+BUDGETED = ["conduit", "prophetkv", "mpic", "mpic-first", "cacheblend", "cacheblend-conduit", "kvshare-conduit"]
+
+
+@pytest.fixture(scope="module")
+def vlm(tokenizer):
+    return adapter_for(*tiny_vlm(tokenizer))
+
+
+@pytest.fixture(scope="module")
+def store_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("imgcache")
+
+
+@pytest.fixture(scope="module")
+def req(vlm, store_dir):
+    rec = record([1, 2, 3])
+    return prepare(vlm, ImageKVStore(store_dir, vlm, rec["generic_system"]), rec)
+
+
+@pytest.fixture(scope="module")
+def full(vlm, req):
+    return refresh(vlm, req, "full", 1.0).output
+
+
+@pytest.fixture(scope="module")
+def reuse(vlm, req):
+    return refresh(vlm, req, "reuse", 0.0).output
+
+
+def test_registry_has_every_method():
+    assert set(BUDGETED) | {"reuse", "full", "kvshare"} == set(available_policies())
+
+
+def test_stale_reuse_really_differs_from_full(full, reuse):
+    """Otherwise the r=0 / r=1 invariants below could not tell the two apart."""
+    assert (full.logits - reuse.logits).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("policy", BUDGETED)
+def test_r1_reproduces_full_prefill(vlm, req, full, policy):
+    out = refresh(vlm, req, policy, 1.0).output
+    torch.testing.assert_close(out.logits, full.logits, rtol=1e-4, atol=1e-4)
+    for layer in range(vlm.n_layers):
+        torch.testing.assert_close(out.keys[layer], full.keys[layer], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(out.values[layer], full.values[layer], rtol=1e-4, atol=1e-4)
+    assert out.layer_counts == [req.n_visual] * vlm.n_layers
+
+
+@pytest.mark.parametrize("policy", BUDGETED)
+def test_r0_reproduces_plain_reuse(vlm, req, reuse, policy):
+    """Budgeted policies at r = 0 equal plain reuse. For the CacheBlend/KVShare schedules layer 0 is still
+    fully recomputed, which is a no-op on K/V: layer-0 inputs of visual tokens are the prefix-independent
+    vision features."""
+    out = refresh(vlm, req, policy, 0.0).output
+    torch.testing.assert_close(out.logits, reuse.logits, rtol=1e-5, atol=1e-5)
+
+
+def test_conduit_midway_is_between_and_nonzero(vlm, req, full, reuse):
+    out = refresh(vlm, req, "conduit", 0.3).output
+    assert (out.logits - full.logits).abs().max() > 1e-4 and (out.logits - reuse.logits).abs().max() > 1e-4
+    assert out.layer_counts == [6] * vlm.n_layers  # ceil(0.3 * 18)
+
+
+def _digest(tensors):
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.detach().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def test_reusable_cache_is_byte_identical_after_runs(vlm, req, store_dir):
+    files = {p.name: p.read_bytes() for p in store_dir.iterdir()}
+    mem = _digest([t for im in req.images for t in (*im.keys, *im.values, im.embeds)])
+    stale = _digest(req.stale_k + req.stale_v + [req.embeds])
+    for policy in available_policies():
+        refresh(vlm, req, policy, 0.4)
+    assert {p.name: p.read_bytes() for p in store_dir.iterdir()} == files
+    assert _digest([t for im in req.images for t in (*im.keys, *im.values, im.embeds)]) == mem
+    assert _digest(req.stale_k + req.stale_v + [req.embeds]) == stale
+
+
+@pytest.mark.parametrize("policy", ["conduit", "cacheblend", "kvshare-conduit"])
+def test_same_seed_same_result(tokenizer, tmp_path, policy):
+    outs = []
+    for i in range(2):
+        ad = adapter_for(*tiny_vlm(tokenizer, seed=7))
+        rec = record([5, 6])
+        res = run_record(ad, ImageKVStore(tmp_path / str(i), ad, rec["generic_system"]), rec, policy, 0.25)
+        outs.append(res)
+    assert torch.equal(outs[0].output.logits, outs[1].output.logits)
+    assert outs[0].output.layer_counts == outs[1].output.layer_counts
+    for a, b in zip(outs[0].output.computed_visual, outs[1].output.computed_visual):
+        assert torch.equal(a, b)
+
+
+def test_greedy_decoding_from_refreshed_cache(vlm, req, full):
+    """r = 1 decodes exactly what the HF model generates; the K/V of a partial refresh decode too."""
+    enc = {k: v for k, v in req.enc.items() if k in ("input_ids", "pixel_values", "image_grid_thw",
+                                                     "mm_token_type_ids", "attention_mask")}
+    gen = vlm.model.generate(**enc, max_new_tokens=4, do_sample=False)[0, req.seq_len:].tolist()
+    assert greedy_decode(vlm, refresh(vlm, req, "conduit", 1.0).output, 4) == gen
+    assert greedy_decode(vlm, full, 4) == gen
+    part = refresh(vlm, req, "conduit", 0.2).output
+    assert len(greedy_decode(vlm, part, 3)) == 3
+    assert part.keys[0].shape[2] == req.seq_len  # decoding worked on a copy
+
+
+def test_cacheblend_paper_form_fixes_the_set_at_the_check_layer(vlm, req):
+    res = refresh(vlm, req, "cacheblend", 0.25)
+    counts = res.output.layer_counts
+    assert counts[0] == req.n_visual and all(c == 5 for c in counts[1:])  # ceil(0.25*18)
+    sel = res.plan.schedule.selected
+    for layer in range(2, vlm.n_layers):
+        assert torch.equal(res.output.computed_visual[layer], sel)
+    # dropped tokens carry their reused K/V at the check layer, the kept ones new K/V
+    dropped = req.visual_index[~torch.isin(req.visual_index, sel)]
+    assert torch.equal(res.output.keys[1][:, :, dropped], req.stale_k[1][:, :, dropped])
+    assert not torch.equal(res.output.values[1][:, :, sel], req.stale_v[1][:, :, sel])
+
+
+def test_cacheblend_conduit_schedule(vlm, req):
+    res = refresh(vlm, req, "cacheblend-conduit", 0.4)
+    counts = res.output.layer_counts
+    assert counts == res.plan.info["layer_counts"]
+    assert counts[0] == req.n_visual and sum(counts) == 8 * vlm.n_layers  # mean = ceil(0.4*18) = 8
+    assert all(a >= b for a, b in itertools.pairwise(counts))
+    for a, b in zip(res.output.computed_visual, res.output.computed_visual[1:]):
+        assert bool(torch.isin(b, a).all())  # nested
+
+
+@pytest.mark.parametrize("L,N,k", [(28, 1000, 100), (6, 18, 8), (6, 18, 2), (6, 18, 18), (1, 5, 1), (4, 3, 1)])
+def test_linear_layer_counts(L, N, k):
+    c = linear_layer_counts(L, N, k)
+    assert len(c) == L and c[0] == N and all(a >= b >= 0 for a, b in itertools.pairwise(c))
+    assert sum(c) == max(N, min(k * L, N * L))
+
+
+def test_as_run_phase2_differs_from_full_only_through_inter_image_text(vlm, req, full, tmp_path):
+    """CONDUIT's code recomputes only the trailing query text in Phase 2; text between images keeps its
+    Stage-I K/V, so even r = 1 misses full prefill there. With one image and no text after it except the
+    query, the two coincide."""
+    asrun = refresh(vlm, req, "conduit", 1.0, phase2_text="query").output
+    assert (asrun.logits - full.logits).abs().max() > 1e-4
+    rec = record([9])
+    one = prepare(vlm, ImageKVStore(tmp_path, vlm, rec["generic_system"]), rec)
+    torch.testing.assert_close(refresh(vlm, one, "conduit", 1.0, phase2_text="query").output.logits,
+                               refresh(vlm, one, "full", 1.0).output.logits, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("r", [-0.1, 1.5, float("nan"), "0.5", True])
+def test_bad_ratio(vlm, req, r):
+    with pytest.raises(ValueError, match=r"r must be a refresh ratio in \[0, 1\]"):
+        refresh(vlm, req, "conduit", r)
+
+
+@pytest.mark.parametrize("lam", [-0.5, 1.01, float("nan")])
+def test_bad_lambda(lam):
+    with pytest.raises(ValueError, match=r"λ\) must be in \[0, 1\]"):
+        get_policy("conduit", lam=lam)
+
+
+def test_unknown_policy(vlm, req):
+    with pytest.raises(ValueError, match="unknown refresh policy 'snapkv'; expected one of"):
+        refresh(vlm, req, "snapkv", 0.1)
+
+
+def test_bad_input_fails_before_any_work(vlm, tmp_path):
+    """Errors come before any cache is built (the store directory stays empty but for its manifest)."""
+    rec = record([1])
+    store = ImageKVStore(tmp_path, vlm, rec["generic_system"])
+    for kwargs, msg in [({"policy": "conduit", "r": 2.0}, "refresh ratio"),
+                        ({"policy": "nope", "r": 0.1}, "unknown refresh policy"),
+                        ({"policy": "conduit", "r": 0.1, "lam": 3.0}, "λ"),
+                        ({"policy": "mpic", "r": 0.1, "k": -1}, "mpic k")]:
+        with pytest.raises(ValueError, match=msg):
+            run_record(vlm, store, rec, **kwargs)
+    no_img = dict(rec, content=[{"type": "text", "text": "Page 1:"}])
+    with pytest.raises(ValueError, match="has no image part"):
+        run_record(vlm, store, no_img, "conduit", 0.1)
+    assert [p.name for p in tmp_path.iterdir()] == ["manifest.json"]

@@ -1,0 +1,141 @@
+"""Scoring pass pieces: attention mass, V norms, image coefficients, budget, top-k."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from _reuse_fixtures import prepared_request, record, tiny_vlm
+
+from kvbench.reuse import (
+    ImageKVStore,
+    adapter_for,
+    budget_count,
+    get_policy,
+    prepare,
+    scoring_pass,
+)
+from kvbench.reuse.scoring import (
+    attention_mass,
+    image_coefficients,
+    layer_mean,
+    top_k,
+    value_norms,
+)
+
+
+@pytest.fixture(scope="module")
+def vlm(tokenizer):
+    return adapter_for(*tiny_vlm(tokenizer))
+
+
+@pytest.fixture(scope="module")
+def req(vlm, tmp_path_factory):
+    return prepared_request(vlm, tmp_path_factory.mktemp("c"), [1, 2, 3])
+
+
+def test_attention_mass_matches_bruteforce_with_gqa():
+    torch.manual_seed(0)
+    H, Hkv, nq, T, d = 4, 2, 3, 7, 5
+    q, k = torch.randn(1, H, nq, d), torch.randn(1, Hkv, T, d)
+    pos = torch.tensor([4, 5, 6])
+    want = torch.zeros(T)
+    for h in range(H):
+        for i in range(nq):
+            logits = (q[0, h, i] @ k[0, h // (H // Hkv)].T) * 0.3  # query head h reads kv head h // 2
+            logits[pos[i] + 1:] = -math.inf
+            want += torch.softmax(logits, -1)
+    torch.testing.assert_close(attention_mass(q, k, pos, 0.3), want / (H * nq))
+    with pytest.raises(ValueError, match="multiple"):
+        attention_mass(torch.randn(1, 3, 1, d), k, pos[:1], 1.0)
+
+
+def test_scoring_pass_layer0_mass_equals_eager_attention_of_full_prefill(vlm, req):
+    """At layer 0 the stale visual keys equal the fresh ones (layer-0 inputs do not depend on the prefix),
+    so α_0 must equal the eager attention probabilities of a full prefill, averaged over the trailing-text
+    queries and heads. Later layers differ (stale cache), which the second assert checks."""
+    sp = scoring_pass(vlm, req)
+    vlm.model.config._attn_implementation = "eager"
+    vlm.model.config.text_config._attn_implementation = "eager"
+    try:
+        with torch.no_grad():
+            out = vlm.model(**{k: v for k, v in req.enc.items() if k in
+                               ("input_ids", "pixel_values", "image_grid_thw", "mm_token_type_ids")},
+                            output_attentions=True)
+    finally:
+        vlm.model.config._attn_implementation = "sdpa"
+        vlm.model.config.text_config._attn_implementation = "sdpa"
+    ref = [a[0][:, req.query_index].mean(dim=(0, 1))[req.visual_index] for a in out.attentions]
+    torch.testing.assert_close(sp.attn[0], ref[0].float(), rtol=1e-4, atol=1e-6)
+    assert (sp.attn[-1] - ref[-1]).abs().max() > 1e-5
+    # ‖V‖ is the cached (stale) value norm over all KV heads
+    torch.testing.assert_close(sp.vnorm[2], value_norms(req.stale_v[2])[req.visual_index])
+
+
+def test_value_norms_over_all_kv_heads():
+    v = torch.zeros(1, 2, 3, 2)
+    v[0, 0, 1] = torch.tensor([3.0, 0.0])
+    v[0, 1, 1] = torch.tensor([0.0, 4.0])
+    assert value_norms(v).tolist() == [0.0, 5.0, 0.0]
+
+
+def test_image_coefficients_formula_and_k1():
+    ids = torch.tensor([0, 0, 1, 1])
+    s = torch.tensor([1.0, 3.0, 1.0, 1.0])  # m = [2, 1], mean m = 1.5
+    c = image_coefficients(s, ids, 2, 1.0)
+    torch.testing.assert_close(c, torch.tensor([2 / 1.5, 1 / 1.5]))
+    torch.testing.assert_close(image_coefficients(s, ids, 2, 0.5), 1 + 0.5 * (torch.tensor([2, 1]) / 1.5 - 1))
+    assert image_coefficients(s, ids, 2, 0.0).tolist() == [1.0, 1.0]
+    assert image_coefficients(torch.tensor([0.5, 9.0]), torch.tensor([0, 0]), 1, 1.0).tolist() == [1.0]
+    # negative scores are clamped at 0 inside m_j (authors' code)
+    torch.testing.assert_close(image_coefficients(torch.tensor([-5.0, 2.0, 1.0]), torch.tensor([0, 0, 1]), 2, 1.0),
+                               torch.tensor([1.0, 1.0]))
+
+
+def test_k1_request_gives_coefficient_one(vlm, tmp_path):
+    rec = record([4])
+    req1 = prepare(vlm, ImageKVStore(tmp_path, vlm, rec["generic_system"]), rec)
+    sp = scoring_pass(vlm, req1)
+    plan = get_policy("conduit").plan(req1, sp, 0.5)
+    assert plan.coefficients.tolist() == [1.0]
+    torch.testing.assert_close(plan.scores, sp.token_scores())
+
+
+def test_budget_count_is_ceil_and_exact():
+    assert budget_count(0.1, 30) == 3  # 0.1*30 = 3.0000000000000004 in binary: still 3
+    assert budget_count(0.1, 31) == 4
+    assert budget_count(0.0, 50) == 0 and budget_count(1.0, 50) == 50
+    assert budget_count(0.05, 18) == 1
+
+
+@pytest.mark.parametrize("policy", ["conduit", "prophetkv", "mpic-first"])
+@pytest.mark.parametrize("r", [0.05, 0.1, 0.3, 0.5])
+def test_selected_count_equals_ceil_r_n(vlm, req, policy, r):
+    sp = scoring_pass(vlm, req)
+    plan = get_policy(policy).plan(req, sp, r)
+    assert plan.selected.numel() == math.ceil(r * req.n_visual - 1e-9)
+    assert bool(torch.isin(plan.selected, req.visual_index).all())
+    assert plan.selected.unique().numel() == plan.selected.numel()
+
+
+def test_conduit_selects_the_top_of_its_own_scores(vlm, req):
+    sp = scoring_pass(vlm, req)
+    plan = get_policy("conduit").plan(req, sp, 0.3)
+    s = sp.token_scores()
+    c = sp.coefficients(s, 1.0)
+    final = s * c[req.image_of_visual]
+    torch.testing.assert_close(plan.scores, final)
+    chosen = torch.isin(req.visual_index, plan.selected)
+    assert final[chosen].min() >= final[~chosen].max()
+    # layer subset is honoured
+    sub = get_policy("conduit", layers=[1, 3]).plan(req, sp, 0.3)
+    s13 = layer_mean(sp.attn * sp.vnorm, [1, 3])
+    torch.testing.assert_close(sub.scores, s13 * sp.coefficients(s13, 1.0)[req.image_of_visual])
+    # ProphetKV = attention only, no coefficient
+    torch.testing.assert_close(get_policy("prophetkv").plan(req, sp, 0.3).scores, sp.attn.mean(0))
+
+
+def test_top_k_ties_are_deterministic():
+    s = torch.tensor([1.0, 2.0, 2.0, 0.5, 2.0])
+    assert top_k(s, 2).tolist() == [1, 2]
+    assert top_k(s, 0).tolist() == []
