@@ -50,6 +50,8 @@ include: "workflow/rules/data.smk"
 include: "workflow/rules/models.smk"
 include: "workflow/rules/eval.smk"
 include: "workflow/rules/report.smk"
+include: "workflow/rules/conduit.smk"
+include: "workflow/rules/conduit_latency.smk"
 include: "workflow/rules/targets.smk"
 
 

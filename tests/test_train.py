@@ -107,3 +107,29 @@ def test_overrides():
         apply_overrides(lm_recipe(), {"phases": {"nope": {}}})
     with pytest.raises(ValueError, match="steps_scale must be a positive number"):
         apply_overrides(lm_recipe(), {"steps_scale": -1})
+
+
+def test_restricted_softmax_copy_batch_indexes_into_its_vocabulary(tokenizer):
+    from kvbench.train.batches import copy_batch, step_rng
+
+    phase = Phase("c", "copy", steps=1, lr=1e-3, batch=4, seq_len=32, copy_vocab=64, restrict_softmax=True)
+    b = copy_batch(step_rng(0, "c", 0), phase, tokenizer)
+    plain = copy_batch(step_rng(0, "c", 0), Phase("c", "copy", steps=1, lr=1e-3, batch=4, seq_len=32, copy_vocab=64), tokenizer)
+    assert b["output_ids"].shape == (64,) and torch.equal(b["input_ids"], plain["input_ids"])
+    mask = plain["labels"] != -100
+    assert torch.equal(b["labels"] == -100, ~mask)
+    assert torch.equal(b["output_ids"][b["labels"][mask]], plain["labels"][mask])  # same targets, re-indexed
+    with pytest.raises(ValueError, match="copy_vocab > 0"):
+        copy_batch(step_rng(0, "c", 0), Phase("c", "copy", steps=1, lr=1e-3, seq_len=32, restrict_softmax=True), tokenizer)
+
+
+def test_freeze_vision_phase_leaves_the_tower_untouched(tokenizer, tmp_path):
+    torch.manual_seed(0)
+    vlm = transformers.Qwen2_5_VLForConditionalGeneration(build_config("tiny-qwen2.5-vl", tokenizer))
+    visual = {k: v.clone() for k, v in vlm.model.visual.state_dict().items()}
+    text = {k: v.clone() for k, v in vlm.model.language_model.state_dict().items()}
+    mix = (("digitgrid", 1.0, {"n_queries": 2}),)
+    phases = [Phase("grid", "tasks", steps=2, lr=1e-3, warmup=1, batch=2, mixture=mix, freeze_vision=True)]
+    run_phases(vlm, build_processor(tokenizer), phases, tmp_path, seed=0, budget_s=1e9)
+    assert all(torch.equal(v, visual[k]) for k, v in vlm.model.visual.state_dict().items())
+    assert any(not torch.equal(v, text[k]) for k, v in vlm.model.language_model.state_dict().items())

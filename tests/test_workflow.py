@@ -97,7 +97,7 @@ def test_ambiguous_figure_fails_naming_both_canonical_targets(tmp_path, n):
 
 
 @pytest.mark.parametrize("alias, canonical, rule", [
-    ("results/table3.csv", "results/conduit/table3.csv", "conduit_table_alias"),
+    ("results/table11.csv", "results/conduit/table11.csv", "conduit_table_alias"),  # table3 has a rule now
     ("results/tableIII.csv", "results/residualkv/tableIII.csv", "residualkv_table_alias"),
     ("figures/fig8.pdf", "figures/residualkv/fig8.pdf", "residualkv_figure_alias"),
 ])

@@ -23,15 +23,21 @@ def _data(a: argparse.Namespace) -> None:
     print(json.dumps(meta, indent=2, default=str))
 
 
+def _json_object(text: str, flag: str) -> dict:
+    """``text`` parsed as a JSON object (empty text: ``{}``); ValueError naming ``flag`` otherwise."""
+    try:
+        obj = json.loads(text) if text else {}
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{flag} must be a JSON object, got {text!r} ({e.msg})") from e
+    if not isinstance(obj, dict):
+        raise ValueError(f"{flag} must be a JSON object, got {text!r}")  # noqa: TRY004 (CLI reports ValueError)
+    return obj
+
+
 def _train(a: argparse.Namespace) -> None:
     from kvbench.train.zoo import train_zoo_model
 
-    try:
-        overrides = json.loads(a.overrides) if a.overrides else {}
-    except json.JSONDecodeError as e:
-        raise ValueError(f"--overrides must be a JSON object, got {a.overrides!r} ({e.msg})") from e
-    if not isinstance(overrides, dict):
-        raise ValueError(f"--overrides must be a JSON object, got {a.overrides!r}")
+    overrides = _json_object(a.overrides, "--overrides")
     summary = train_zoo_model(
         a.model, tokenizer_dir=a.tokenizer, out_dir=a.out, workdir=a.workdir,
         budget_s=a.budget_s, seed=a.seed, threads=a.threads, overrides=overrides,
@@ -42,19 +48,66 @@ def _train(a: argparse.Namespace) -> None:
 def _eval(a: argparse.Namespace) -> None:
     from kvbench.eval.runner import run_eval
 
-    metrics = run_eval(a.model, a.split, method=a.method, out_dir=a.out, seed=a.seed, limit=a.limit, threads=a.threads)
+    params = _json_object(a.method_params, "--method-params")
+    metrics = run_eval(a.model, a.split, method=a.method, out_dir=a.out, seed=a.seed, limit=a.limit, threads=a.threads,
+                       method_params=params)
     print(json.dumps(metrics, indent=2, default=str))
+
+
+def _cache(a: argparse.Namespace) -> None:
+    from kvbench.eval.refresh import build_caches
+    from kvbench.utils.io import write_json
+
+    index = build_caches(a.model, a.split, a.cache_dir, limit=a.limit, threads=a.threads)
+    write_json(a.out, index)
+    print(json.dumps({k: v for k, v in index.items() if k != "stores"}, indent=2))
+
+
+def _replay(a: argparse.Namespace) -> int:
+    from kvbench.eval.audit import replay
+
+    out = replay(a.run, a.id, cache_dir=a.cache_dir)
+    print(json.dumps(out, indent=2))
+    return 0 if out["match"] else 1
 
 
 def _report(a: argparse.Namespace) -> None:
     from kvbench.report import zoo
 
-    if a.what == "zoo-figure" and not str(a.out).endswith(".pdf"):
-        raise ValueError(f"--out of zoo-figure must end in .pdf, got {a.out!r}")
+    if a.what in ("zoo-figure", "conduit-fig3") and not str(a.out).endswith(".pdf"):
+        raise ValueError(f"--out of {a.what} must end in .pdf, got {a.out!r}")
     if a.what == "zoo":
         zoo.write_zoo_table(a.runs, a.train, a.out)
     elif a.what == "zoo-figure":
         zoo.plot_training_curves(a.train, a.out)
+    else:
+        from kvbench.report import conduit
+
+        if not a.conduit:
+            raise ValueError(f"{a.what} needs --conduit (JSON: profile, conduit config section, splits)")
+        conduit.report(a.what.removeprefix("conduit-"), a.conduit, a.out, out_csv=a.data_out,
+                       allow_missing=a.allow_missing)
+
+
+def _bench(a: argparse.Namespace) -> None:
+    if a.what == "conduit-table3":
+        from kvbench.bench.table3 import write_table3
+
+        if not a.raw:
+            raise ValueError("conduit-table3 needs --raw (the CSV written by `kvbench bench conduit-latency`)")
+        print(write_table3(a.raw, a.out, a.profile).to_string(index=False))
+        return
+    import pandas as pd
+
+    from kvbench.bench.latency import RAW_COLUMNS, LatencyConfig, run_conduit_latency
+    from kvbench.utils.io import atomic_path
+
+    cfg = LatencyConfig(model=a.model, tokenizer=a.tokenizer, sizes=a.sizes, page_px=a.page_px, r=a.r,
+                        methods=a.methods, repeats=a.repeats, warmup=a.warmup, threads=a.threads,
+                        device=a.device, dtype=a.dtype, seed=a.seed)
+    rows = run_conduit_latency(cfg)
+    with atomic_path(a.out) as tmp:
+        pd.DataFrame(rows, columns=RAW_COLUMNS).to_csv(tmp, index=False)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -95,14 +148,57 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--limit", type=int, default=None, help="evaluate only the first N samples")
     s.add_argument("--threads", type=int, default=1)
+    s.add_argument("--method-params", default="",
+                   help="JSON object of method parameters, e.g. '{\"cache_dir\": \"cache/x\", \"build_missing\": false}'")
     s.set_defaults(func=_eval)
 
+    s = sub.add_parser("cache", help="build the reusable per-image KV caches of a split (CONDUIT refresh runs)")
+    s.add_argument("--model", required=True, help="HF checkpoint directory or zoo name (a VLM)")
+    s.add_argument("--split", required=True, help="JSONL split of VLM records with generic_system")
+    s.add_argument("--cache-dir", required=True, help="cache root (one store per model weights and generic prefix)")
+    s.add_argument("--out", required=True, help="index JSON written last (what was built or reused)")
+    s.add_argument("--limit", type=int, default=None, help="only the first N records")
+    s.add_argument("--threads", type=int, default=1)
+    s.set_defaults(func=_cache)
+
+    s = sub.add_parser("replay", help="re-run the recorded refresh plan of one sample and compare the prediction")
+    s.add_argument("--run", required=True, help="run directory of a refresh method (predictions.jsonl with plans)")
+    s.add_argument("--id", required=True, help="record id")
+    s.add_argument("--cache-dir", default=None, help="image cache root when the run's is gone (default: rebuild)")
+    s.set_defaults(func=_replay)
+
     s = sub.add_parser("report", help="tables and figures from finished runs")
-    s.add_argument("what", choices=["zoo", "zoo-figure"])
+    s.add_argument("what", choices=["zoo", "zoo-figure", "conduit-table1", "conduit-table2", "conduit-table4",
+                                    "conduit-table5", "conduit-fig3", "conduit-gap"])
     s.add_argument("--runs", nargs="*", default=[], help="run directories (eval outputs)")
     s.add_argument("--train", nargs="*", default=[], help="training work directories (curves, summary)")
+    s.add_argument("--conduit", default="", help="conduit-*: JSON {profile, conduit: config section, splits, zoo_models}")
+    s.add_argument("--data-out", default=None, help="conduit-fig3: CSV of the plotted numbers")
+    s.add_argument("--allow-missing", action="store_true",
+                   help="conduit-*: a missing run gives empty cells with a note naming it (default: error)")
     s.add_argument("--out", required=True)
     s.set_defaults(func=_report)
+
+    from kvbench.bench import BENCH_DEFAULTS as d  # light module: defaults only
+
+    s = sub.add_parser("bench", help="latency benchmarks: conduit-latency (raw TTFT/FLOPs CSV), conduit-table3")
+    s.add_argument("what", choices=["conduit-latency", "conduit-table3"])
+    s.add_argument("--out", required=True, help="raw measurements CSV (conduit-latency) or table CSV (conduit-table3)")
+    s.add_argument("--model", default=d["model"], help="timing model name (random weights) or checkpoint dir")
+    s.add_argument("--tokenizer", default=None, help="tokenizer directory (timing models)")
+    s.add_argument("--sizes", type=int, nargs="+", default=d["sizes"], help="pages per request, one context each")
+    s.add_argument("--page-px", type=int, default=d["page_px"], help="page side in px (multiple of 28, <= 448)")
+    s.add_argument("--r", type=float, default=d["r"], help="refresh ratio of the budgeted methods")
+    s.add_argument("--methods", nargs="+", default=d["methods"], help="refresh policies (full is always added)")
+    s.add_argument("--repeats", type=int, default=d["repeats"], help="timed runs per (size, method)")
+    s.add_argument("--warmup", type=int, default=d["warmup"], help="untimed runs first")
+    s.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    s.add_argument("--device", default="auto", help="auto (CUDA if available), cpu or cuda[:i]")
+    s.add_argument("--dtype", default="auto", help="auto (bfloat16 on CUDA, float32 on CPU) or a torch dtype")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--raw", default=None, help="conduit-table3: the raw CSV")
+    s.add_argument("--profile", default="smoke", help="conduit-table3: profile named in the header line")
+    s.set_defaults(func=_bench)
     return p
 
 
@@ -117,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     from kvbench.train.loop import Interrupted
 
     try:
-        args.func(args)
+        rc = args.func(args)
     except Interrupted as e:
         print(f"kvbench {args.verb}: {e}", file=sys.stderr)
         return 130
@@ -125,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
         msg = e.args[0] if isinstance(e, KeyError) and e.args else e
         print(f"kvbench {args.verb}: error: {msg}", file=sys.stderr)
         return 2
-    return 0
+    return rc or 0
 
 
 if __name__ == "__main__":

@@ -40,12 +40,14 @@ def _check_names():
     catches what would otherwise fail only after the models had trained.
     """
     from kvbench.data.smoke import TASKS
-    from kvbench.eval.methods import METHODS
+    from kvbench.eval.specs import check_method_spec
     from kvbench.train.recipes import RECIPES, apply_overrides
 
     for method in config["eval"]["methods"]:
-        if method not in METHODS:
-            raise ValueError(f"config eval.methods: unknown method {method!r}; expected one of {sorted(METHODS)}")
+        try:
+            check_method_spec(method)  # a registry name (full) or a refresh spec (reuse); conduit.smk checks its own
+        except ValueError as e:
+            raise ValueError(f"config eval.methods: unknown method {method!r} or bad method spec: {e}") from e
     for name in SMOKE_DATASETS:
         if name not in TASKS:
             raise ValueError(f"config datasets.{name}: no smoke generator named {name!r}; expected one of {sorted(TASKS)}")
@@ -152,3 +154,101 @@ def ambiguous_figure(wc):
         f"figures/fig{wc.n}.pdf is ambiguous: both papers have a Figure {wc.n}. "
         f"Ask for figures/conduit/fig{wc.n}.pdf (CONDUIT) or figures/residualkv/fig{wc.n}.pdf (ResidualKV)."
     )
+
+
+# --- CONDUIT accuracy targets (conduit.smk) ---------------------------------------------------
+
+def _conduit_plan():
+    """The ConduitPlan of the config (None without a `conduit:` section); fails early on bad names or specs."""
+    from kvbench.report.conduit import ConduitPlan
+
+    if "conduit" not in config:
+        return None
+    section = config["conduit"]
+    for model in section["models"]:
+        if model not in MODELS:
+            raise ValueError(f"config conduit.models: {model!r} is not defined under `models`")
+        if MODELS[model]["kind"] != "vlm":
+            raise ValueError(f"config conduit.models: {model!r} is a {MODELS[model]['kind']!r} model; refresh runs need a vlm")
+    for group in ("multi_image", "single_image"):
+        for name, col in section[group].items():
+            if col["dataset"] not in DATASETS:
+                raise ValueError(f"config conduit.{group}.{name}: dataset {col['dataset']!r} is not defined under `datasets`")
+            if "k" in col and col["k"][0] > col["k"][1]:
+                raise ValueError(f"config conduit.{group}.{name}: k range {col['k']} is empty (lo > hi)")
+    try:
+        return ConduitPlan(section, PROFILE, ZOO_MODELS)
+    except ValueError as e:
+        raise ValueError(f"config conduit: {e}") from e
+
+
+CONDUIT = _conduit_plan()
+CONDUIT_RUNS = CONDUIT.run_slugs() if CONDUIT else {}  # run-directory name -> canonical spec
+CONDUIT_TABLES = ["table1", "table2", "table4", "table5"]
+
+
+def conduit_plan():
+    """The config's ConduitPlan; raises (at DAG time) when the config has no `conduit:` section."""
+    if CONDUIT is None:
+        raise ValueError("this config has no `conduit:` section, so it has no CONDUIT accuracy targets "
+                         "(config/config.yaml shows one)")
+    return CONDUIT
+
+
+def conduit_cache_dir(wc):
+    """Image-cache root of one model x dataset (the conduit_cache rule's index.json lives there)."""
+    return f"cache/conduit/{wc.profile}/{wc.model}/{wc.task}"
+
+
+def conduit_limit():
+    """`--limit N` for `conduit.n_test` (empty: every record)."""
+    n = config.get("conduit", {}).get("n_test")
+    return "" if n is None else f"--limit {n}"
+
+
+def conduit_is_refresh(wc):
+    """Whether a conduit run reads image caches (every spec but `full`, the model.generate reference)."""
+    return CONDUIT_RUNS[wc.run] != "full"
+
+
+def conduit_eval_inputs(wc):
+    """Model config, split and (refresh methods only) the image-cache index of the run's model x dataset."""
+    inputs = eval_inputs(wc)
+    if conduit_is_refresh(wc):
+        inputs["cache"] = f"{conduit_cache_dir(wc)}/index.json"
+    return inputs
+
+
+def conduit_method_params(wc):
+    """`--method-params` JSON of a conduit run: the read-only image cache of refresh methods."""
+    if not conduit_is_refresh(wc):
+        return "{}"
+    return json.dumps({"cache_dir": conduit_cache_dir(wc), "build_missing": False})
+
+
+def conduit_run_inputs(target):
+    """Input function: predictions of every run ``target`` reads, plus the splits (K lookup)."""
+    def inputs(wc):
+        plan = conduit_plan()
+        runs = [f"{plan.run_dir(m, d, s)}/predictions.jsonl" for m, d, s in plan.runs(target)]
+        return runs + sorted({split_file(d) for _, d, _ in plan.runs(target)})
+    return inputs
+
+
+def conduit_report_spec(target):
+    """The JSON the report verb reads: profile, the conduit section, split paths, zoo model names."""
+    plan = conduit_plan()
+    splits = {d: split_file(d) for _, d, _ in plan.runs(target)}
+    return json.dumps({"profile": PROFILE, "conduit": config["conduit"], "splits": splits,
+                       "zoo_models": ZOO_MODELS}, sort_keys=True)
+
+
+def conduit_targets():
+    """Every CONDUIT accuracy target (rule `conduit`)."""
+    return ([f"results/conduit/{t}.csv" for t in CONDUIT_TABLES]
+            + ["results/conduit/staleness_gap.csv", "figures/conduit/fig3.pdf"])
+
+
+def model_resource(key, zoo_default, checkpoint_default):
+    """Resource function: the model entry's `key` (mem_mb, gpus), else the zoo or checkpoint default."""
+    return lambda wc: MODELS[wc.model].get(key, zoo_default if is_zoo(wc.model) else checkpoint_default)

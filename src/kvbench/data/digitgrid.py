@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import random
 
-from kvbench.data.docpages import cell_name, grid_record
+from kvbench.data.docpages import field_code, grid_record
 
 ROWS = COLS = 4
 
@@ -37,6 +37,6 @@ def sample(rng: random.Random, split: str, n_queries: int | None = None, K: int 
         n_queries = 8 if split == "train" else 1
     return grid_record(
         rng, split, K=1, rows=ROWS, cols=COLS, page_labels=False,
-        question_fn=lambda p, r, c: f"Cell {cell_name(r, c, COLS)}",
+        question_fn=lambda p, r, c: f"Cell {field_code(1, r, c, ROWS, COLS)}",
         n_queries=n_queries, instruction=instruction, family="digitgrid",
     )

@@ -1,22 +1,23 @@
 """Multi-image document QA over pages of handwritten digits (CONDUIT's multi-image setting).
 
-A request shows K pages (K uniform in 2..6 unless given), each a 3x3 grid of
-real digit scans (84x84 px = 9 Qwen2.5-VL visual tokens, see
+A request shows K pages (K uniform in 2..6 unless given), each a 2x2 grid of
+real digit scans (56x56 px = 4 Qwen2.5-VL visual tokens, see
 :mod:`kvbench.data.digits`) laid out like a form: each cell carries a printed
-field code, page number and cell letter (``"3E"``), above the handwriting. The
-printed codes make the lookup content-based: the model finds the field whose
-printed code matches the question, as it would on a real form, rather than
+page number and field code (``"3J"``) above the handwriting, and the field
+codes run on across the document (A-D on page 1, E-H on page 2, ...). The
+printed codes make the lookup content-based, as on a real form, rather than
 counting visual-token positions, which a model trained for minutes on a CPU
-does not learn (docs/decisions.md, "Printed field codes"). Pages are preceded by a serving prefix that contains a
-reading instruction (:mod:`kvbench.data.instructions`). The question names one
-cell; the answer is the instruction applied to that cell's digit, so a model
-must read the page *under the instruction*, which is what stale per-image KV
-reuse (pages cached under ``generic_system``) can get wrong.
+does not learn (docs/decisions.md, "Printed field codes"). Pages are preceded
+by a serving prefix that contains a reading instruction
+(:mod:`kvbench.data.instructions`). The question names one cell; the answer
+is the instruction applied to that cell's digit, so a model must read the
+page *under the instruction*, which is what stale per-image KV reuse (pages
+cached under ``generic_system``) can get wrong.
 
 Record (kind ``"vlm"``, see docs/architecture.md)::
 
     content  = [{"type": "text", "text": "Page 1:"}, {"type": "image", "image": <PIL.Image>}, ...]
-    question = "Page {p}, cell {X}"    (cells lettered A, B, C, ... row-major; the answer follows directly)
+    question = "Page {p}, cell {X}"    (X = field code, row-major across pages; the answer follows directly)
     answer   = str(instruction_fn(digit))          (one digit, max_new_tokens 1)
     metric   = "exact_match", chance = 0.1
     meta     = {K, page, row, col, digit, instruction, digit_indices, [extra_queries]}
@@ -28,19 +29,31 @@ from collections.abc import Callable
 
 from kvbench.data import digits, instructions
 
-ROWS = COLS = 3
+ROWS = COLS = 2
 K_RANGE = (2, 6)
-_LETTERS = "ABCDEFGHIJKLMNOP"
+#: Field codes, one letter each, running on across pages: page 1 holds A-D, page 2 E-H, ...
+FIELD_LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWX"
 
 
-def cell_name(row: int, col: int, cols: int) -> str:
-    """Letter of a 1-based (row, col) cell, row-major: A B C / D E F / G H I on a 3x3 page.
+def field_code(page: int, row: int, col: int, rows: int, cols: int) -> str:
+    """Letter of 1-based cell (row, col) of page ``page``, numbered row-major across the document.
 
-    One token names the cell. The staleness trial (shared/notes/staleness.md)
-    learned with one question token per cell but stayed at chance when a cell
-    was named by several tokens (row and column numbers).
+    One letter names one cell of the whole document (on 2x2 pages: A-D on
+    page 1, E-H on page 2, ...; on a single 4x4 page: A-P). One question
+    token per cell is what the staleness trial (shared/notes/staleness.md)
+    could learn; and with a code that is unique in the document the answer
+    is a one-hop lookup. With per-page letters (each page A-I) a model
+    trained for minutes on the CPU found the right cell but not the right
+    page (docs/decisions.md, "Printed field codes").
+
+    Raises:
+        ValueError: a cell beyond the 24 available codes.
     """
-    return _LETTERS[(row - 1) * cols + (col - 1)]
+    i = (page - 1) * rows * cols + (row - 1) * cols + (col - 1)
+    if not 0 <= i < len(FIELD_LETTERS):
+        raise ValueError(f"no field code for page {page}, cell ({row}, {col}) of {rows}x{cols} pages: "
+                         f"only {len(FIELD_LETTERS)} codes")
+    return FIELD_LETTERS[i]
 
 
 def grid_record(
@@ -87,7 +100,8 @@ def grid_record(
     for k, idx in enumerate(pages, 1):
         if page_labels:
             content.append({"type": "text", "text": f"Page {k}:"})
-        printed = [f"{k if page_labels else ' '}{cell_name(r + 1, c + 1, cols)}" for r in range(rows) for c in range(cols)]
+        printed = [f"{k if page_labels else ' '}{field_code(k, r + 1, c + 1, rows, cols)}"
+                   for r in range(rows) for c in range(cols)]
         content.append({"type": "image", "image": digits.render_page(idx, rows, cols, labels=printed)})
     cells = rng.sample(range(n_cells), n_queries)
     queries = []
@@ -129,7 +143,7 @@ def sample(rng: random.Random, split: str, n_queries: int | None = None, K: int 
     rng : random.Random — the record's generator.
     split : str — ``"train"`` or ``"test"`` (disjoint scan pools).
     n_queries : int, default 1 for test, 8 for train — questions per record (distinct cells).
-    K : int, default uniform in 2..6 — number of 84x84 pages.
+    K : int, default uniform in 2..6 — number of 56x56 pages.
     instruction : str, default drawn uniformly — one of :data:`instructions.INSTRUCTIONS`.
     """
     if K is None:
@@ -138,6 +152,6 @@ def sample(rng: random.Random, split: str, n_queries: int | None = None, K: int 
         n_queries = 8 if split == "train" else 1
     return grid_record(
         rng, split, K=K, rows=ROWS, cols=COLS, page_labels=True,
-        question_fn=lambda p, r, c: f"Page {p}, cell {cell_name(r, c, COLS)}",
+        question_fn=lambda p, r, c: f"Page {p}, cell {field_code(p, r, c, ROWS, COLS)}",
         n_queries=n_queries, instruction=instruction, family="docpages",
     )

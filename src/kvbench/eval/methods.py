@@ -8,6 +8,9 @@ compression method is one file plus one line in :data:`METHODS`.
 
 - ``full``: greedy decoding with the full, exact KV cache (transformers'
   ``generate`` with its default ``DynamicCache``): the upper-bound baseline.
+- ``refresh``: a CONDUIT-side refresh policy over cached per-image KV
+  (:mod:`kvbench.eval.refresh`), named by a method spec such as
+  ``conduit@0.1:lam=0.5`` (:func:`get_method` accepts specs directly).
 """
 from __future__ import annotations
 
@@ -43,6 +46,11 @@ class EvalMethod(abc.ABC):
     def config(self) -> dict:
         """``{"name": ..., **hyper-parameters}`` for ``run_info.json``."""
         return {"name": self.name, **dataclasses.asdict(self)}
+
+    def audit(self) -> dict | None:
+        """Audit record of the last :meth:`predict` call, stored as ``plan`` in its predictions row
+        (refresh methods: the refresh plan); None for methods without one."""
+        return None
 
     # -- shared machinery ------------------------------------------------------
     @staticmethod
@@ -122,9 +130,16 @@ METHODS: dict[str, type[EvalMethod]] = {
 def get_method(name: str, **params: Any) -> EvalMethod:
     """Instantiate method ``name`` with hyper-parameters ``params``.
 
+    ``name`` is a registry name or a refresh method spec (``reuse``, ``conduit@0.1:lam=0.5``;
+    :mod:`kvbench.eval.refresh`), which becomes ``RefreshMethod(spec=name, **params)``.
+
     Raises:
-        ValueError: unknown name (the message lists the valid ones).
+        ValueError: unknown name or invalid spec (the message lists the valid names).
     """
     if name not in METHODS:
-        raise ValueError(f"unknown evaluation method {name!r}; expected one of {sorted(METHODS)}")
+        return METHODS["refresh"](spec=name, **params)
     return METHODS[name](**params)
+
+
+# Refresh methods register themselves (kvbench.eval.refresh subclasses EvalMethod, so it is imported last).
+import kvbench.eval.refresh  # noqa: F401

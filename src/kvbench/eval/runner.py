@@ -208,6 +208,8 @@ def run_eval(
             "metric": r["metric"], "status": status, "error": err,
             "latency_ms": (time.perf_counter() - ts) * 1e3,
         })
+        if status == "ok" and (audit := evaluator.audit()) is not None:
+            rows[-1]["plan"] = audit  # refresh runs: the executed plan (kvbench.eval.audit)
     if all(row["status"] == "error" for row in rows):
         raise RuntimeError(f"{split_path}: all {len(rows)} samples failed; first: {rows[0]['error']}") from first_exc
 

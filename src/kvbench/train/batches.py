@@ -32,8 +32,13 @@ def copy_batch(rng: random.Random, phase: Phase, tok: Any) -> dict:
     """Random-offset copy: a random token span reappears later; loss on the repeat.
 
     A fixed repeat offset is learned by position and does not transfer to
-    retrieval (``shared/notes/training.md``), so both offsets are random.
-    Returns ``input_ids``/``labels`` (int64, ``[batch, seq_len]``).
+    retrieval (``shared/notes/training.md``), so the span (``L/8..L/4``
+    tokens), its start and the repeat distance (uniform in ``[m, L - m]``)
+    are all random.
+    Returns ``input_ids``/``labels`` (int64, ``[batch, seq_len]``); with
+    ``phase.restrict_softmax`` also ``output_ids`` (int64 ``[copy_vocab]``,
+    the vocabulary the loss's softmax runs over) and ``labels`` given as
+    indices into it.
     """
     L = phase.seq_len
     if phase.copy_vocab:
@@ -45,13 +50,26 @@ def copy_batch(rng: random.Random, phase: Phase, tok: Any) -> dict:
     labels = torch.full((phase.batch, L), IGNORE_INDEX, dtype=torch.long)
     for b in range(phase.batch):
         x = [rng.choice(vocab) for _ in range(L)]
-        m = rng.randint(max(2, L // 4), L // 2 - 1)
-        i = rng.randint(0, L - 2 * m)
-        j = rng.randint(i + m, L - m)
+        # The repeat distance is drawn uniformly and independently of the span: when it
+        # followed from the span's placement, a model copied from the commonest distance
+        # (40% right there, 0-7% elsewhere, measured) instead of matching content.
+        m = rng.randint(max(2, L // 8), L // 4)
+        d = rng.randint(m, L - m)
+        i = rng.randint(0, L - m - d)
+        j = i + d
         x[j:j + m] = x[i:i + m]
         ids[b] = torch.tensor(x)
         labels[b, j + 1:j + m] = ids[b, j + 1:j + m]
-    return {"input_ids": ids, "labels": labels, "attention_mask": torch.ones_like(ids)}
+    out = {"input_ids": ids, "labels": labels, "attention_mask": torch.ones_like(ids)}
+    if phase.restrict_softmax:
+        if not phase.copy_vocab:
+            raise ValueError(f"phase {phase.name!r}: restrict_softmax needs copy_vocab > 0")
+        out_ids = torch.tensor(vocab)
+        index = torch.full((int(out_ids.max()) + 1,), IGNORE_INDEX, dtype=torch.long)
+        index[out_ids] = torch.arange(len(vocab))
+        out["labels"] = torch.where(labels == IGNORE_INDEX, labels, index[labels.clamp(min=0)])
+        out["output_ids"] = out_ids
+    return out
 
 
 def _collate(encs: list[dict], pad_id: int) -> dict:
@@ -100,32 +118,33 @@ def task_batch(rng: random.Random, phase: Phase, proc: Any) -> dict:
 
 
 #: Output layout of the vision probe's linear head: digit, printed cell letter, printed page (0 = none).
-PROBE_CLASSES = {"digit": 10, "letter": 16, "page": 7}
+PROBE_CLASSES = {"digit": 10, "letter": 24, "page": 7}
 
 
 def vision_probe_batch(rng: random.Random, phase: Phase, proc: Any) -> dict:
     """Labelled pages of train-pool digit scans and the classes of each visual token.
 
-    Pages are drawn like the VLM tasks' pages: 3x3 grids printed with page
-    numbers 1..6 (docpages) or 4x4 grids printed with letters only
-    (digitgrid); cells are 28x28 px, so visual token ``i`` of a page is cell
-    ``i`` in row-major order. Returns ``pixel_values``, ``image_grid_thw`` and
-    int64 ``[n_tokens]`` targets ``digit_labels``, ``letter_labels`` (0..15),
+    Pages are drawn like the VLM tasks' pages: 2x2 grids printed with page
+    numbers 1..6 and their field codes (docpages) or 4x4 grids printed with
+    codes A-P only (digitgrid); cells are 28x28 px, so visual token ``i`` of a
+    page is cell ``i`` in row-major order. Returns ``pixel_values``,
+    ``image_grid_thw`` and int64 ``[n_tokens]`` targets ``digit_labels``,
+    ``letter_labels`` (index into ``FIELD_LETTERS``, 0..23),
     ``page_labels`` (0 = no page printed, else 1..6); see :data:`PROBE_CLASSES`.
     """
     from kvbench.data import digits
-    from kvbench.data.docpages import cell_name
+    from kvbench.data.docpages import FIELD_LETTERS, field_code
 
     pool, labels = digits.pool("train"), digits.labels()
     images, ys, letters, pages = [], [], [], []
     for _ in range(phase.batch):
-        n = rng.choice((3, 4))
-        page = rng.randint(1, 6) if n == 3 else 0
+        n = rng.choice((2, 4))
+        page = rng.randint(1, 6) if n == 2 else 0
         idx = [rng.choice(pool) for _ in range(n * n)]
-        printed = [f"{page or ' '}{cell_name(i // n + 1, i % n + 1, n)}" for i in range(n * n)]
-        images.append(digits.render_page(idx, n, n, labels=printed))
+        codes = [field_code(max(page, 1), i // n + 1, i % n + 1, n, n) for i in range(n * n)]
+        images.append(digits.render_page(idx, n, n, labels=[f"{page or ' '}{c}" for c in codes]))
         ys += [int(labels[i]) for i in idx]
-        letters += list(range(n * n))
+        letters += [FIELD_LETTERS.index(c) for c in codes]
         pages += [page] * (n * n)
     enc = proc.image_processor(images=images, return_tensors="pt")
     return {"pixel_values": enc["pixel_values"], "image_grid_thw": enc["image_grid_thw"],

@@ -136,6 +136,9 @@ def run_phases(
     g = 0
     with _Stop() as stop, tqdm(total=total, initial=done, desc=workdir.name, unit="step") as bar:
         for phase in phases:
+            if phase.freeze_vision:  # also on resume, before any skipped step
+                for p in model.model.visual.parameters():
+                    p.requires_grad_(False)
             for s in range(phase.steps):
                 if g < done:
                     g += 1
@@ -149,10 +152,14 @@ def run_phases(
                     loss, acc = probe_loss(logits, batch)
                 else:
                     labels = batch.pop("labels")
-                    loss, acc = sequence_loss(model(**batch).logits, labels)
+                    output_ids = batch.pop("output_ids", None)
+                    logits = model(**batch).logits
+                    if output_ids is not None:
+                        logits = logits[..., output_ids]
+                    loss, acc = sequence_loss(logits, labels)
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
-                torch.nn.utils.clip_grad_norm_(params, 1.0)
+                torch.nn.utils.clip_grad_norm_([p for p in params if p.requires_grad], 1.0)
                 opt.step()
                 g += 1
                 loss_v = loss.item()

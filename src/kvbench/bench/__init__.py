@@ -1,0 +1,27 @@
+"""Latency benchmarks (CONDUIT Table 3): prefill FLOPs and time to first token.
+
+- :mod:`~kvbench.bench.timing_model`: a wider random-weight Qwen2.5-VL for timing only;
+- :mod:`~kvbench.bench.requests`: docpages requests with scaled pages (context size);
+- :mod:`~kvbench.bench.flops`: ``FlopCounterMode`` measurement and the analytic per-layer count;
+- :mod:`~kvbench.bench.cost`: analytic cost of each refresh policy on a request;
+- :mod:`~kvbench.bench.clock`: device-synchronised wall clock, repeat statistics;
+- :mod:`~kvbench.bench.latency`: the benchmark (``kvbench bench conduit-latency``);
+- :mod:`~kvbench.bench.table3`: Table 3 from the raw measurements (``kvbench bench conduit-table3``).
+
+This module only holds defaults (no torch import), so the CLI can read them cheaply.
+"""
+
+#: Methods of CONDUIT's Table 3 in display order; ``full`` is the reference.
+TABLE3_METHODS = ["full", "reuse", "cacheblend", "mpic", "kvshare-conduit", "prophetkv", "conduit"]
+
+#: Defaults of ``kvbench bench conduit-latency`` and :class:`~kvbench.bench.latency.LatencyConfig`
+#: (about 4 minutes on 2 idle CPU cores).
+BENCH_DEFAULTS = {
+    "model": "timing-qwen2.5-vl-wide",
+    "sizes": [2, 4, 6],
+    "page_px": 280,
+    "r": 0.10,
+    "methods": TABLE3_METHODS,
+    "repeats": 5,
+    "warmup": 1,
+}

@@ -1,0 +1,116 @@
+"""CONDUIT Table 3 from the raw latency measurements (:mod:`kvbench.bench.latency`).
+
+One row per (method, context size) and one ``mean`` row per method, as the
+paper averages over contexts (§4.3: 90.36 → 12.24 TFLOPs, TTFT 0.519 → 0.174 s,
+2.99x). Columns (units in the names):
+
+- ``prefill_tflops``: measured FLOPs of the request (``FlopCounterMode``), TFLOPs;
+  full prefill includes the vision tower (``vision_tflops``), the cached paths
+  never run it; ``pct_of_full_flops``: share of full prefill's;
+- ``scoring_tflops``: the scoring pass's part; ``analytic_tflops`` and
+  ``flops_rel_err``: the analytic count (decoder; vision tower added from the
+  measurement) and the relative difference of the measured count from it;
+- ``ttft_ms_median``, ``_q1``, ``_q3``, ``_min``, ``_max`` over the repeats;
+  ``speedup``: full prefill's median TTFT / the method's (mean rows: ratio of
+  the means of the medians, as the paper's 0.519 / 0.174);
+- ``scoring_ms_median`` and ``scoring_pct_of_ttft``: the scoring pass timed on its own.
+
+The first line of the CSV is a ``#`` header naming the profile, device,
+threads and model, and saying these are not the paper's numbers.
+"""
+from __future__ import annotations
+
+import os
+
+import pandas as pd
+
+from kvbench.bench import TABLE3_METHODS
+from kvbench.bench.clock import summarise
+from kvbench.bench.timing_model import TIMING_MODELS
+from kvbench.utils.io import atomic_path
+
+LABELS = {
+    "full": "Full prefill", "reuse": "Cache reuse (r=0)", "cacheblend": "CacheBlend", "mpic": "MPIC",
+    "kvshare-conduit": "KVShare (CONDUIT reimpl.)", "prophetkv": "ProphetKV", "conduit": "CONDUIT",
+    "mpic-first": "MPIC (first:r)", "cacheblend-conduit": "CacheBlend (CONDUIT as-run)",
+}
+
+TABLE3_COLUMNS = [
+    "method", "label", "pages", "context_tokens", "n_visual", "r", "refreshed_visual", "prefill_tflops",
+    "pct_of_full_flops", "scoring_tflops", "vision_tflops", "analytic_tflops", "flops_rel_err",
+    "ttft_ms_median", "ttft_ms_q1", "ttft_ms_q3", "ttft_ms_min", "ttft_ms_max", "speedup",
+    "scoring_ms_median", "scoring_pct_of_ttft", "repeats",
+]
+
+
+def header(raw: pd.DataFrame, profile: str) -> str:
+    """The table's ``#`` first line, from the run's metadata columns."""
+    first = raw.iloc[0]
+    model = first["model"]
+    kind = ("Qwen2_5_VLForConditionalGeneration with RANDOM weights built in memory for timing only"
+            if model in TIMING_MODELS else "checkpoint")
+    sizes = "/".join(str(p) for p in sorted(raw["pages"].unique()))
+    return (f"# kvbench {profile} profile: CONDUIT Table 3 (prefill FLOPs and TTFT at r={first['r']:g}; batch 1) "
+            f"on {first['device']} with {first['threads']} threads ({first['dtype']}; torch {first['torch']}); "
+            f"timing model {model} ({kind}); docpages requests of {sizes} pages at {first['page_px']} px; "
+            "not the paper's numbers")
+
+
+def _cell(g: pd.DataFrame) -> dict:
+    t = summarise(g["ttft_ms"].tolist())
+    s = g["scoring_ms"].dropna()
+    first = g.iloc[0]
+    vision = first["flops_vision"]
+    return {
+        "context_tokens": int(first["seq_len"]), "n_visual": int(first["n_visual"]), "r": first["r"],
+        "refreshed_visual": first["refreshed_visual"], "prefill_tflops": first["flops"] / 1e12,
+        "scoring_tflops": first["flops_scoring"] / 1e12, "vision_tflops": vision / 1e12,
+        "analytic_tflops": (first["flops_analytic"] + vision) / 1e12,
+        "flops_rel_err": first["flops"] / (first["flops_analytic"] + vision) - 1.0,
+        **{f"ttft_ms_{k}": t[k] for k in ("median", "q1", "q3", "min", "max")},
+        "scoring_ms_median": summarise(s.tolist())["median"] if len(s) else None, "repeats": t["n"],
+    }
+
+
+def build_table3(raw: pd.DataFrame) -> pd.DataFrame:
+    """Table 3 rows (see the module docstring) from the raw rows.
+
+    Raises:
+        ValueError: no ``full`` measurements (every ratio is relative to full prefill).
+    """
+    if "full" not in set(raw["method"]):
+        raise ValueError("raw measurements lack the 'full' reference method")
+    order = {m: i for i, m in enumerate(TABLE3_METHODS)}
+    cells = []
+    for (method, pages), g in raw.groupby(["method", "pages"], sort=False):
+        cells.append({"method": method, "label": LABELS.get(method, method), "pages": str(pages), **_cell(g)})
+    df = pd.DataFrame(cells)
+    full = df[df["method"] == "full"].set_index("pages")
+    df["pct_of_full_flops"] = 100 * df["prefill_tflops"] / df["pages"].map(full["prefill_tflops"])
+    df["speedup"] = df["pages"].map(full["ttft_ms_median"]) / df["ttft_ms_median"]
+    df["scoring_pct_of_ttft"] = 100 * df["scoring_ms_median"] / df["ttft_ms_median"]
+    means = []
+    full_ttft = full["ttft_ms_median"].mean()
+    full_flops = full["prefill_tflops"].mean()
+    for method, g in df.groupby("method", sort=False):
+        m = g.mean(numeric_only=True)
+        means.append({**m.to_dict(), "method": method, "label": g["label"].iloc[0], "pages": "mean",
+                      "pct_of_full_flops": 100 * m["prefill_tflops"] / full_flops,
+                      "speedup": full_ttft / m["ttft_ms_median"],
+                      "scoring_pct_of_ttft": (100 * m["scoring_ms_median"] / m["ttft_ms_median"]
+                                              if pd.notna(m["scoring_ms_median"]) else None),
+                      "repeats": int(g["repeats"].min())})
+    df = pd.concat([df, pd.DataFrame(means)], ignore_index=True)
+    df["_m"] = df["method"].map(lambda m: order.get(m, len(order)))
+    df["_p"] = df["pages"].map(lambda p: float("inf") if p == "mean" else int(p))
+    return df.sort_values(["_m", "_p"]).drop(columns=["_m", "_p"])[TABLE3_COLUMNS].reset_index(drop=True)
+
+
+def write_table3(raw_csv: str | os.PathLike, out: str | os.PathLike, profile: str) -> pd.DataFrame:
+    """Read the raw CSV, build Table 3 and write it to ``out`` with its ``#`` header line (atomically)."""
+    raw = pd.read_csv(raw_csv)
+    table = build_table3(raw)
+    with atomic_path(out) as tmp, open(tmp, "w", encoding="utf-8") as f:
+        f.write(header(raw, profile) + "\n")
+        table.to_csv(f, index=False, float_format="%.6g")
+    return table

@@ -1,0 +1,231 @@
+"""Audit records of refresh runs, and exact replay of a recorded plan (``kvbench replay``).
+
+Every prediction row of a refresh run carries ``plan`` (:func:`plan_audit`), enough to re-execute
+the refresh without the policy or the scoring rule:
+
+- ``selected``: visual sequence indices (positions in the assembled request, 0-based) of a
+  single-set policy, else None;
+- ``depth``: per visual token (order of ``visual_index``), the number of leading decoder layers at
+  which its recomputed K/V were kept. Per-layer sets are nested (executor contract), so layer ``l``
+  kept ``{t : depth[t] > l}``; ``layer_counts`` is that count per layer;
+- ``blend``: ``{layer: [indices computed there]}`` where a schedule computed more rows than it kept
+  (CacheBlend's check layer), else empty;
+- ``image_spans``, ``per_image_refreshed`` (mean refreshed tokens per layer, per image),
+  ``coefficients`` (c_j, or None), ``scores`` (summary of the final ranking scores, or None),
+  ``text_rows`` (``"all"`` or the recomputed text indices), ``base_from_stage1``, ``full_prefill``,
+  ``budget`` (⌈r·N_visual⌉), ``tokens`` (generated ids).
+
+:func:`replay` rebuilds the request, runs the recorded per-layer sets through the same executor and
+decodes again; it reproduces the prediction exactly (same rows per layer, same arithmetic).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from kvbench.reuse.assemble import AssembledRequest
+from kvbench.reuse.executor import LayerSchedule, LayerState
+from kvbench.reuse.policies import RefreshPlan, RefreshPolicy, RefreshResult
+from kvbench.reuse.validate import budget_count
+
+
+class RecordingSchedule(LayerSchedule):
+    """Delegates to ``inner`` and records, per blend layer, the rows computed before the blend."""
+
+    def __init__(self, inner: LayerSchedule):
+        super().__init__(inner.per_layer)
+        self.inner = inner
+        self.blends: dict[int, torch.Tensor] = {}
+
+    def start(self):
+        return self.inner.start()
+
+    def wants_queries(self, layer):
+        return self.inner.wants_queries(layer)
+
+    def blend(self, state: LayerState):
+        kept = self.inner.blend(state)
+        if kept is not None:
+            self.blends[state.layer] = state.active_visual.clone()
+        return kept
+
+    def observe(self, state):
+        self.inner.observe(state)
+
+    def advance(self, state):
+        return self.inner.advance(state)
+
+
+class Recorded(RefreshPolicy):
+    """Wraps a policy so that its schedule is a :class:`RecordingSchedule` (the selection is unchanged)."""
+
+    def __init__(self, inner: RefreshPolicy):
+        self.inner = inner
+        self.name = inner.name
+        self.uses_scoring = inner.uses_scoring
+        self.schedule: RecordingSchedule | None = None
+
+    def params(self):
+        return self.inner.params()
+
+    def plan(self, req, scoring, r):
+        plan = self.inner.plan(req, scoring, r)
+        if plan.schedule is not None:
+            self.schedule = plan.schedule = RecordingSchedule(plan.schedule)
+        return plan
+
+
+def _ints(t: torch.Tensor | None) -> list[int] | None:
+    return None if t is None else [int(x) for x in t.tolist()]
+
+
+def score_summary(scores: torch.Tensor | None, selected_pos: torch.Tensor | None) -> dict | None:
+    """``{n, min, max, mean, threshold, top}`` of final scores ``[N_visual]`` (``threshold``: lowest
+    selected score; ``top``: the 5 best as ``[visual token number, score]``), or None."""
+    if scores is None or scores.numel() == 0:
+        return None
+    s = scores.float()
+    order = torch.sort(-s, stable=True).indices[:5]
+    thr = None if selected_pos is None or selected_pos.numel() == 0 else float(s[selected_pos].min())
+    return {"n": int(s.numel()), "min": float(s.min()), "max": float(s.max()), "mean": float(s.mean()),
+            "threshold": thr, "top": [[int(i), float(s[i])] for i in order]}
+
+
+def plan_audit(req: AssembledRequest, result: RefreshResult, recorder: Recorded, params: dict,
+               tokens: list[int]) -> dict:
+    """The audit record of one refresh of ``req`` (module docstring); JSON-serialisable.
+
+    Args:
+        req: the assembled request the policy ran on.
+        result: :func:`kvbench.reuse.refresh`'s output.
+        recorder: the :class:`Recorded` wrapper the policy ran in.
+        params: the policy parameters of the spec (non-default ones).
+        tokens: generated token ids.
+    """
+    plan, out = result.plan, result.output
+    vis = req.visual_index.cpu()
+    depth = torch.zeros(vis.numel(), dtype=torch.long)
+    for kept in out.computed_visual:
+        depth += torch.isin(vis, kept.cpu()).long()
+    n_layers = len(out.computed_visual)
+    per_image = torch.zeros(req.n_images).scatter_add_(0, req.image_of_visual.cpu(), depth.float()) / max(n_layers, 1)
+    sel_pos = None if plan.selected is None else torch.isin(vis, plan.selected.cpu()).nonzero().flatten()
+    blends = recorder.schedule.blends if recorder.schedule is not None else {}
+    return {
+        "policy": result.policy, "r": result.r, "params": params,
+        "n_visual": req.n_visual, "n_images": req.n_images, "n_layers": n_layers,
+        "budget": budget_count(result.r, req.n_visual),
+        "image_spans": [[int(s), int(e)] for s, e in req.image_spans],
+        "full_prefill": plan.schedule is None,
+        "selected": _ints(plan.selected),
+        "depth": _ints(depth),
+        "layer_counts": out.layer_counts,
+        "blend": {str(k): _ints(v) for k, v in blends.items()},
+        "per_image_refreshed": [round(float(x), 4) for x in per_image],
+        "coefficients": None if plan.coefficients is None else [float(c) for c in plan.coefficients],
+        "scores": score_summary(None if plan.scores is None else plan.scores.cpu(), sel_pos),
+        "text_rows": "all" if plan.text_rows is None else _ints(plan.text_rows),
+        "base_from_stage1": bool(plan.base_from_stage1),
+        "tokens": [int(t) for t in tokens],
+    }
+
+
+# --- replay ------------------------------------------------------------------------------------
+
+class ReplaySchedule(LayerSchedule):
+    """Static per-layer visual rows with recorded blends (layer -> rows kept after computing more)."""
+
+    def __init__(self, computed: list[torch.Tensor], kept_at_blend: dict[int, torch.Tensor]):
+        super().__init__(computed)
+        self.kept_at_blend = kept_at_blend
+
+    def blend(self, state):
+        return self.kept_at_blend.get(state.layer)
+
+
+class ReplayPolicy(RefreshPolicy):
+    """Re-executes an audit record's plan (no selection rule of its own).
+
+    Raises:
+        ValueError: (at plan time) the request's visual tokens or image spans differ from the record's.
+    """
+
+    def __init__(self, audit: dict):
+        self.audit = audit
+        self.name = f"replay:{audit['policy']}"
+        self.uses_scoring = bool(audit["base_from_stage1"])  # Phase 2 then starts from Stage I's K/V
+
+    def plan(self, req, scoring, r):
+        a = self.audit
+        if req.n_visual != a["n_visual"] or [list(s) for s in req.image_spans] != a["image_spans"]:
+            raise ValueError(f"request has {req.n_visual} visual tokens in spans {req.image_spans}, the audit record "
+                             f"{a['n_visual']} in {a['image_spans']}: not the recorded request")
+        if a["full_prefill"]:
+            return RefreshPlan(schedule=None, selected=req.visual_index)
+        depth = torch.tensor(a["depth"], device=req.visual_index.device)
+        kept = [req.visual_index[depth > layer] for layer in range(a["n_layers"])]
+        blends = {int(k): torch.tensor(v, device=req.visual_index.device) for k, v in a["blend"].items()}
+        computed = [blends.get(layer, kept[layer]) for layer in range(a["n_layers"])]
+        kept_at = {layer: kept[layer] for layer in blends}
+        text_rows = None if a["text_rows"] == "all" else torch.tensor(a["text_rows"], device=req.visual_index.device)
+        return RefreshPlan(schedule=ReplaySchedule(computed, kept_at), text_rows=text_rows,
+                           base_from_stage1=bool(a["base_from_stage1"]))
+
+
+def _find_row(run_dir: Path, record_id: str) -> dict:
+    with open(run_dir / "predictions.jsonl", encoding="utf-8") as f:
+        for line in f:
+            row = json.loads(line)
+            if row["id"] == record_id:
+                return row
+    raise KeyError(f"{run_dir}/predictions.jsonl has no row with id {record_id!r}")
+
+
+def replay(run_dir: str | Path, record_id: str, *, cache_dir: str | None = None, device: str | None = None) -> dict:
+    """Re-run the recorded plan of ``record_id`` in ``run_dir`` and decode again.
+
+    The model, split, cache directory and thread count come from the run's ``run_info.json``; the
+    image caches are read from the run's cache directory when it still exists (else ``cache_dir``,
+    else rebuilt in a temporary directory: entries are a deterministic function of model and image).
+
+    Returns:
+        ``{"id", "policy", "recorded", "replayed", "recorded_tokens", "replayed_tokens", "match"}``.
+
+    Raises:
+        FileNotFoundError: missing run files. KeyError: unknown id.
+        ValueError: the row has no ``plan`` (not a refresh run, or the sample failed), or the
+            record's request differs from the recorded one.
+    """
+    from kvbench.eval.refresh import RefreshMethod, eos_ids, until_eos
+    from kvbench.models.loader import load_model
+    from kvbench.reuse import greedy_decode, prepare, refresh
+    from kvbench.utils.io import read_jsonl
+
+    run_dir = Path(run_dir)
+    info = json.loads((run_dir / "run_info.json").read_text())
+    row = _find_row(run_dir, record_id)
+    audit = row.get("plan")
+    if not audit:
+        raise ValueError(f"{run_dir}: row {record_id!r} has no refresh plan (method {info['method'].get('name')!r}, "
+                         f"status {row.get('status')!r})")
+    split = Path(info["split"]["path"])
+    record = next((r for r in read_jsonl(split) if r["id"] == record_id), None)
+    if record is None:
+        raise KeyError(f"{split} has no record {record_id!r}")
+    torch.set_num_threads(int(info.get("threads", 1)))
+    model, proc = load_model(info["model"]["checkpoint"], device=device or info["args"].get("device") or "cpu")
+    recorded_cache, build = info["method"].get("cache_dir"), True
+    if cache_dir is None and recorded_cache and Path(recorded_cache).is_dir():
+        cache_dir, build = recorded_cache, False  # never write into the run's (pipeline-managed) cache
+    method = RefreshMethod(spec=info["method"]["spec"], cache_dir=cache_dir, build_missing=build)
+    adapter = method.get_adapter(model, proc)
+    with torch.inference_mode():
+        req = prepare(adapter, method.get_store(adapter, record["generic_system"]), record, split.parent)
+        result = refresh(adapter, req, ReplayPolicy(audit), audit["r"])
+        tokens = until_eos(greedy_decode(adapter, result.output, int(record["max_new_tokens"])), eos_ids(model, proc))
+    pred = method.decode(proc, record, torch.tensor(tokens))
+    return {"id": record_id, "policy": audit["policy"], "recorded": row["prediction"], "replayed": pred,
+            "recorded_tokens": audit["tokens"], "replayed_tokens": tokens,
+            "match": pred == row["prediction"] and tokens == audit["tokens"]}

@@ -1,0 +1,213 @@
+"""Refresh policies as evaluation methods: :class:`RefreshMethod` and the image caches it reads (CONDUIT §3-4).
+
+A refresh run is named by a method spec (:mod:`kvbench.eval.specs`), e.g. ``conduit@0.1:lam=0.5``.
+``full`` is the :class:`~kvbench.eval.methods.FullCache` reference (``model.generate``); every other
+policy of :mod:`kvbench.reuse.policies` runs through :class:`RefreshMethod`: per-image caches built
+under the record's ``generic_system`` (:func:`build_caches`, the ``conduit_cache`` rule), the request
+assembled under its serving prefix, the policy's refresh, greedy decoding, and an audit record of the
+executed plan (:mod:`kvbench.eval.audit`).
+"""
+from __future__ import annotations
+
+import hashlib
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+
+from kvbench.eval.audit import Recorded, plan_audit
+from kvbench.eval.methods import METHODS, EvalMethod
+from kvbench.eval.specs import (  # noqa: F401  (re-exported: the spec API is used with the method)
+    FIXED_R,
+    MethodSpec,
+    canonical,
+    check_method_spec,
+    parse_method_spec,
+    slug,
+    slugs,
+    with_budget,
+)
+from kvbench.reuse import (
+    ImageKVStore,
+    adapter_for,
+    get_policy,
+    greedy_decode,
+    prepare,
+    refresh,
+)
+from kvbench.reuse.cache_store import template_hash
+
+# --- the evaluation method -------------------------------------------------------------------
+
+class ReadOnlyStore(ImageKVStore):
+    """An :class:`ImageKVStore` that never writes: a missing (or corrupt) entry is an error.
+
+    Evaluation jobs open the store the ``conduit_cache`` rule built, so a Snakemake-managed cache is
+    never modified by its readers.
+
+    Raises:
+        FileNotFoundError: the directory has no manifest (cache not built), or an entry is missing.
+    """
+
+    def __init__(self, root, adapter, generic_system):
+        if not (Path(root) / "manifest.json").is_file():
+            raise FileNotFoundError(f"image cache {root} has not been built (no manifest.json); "
+                                    "build it with `kvbench cache` (Snakemake rule conduit_cache)")
+        super().__init__(root, adapter, generic_system)
+
+    def _build(self, enc, key):
+        raise FileNotFoundError(f"image cache {self.root} has no valid entry {key[:12]} for an image of this "
+                                "request; rebuild it with `kvbench cache` (Snakemake rule conduit_cache)")
+
+
+def store_root(cache_dir: str | Path, adapter, generic_system: str) -> Path:
+    """Store directory of one (model weights, cache-time template) under ``cache_dir``:
+    ``<cache_dir>/<model fingerprint[:16]>/<template hash[:16]>`` (an ImageKVStore is pinned to both)."""
+    tmpl = template_hash(adapter.processor, generic_system)
+    return Path(cache_dir) / adapter.fingerprint()[:16] / tmpl[:16]
+
+
+def open_store(cache_dir: str | Path, adapter, generic_system: str, build_missing: bool = True) -> ImageKVStore:
+    """The :class:`ImageKVStore` for ``generic_system`` under ``cache_dir`` (read-only unless ``build_missing``)."""
+    cls = ImageKVStore if build_missing else ReadOnlyStore
+    return cls(store_root(cache_dir, adapter, generic_system), adapter, generic_system)
+
+
+def eos_ids(model: Any, proc: Any) -> set[int]:
+    """Token ids that end an answer (the ones ``generate`` stops at in :class:`FullCache`)."""
+    eos = EvalMethod.greedy_kwargs(model, proc, 1)["eos_token_id"]
+    return set(eos) if isinstance(eos, (list, tuple)) else {int(eos)}
+
+
+def until_eos(tokens: list[int], eos: set[int]) -> list[int]:
+    """``tokens`` up to and including the first EOS (what greedy ``generate`` would have produced)."""
+    for i, t in enumerate(tokens):
+        if t in eos:
+            return tokens[: i + 1]
+    return tokens
+
+
+@dataclass
+class RefreshMethod(EvalMethod):
+    """Serve a VLM record from per-image caches built under ``generic_system``, refreshing with a policy.
+
+    Per record (CONDUIT §3.1, App. A.3): each image is looked up in (or added to) an
+    :class:`ImageKVStore` built under the record's ``generic_system``; the request is assembled under
+    its serving prefix ``system`` (:func:`kvbench.reuse.prepare`); the policy runs at budget ``r``
+    (:func:`kvbench.reuse.refresh`: scoring pass, plan, Phase 2 executor); ``max_new_tokens`` tokens are
+    greedy-decoded and cut after the first EOS, as :class:`~kvbench.eval.methods.FullCache` stops.
+    The plan is kept for :meth:`audit` (:func:`kvbench.eval.audit.plan_audit`).
+
+    Parameters:
+        spec: method spec (module docstring), e.g. ``"conduit@0.1:lam=0.5"``.
+        cache_dir: image-cache root (None: a temporary directory for this method's lifetime).
+        build_missing: build missing entries (False: :class:`ReadOnlyStore`, what pipeline runs use).
+
+    Raises:
+        ValueError: invalid spec (at construction), or a record without ``generic_system`` or images.
+    """
+
+    name: ClassVar[str] = "refresh"
+    spec: str = "reuse"
+    cache_dir: str | None = None
+    build_missing: bool = True
+
+    def __post_init__(self):
+        parsed = parse_method_spec(self.spec)
+        if parsed.policy == "full":
+            raise ValueError("'full' is the FullCache method (model.generate); use method 'full', "
+                             "or 'conduit@1.0' for a refresh of every visual token")
+        self.spec = parsed.canonical
+        self._parsed = parsed
+        self._adapters: dict[int, Any] = {}
+        self._stores: dict[str, ImageKVStore] = {}
+        self._tmp = None
+        self._audit: dict | None = None
+
+    def config(self) -> dict:
+        p = self._parsed
+        return {"name": self.name, "spec": self.spec, "policy": p.policy, "r": p.effective_r,
+                "policy_params": get_policy(p.policy, **p.params).params(),
+                "cache_dir": self.cache_dir, "build_missing": self.build_missing}
+
+    def get_adapter(self, model: Any, proc: Any):
+        """The reuse adapter of ``model`` (one per model object; a new model drops the open stores)."""
+        key = id(model)
+        if key not in self._adapters:
+            self._adapters = {key: adapter_for(model, proc)}
+            self._stores = {}
+        return self._adapters[key]
+
+    def get_store(self, adapter, generic_system: str) -> ImageKVStore:
+        """The image store of ``generic_system`` under :attr:`cache_dir` (opened once)."""
+        h = hashlib.sha256(generic_system.encode()).hexdigest()
+        if h not in self._stores:
+            root = self.cache_dir
+            if root is None:
+                self._tmp = self._tmp or tempfile.TemporaryDirectory(prefix="kvbench-imgcache-")
+                root = self._tmp.name
+            self._stores[h] = open_store(root, adapter, generic_system, self.build_missing)
+        return self._stores[h]
+
+    def run(self, model: Any, proc: Any, record: dict, base_dir: str | Path | None):
+        """Assemble and refresh ``record``; returns ``(adapter, request, RefreshResult, recorder)`` (no decoding)."""
+        if "generic_system" not in record:
+            raise ValueError(f"record {record.get('id')!r} lacks 'generic_system' (the prefix images are cached "
+                             "under); refresh methods need it")
+        adapter = self.get_adapter(model, proc)
+        req = prepare(adapter, self.get_store(adapter, record["generic_system"]), record, base_dir)
+        p = self._parsed
+        rec = Recorded(get_policy(p.policy, **p.params))
+        return adapter, req, refresh(adapter, req, rec, p.effective_r), rec
+
+    @torch.inference_mode()
+    def predict(self, model: Any, proc: Any, record: dict, base_dir: str | Path | None) -> str:
+        self._audit = None
+        adapter, req, result, rec = self.run(model, proc, record, base_dir)
+        tokens = until_eos(greedy_decode(adapter, result.output, int(record["max_new_tokens"])), eos_ids(model, proc))
+        self._audit = plan_audit(req, result, rec, self._parsed.params, tokens)
+        return self.decode(proc, record, torch.tensor(tokens))
+
+    def audit(self) -> dict | None:
+        return self._audit
+
+
+METHODS[RefreshMethod.name] = RefreshMethod
+
+
+def build_caches(model_spec: str | Path, split_path: str | Path, cache_dir: str | Path, limit: int | None = None,
+                 device: str | None = None, threads: int = 1) -> dict:
+    """Prefill every image of the first ``limit`` records of a split alone under its ``generic_system`` and
+    store it under ``cache_dir`` (:func:`store_root` per generic prefix); existing valid entries are reused.
+
+    This is what the ``conduit_cache`` rule runs before any refresh run reads the caches read-only.
+
+    Returns:
+        Index ``{"model", "model_fingerprint", "split", "n_records", "n_images", "stores": {generic prefix:
+        store dir}, "built", "reused", "rebuilt_corrupt"}`` (counts of image entries).
+
+    Raises:
+        ValueError: a record is not a VLM record with ``generic_system`` and at least one image.
+    """
+    from kvbench.models.loader import load_model
+    from kvbench.utils.io import read_jsonl
+
+    split_path = Path(split_path)
+    records = read_jsonl(split_path)[: None if limit is None else int(limit)]
+    for r in records:
+        if r.get("kind") != "vlm" or "generic_system" not in r:
+            raise ValueError(f"{split_path}: record {r.get('id')!r} is not a VLM record with 'generic_system'")
+    torch.set_num_threads(int(threads))
+    model, proc = load_model(model_spec, device=device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    method = RefreshMethod(spec="reuse", cache_dir=str(cache_dir), build_missing=True)
+    adapter = method.get_adapter(model, proc)
+    n_images = 0
+    with torch.inference_mode():
+        for r in records:
+            n_images += len(method.get_store(adapter, r["generic_system"]).entries(r, split_path.parent))
+    stats = {k: sum(s.stats[k] for s in method._stores.values()) for k in ("built", "reused", "rebuilt_corrupt")}
+    return {"model": str(model_spec), "model_fingerprint": adapter.fingerprint(), "split": str(split_path),
+            "n_records": len(records), "n_images": n_images,
+            "stores": {s.generic_system: str(s.root) for s in method._stores.values()}, **stats}

@@ -1,0 +1,137 @@
+"""The lmms-eval model class: a kvbench VLM served through the reuse engine under one refresh policy.
+
+Each ``generate_until`` request becomes a kvbench record (:func:`kvbench.lmms.records.to_record`),
+its images are looked up in (or added to) the per-image KV caches under ``cache_dir``
+(:class:`~kvbench.reuse.ImageKVStore`, one store per generic prefix), the request is
+assembled and refreshed by the policy (:func:`~kvbench.reuse.run_record`) and decoded
+greedily from the refreshed K/V (:func:`~kvbench.reuse.greedy_decode`). Batch size 1,
+generation only: log-likelihood requests raise ``NotImplementedError``.
+"""
+from __future__ import annotations
+
+import hashlib
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from lmms_eval.api.model import lmms
+
+from kvbench.data.instructions import GENERIC_SYSTEM
+from kvbench.lmms import POLICIES, class_name
+from kvbench.lmms.records import to_record
+from kvbench.reuse import (
+    ImageKVStore,
+    adapter_for,
+    get_policy,
+    greedy_decode,
+    run_record,
+)
+from kvbench.reuse.validate import check_ratio
+
+
+class KVBenchReuse(lmms):
+    """A kvbench VLM under a refresh policy, as an lmms-eval simple model.
+
+    Parameters (lmms-eval ``model_args``):
+        pretrained: str — HF checkpoint directory or zoo name (``kvbench.models.load_model``).
+        policy: str, default ``conduit`` — a registered refresh policy (``kvbench.reuse.available_policies``).
+        r: float in [0, 1], default 0.1 — refresh ratio of visual tokens (ignored by ``reuse``/``full``).
+        lam: float in [0, 1] or None — image-coefficient strength λ for policies that take it (CONDUIT).
+        cache_dir: str or None — per-image KV cache root (default: a temporary directory for this object).
+        device: str, default ``cpu``; dtype: ``auto`` (the checkpoint's) or a torch dtype name.
+        threads: int or None — torch CPU threads.
+        system_field, generic_field: document fields of the serving prefix and the cache-time prefix.
+        system, generic_system: their values when the document lacks the field.
+        max_new_tokens: int, default 16 — used when the task's generation kwargs give none.
+        batch_size: must be 1.
+
+    Raises:
+        ValueError: bad ratio, unknown policy or policy parameter, batch size other than 1, or an
+            unknown model argument, all before the model is loaded.
+    """
+
+    is_simple = True
+    default_policy = "conduit"
+
+    def __init__(self, pretrained: str, policy: str | None = None, r: float = 0.1, lam: float | None = None,
+                 cache_dir: str | None = None, device: str = "cpu", dtype: str = "auto", threads: int | None = None,
+                 system_field: str = "system", generic_field: str = "generic_system", system: str = "",
+                 generic_system: str = GENERIC_SYSTEM, max_new_tokens: int = 16, batch_size: int | str = 1,
+                 max_batch_size: int | None = None, **unknown: Any) -> None:
+        super().__init__()
+        if unknown:
+            raise ValueError(f"{type(self).__name__}: unknown model arguments {sorted(unknown)}")
+        if int(batch_size) != 1:
+            raise ValueError(f"{type(self).__name__} serves one request at a time; batch_size must be 1, got {batch_size}")
+        self.policy = policy or self.default_policy
+        self.r = check_ratio(r)
+        self.params = {} if lam is None else {"lam": lam}
+        get_policy(self.policy, **self.params)  # validates name and parameters before loading
+        self.opts = dict(system_field=system_field, generic_field=generic_field, system=system,
+                         generic_system=generic_system)
+        self.max_new_tokens = int(max_new_tokens)
+        if threads:
+            torch.set_num_threads(int(threads))
+        from kvbench.models import load_model
+
+        model, proc = load_model(pretrained, device=device, dtype=dtype if dtype == "auto" else getattr(torch, dtype))
+        self.adapter = adapter_for(model, proc)
+        self._tmp = None if cache_dir else tempfile.TemporaryDirectory(prefix="kvbench-lmms-")
+        self.cache_root = Path(cache_dir or self._tmp.name)
+        self._stores: dict[str, ImageKVStore] = {}
+
+    def store(self, generic_system: str) -> ImageKVStore:
+        """The image-cache store of one generic prefix (a subdirectory per prefix: a store is pinned to one)."""
+        if generic_system not in self._stores:
+            sub = hashlib.sha256(generic_system.encode()).hexdigest()[:16]
+            self._stores[generic_system] = ImageKVStore(self.cache_root / sub, self.adapter, generic_system)
+        return self._stores[generic_system]
+
+    def answer(self, record: dict, until: list[str]) -> str:
+        """Greedy continuation of ``record`` under the policy, cut at EOS and at the first ``until`` string."""
+        res = run_record(self.adapter, self.store(record["generic_system"]), record, self.policy, self.r,
+                         **self.params)
+        ids = greedy_decode(self.adapter, res.output, record["max_new_tokens"])
+        tok = getattr(self.adapter.processor, "tokenizer", self.adapter.processor)
+        if tok.eos_token_id in ids:
+            ids = ids[:ids.index(tok.eos_token_id)]
+        text = tok.decode(ids, skip_special_tokens=True)
+        for stop in until:
+            if stop and stop in text:
+                text = text[:text.index(stop)]
+        return text.strip()
+
+    def generate_until(self, requests) -> list[str]:
+        out = []
+        for req in requests:
+            context, gen_kwargs, doc_to_visual, doc_id, task, split = req.args
+            doc = self.task_dict[task][split][doc_id]
+            visuals = doc_to_visual(doc)
+            visuals = visuals if isinstance(visuals, list) else [visuals]
+            gen_kwargs = dict(gen_kwargs or {})
+            until = gen_kwargs.get("until") or []
+            record = to_record(context, visuals, doc, rid=f"{task}/{split}/{doc_id}",
+                               max_new_tokens=gen_kwargs.get("max_new_tokens", self.max_new_tokens), **self.opts)
+            text = self.answer(record, [until] if isinstance(until, str) else list(until))
+            out.append(text)
+            self.cache_hook.add_partial("generate_until", (context, gen_kwargs), text)
+        return out
+
+    def loglikelihood(self, requests):
+        raise NotImplementedError("kvbench reuse models generate only (refresh policies act on the prefill)")
+
+    def generate_until_multi_round(self, requests):
+        raise NotImplementedError("kvbench reuse models answer single-round requests only")
+
+
+def _preset(policy: str) -> type[KVBenchReuse]:
+    return type(class_name(policy), (KVBenchReuse,), {
+        "default_policy": policy, "__module__": __name__,
+        "__doc__": f"``{policy}`` preset of :class:`KVBenchReuse` (lmms-eval model id ``kvbench_{policy.replace('-', '_')}``).",
+    })
+
+
+# One importable preset class per policy (the manifests' class paths point at these names).
+for _p in POLICIES:
+    globals()[class_name(_p)] = _preset(_p)

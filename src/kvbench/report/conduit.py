@@ -1,0 +1,472 @@
+"""CONDUIT's accuracy tables and budget-quality figure from refresh runs (Tables 1, 2, 4, 5; Figure 3).
+
+Inputs are run directories of ``kvbench eval`` (``predictions.jsonl``: one row per record with ``id``
+and ``score`` in [0, 1]); which runs a table needs is decided here, by :class:`ConduitPlan`, and the
+Snakemake rules (workflow/rules/conduit.smk) ask the same object, so paths cannot drift apart.
+
+Cells: mean per-record score × 100 over the records of a column (a dataset, or the records of a
+multi-image dataset whose ``meta.K`` lies in a range: the smoke profile's "datasets" are docpages K
+buckets); ``<col> %full`` = 100 × cell / the full-prefill cell of the same backbone and column (the
+papers' "% of full prefill"); ``avg`` = unweighted mean over columns (the paper's "five-dataset
+average") and ``avg %full`` = 100 × avg / full-prefill avg. A cell is computed or empty, and every
+empty cell has its reason in the row's ``notes``; a missing run is an error unless the caller asks
+for empty cells (then the note names the missing run). Each file starts with ``#`` header lines
+(read back with ``pd.read_csv(path, comment="#")``) saying which profile produced it.
+
+Staleness gap (:func:`staleness_gap`): reuse − full prefill, per record, paired; 95% CI by a paired
+bootstrap (percentile method) of the mean difference.
+"""
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from kvbench.eval.specs import canonical, parse_method_spec, slug, slugs, with_budget
+from kvbench.utils.io import atomic_path, read_jsonl
+
+TABLES = ("table1", "table2", "table4", "table5", "fig3", "gap")
+
+
+@dataclass(frozen=True)
+class Column:
+    """One table column: a dataset, optionally only its records with ``k[0] <= meta.K <= k[1]``."""
+
+    name: str
+    dataset: str
+    k: tuple[int, int] | None = None
+
+    def keeps(self, record: dict) -> bool:
+        if self.k is None:
+            return True
+        K = record.get("meta", {}).get("K")
+        return K is not None and self.k[0] <= int(K) <= self.k[1]
+
+
+@dataclass(frozen=True)
+class Row:
+    """One table row: ``label`` (the paper's name), ``spec`` (canonical method spec), ``r`` (block)."""
+
+    label: str
+    spec: str
+    r: float | None = None
+
+
+def _row(entry: dict) -> Row:
+    """A row from a config entry ``{label, method}`` whose method is a full spec (r taken from it)."""
+    spec = parse_method_spec(entry["method"])
+    return Row(entry["label"], spec.canonical, spec.r)
+
+
+#: What the as-run baseline forms are (a header line of Table 1 names the ones it uses).
+FORMS = {
+    "cacheblend-conduit": "CacheBlend as CONDUIT runs it (layer 0 all visual tokens, counts decaying linearly to "
+                          "a layer average of the budget, ranked by |dk|+|dv|)",
+    "cacheblend": "CacheBlend as in its paper (check layer 1, top-r by value deviation, fixed set after)",
+    "mpic-first": "MPIC as CONDUIT runs it (the first ceil(r N) visual tokens of the request)",
+    "mpic": "MPIC-k per image (the first ceil(r n_j) tokens of each image)",
+    "kvshare-conduit": "KVShare as reimplemented in CONDUIT's code (CacheBlend schedule, attention x |dv|_1)",
+    "prophetkv": "ProphetKV as CONDUIT runs it (query attention only, no image coefficient)",
+}
+
+
+class ConduitPlan:
+    """Which runs each CONDUIT target reads, from the config's ``conduit:`` section.
+
+    Args:
+        conduit: the ``conduit`` config section (schema: workflow/schemas/config.schema.yaml).
+        profile: config profile (path component of runs).
+        zoo_models: names of models trained here (their tables say "tiny zoo").
+
+    Raises:
+        ValueError: an invalid method spec, or two specs sharing a run directory.
+    """
+
+    def __init__(self, conduit: dict, profile: str, zoo_models: list[str] | tuple = ()):
+        self.cfg = conduit
+        self.profile = profile
+        self.models = list(conduit["models"])
+        self.zoo_models = set(zoo_models)
+        self.reference = canonical(conduit["reference"])
+        self.multi = [Column(n, c["dataset"], tuple(c["k"]) if c.get("k") else None)
+                      for n, c in conduit["multi_image"].items()]
+        self.single = [Column(n, c["dataset"]) for n, c in conduit["single_image"].items()]
+        self.run_slugs()  # validates every spec and the run-directory names
+
+    # --- rows of each target -----------------------------------------------------------------
+    def table1_rows(self) -> list[Row]:
+        return [Row(m["label"], with_budget(m["method"], r), r) for r in self.cfg["budgets"]
+                for m in self.cfg["methods"]]
+
+    def table2_rows(self) -> list[Row]:
+        return [_row(m) for m in self.cfg["single_image_rows"]]
+
+    def table4_rows(self) -> list[Row]:
+        lam = self.cfg["lambda"]
+        return [Row(f"λ = {v:g}", with_budget(f"{lam['method']}:lam={v!r}", lam["r"]), lam["r"])
+                for v in lam["values"]]
+
+    def table5_rows(self) -> list[Row]:
+        return [_row(m) for m in self.cfg["ablation"]]
+
+    def fig3_rows(self) -> list[Row]:
+        """Curve points (method label × r) and the two levels drawn as lines (r = None)."""
+        labels = {m["label"]: m["method"] for m in self.cfg["methods"]}
+        missing = [lab for lab in self.cfg["curve"]["methods"] if lab not in labels]
+        if missing:
+            raise ValueError(f"conduit.curve.methods {missing} are not labels of conduit.methods {list(labels)}")
+        return [Row(lab, with_budget(labels[lab], r), r) for lab in self.cfg["curve"]["methods"]
+                for r in self.cfg["curve"]["r"]] + [Row("Full prefill", self.reference),
+                                                     Row("Cache reuse", canonical("reuse"))]
+
+    def gap_rows(self) -> list[Row]:
+        return [Row("Cache reuse", canonical("reuse")), Row("Full prefill", self.reference)]
+
+    def rows(self, target: str) -> list[Row]:
+        if target not in TABLES:
+            raise ValueError(f"unknown CONDUIT target {target!r}; expected one of {TABLES}")
+        return getattr(self, f"{target}_rows")()
+
+    def columns(self, target: str) -> list[Column]:
+        if target == "table2":
+            return self.single
+        return self.multi + self.single if target == "gap" else self.multi
+
+    # --- runs --------------------------------------------------------------------------------
+    def run_dir(self, model: str, dataset: str, spec: str) -> str:
+        """``results/runs/<profile>/<model>/<dataset>/conduit/<slug(spec)>``."""
+        return f"results/runs/{self.profile}/{model}/{dataset}/conduit/{slug(spec)}"
+
+    def runs(self, target: str) -> list[tuple[str, str, str]]:
+        """Distinct ``(model, dataset, canonical spec)`` a target reads (the reference run included)."""
+        specs = [r.spec for r in self.rows(target)] + [self.reference]
+        datasets = list(dict.fromkeys(c.dataset for c in self.columns(target)))
+        return list(dict.fromkeys((m, d, s) for m in self.models for d in datasets for s in specs))
+
+    def all_specs(self) -> list[str]:
+        """Every canonical spec any target reads."""
+        return list(dict.fromkeys([r.spec for t in TABLES for r in self.rows(t)] + [self.reference]))
+
+    def run_slugs(self) -> dict[str, str]:
+        """``{run-directory name: canonical spec}`` of :meth:`all_specs` (checked injective)."""
+        return slugs(self.all_specs())
+
+    def header(self, title: str) -> str:
+        """First line of every output: which profile and models produced the numbers."""
+        zoo = [m for m in self.models if m in self.zoo_models]
+        if zoo:
+            who = (f"kvbench {self.profile} profile: tiny zoo ({', '.join(zoo)}) on smoke datasets; "
+                   "NOT the paper's numbers")
+        else:
+            who = f"kvbench {self.profile} profile: models {', '.join(self.models)} computed by this pipeline"
+        return f"# CONDUIT {title}. {who}."
+
+
+# --- reading runs ------------------------------------------------------------------------------
+
+class Runs:
+    """Per-record scores of run directories under ``root``, and the records of each dataset split.
+
+    Args:
+        root: directory the run paths are relative to.
+        splits: dataset name -> split JSONL (for ``meta.K`` of K-bucket columns).
+        allow_missing: a missing run gives an empty cell with a note instead of an error.
+    """
+
+    def __init__(self, root: str | Path, splits: dict[str, str], allow_missing: bool = False):
+        self.root, self.splits, self.allow_missing = Path(root), splits, allow_missing
+        self._rows: dict[str, dict[str, dict] | None] = {}
+        self._records: dict[str, dict[str, dict]] = {}
+
+    def rows(self, run_dir: str) -> dict[str, dict] | None:
+        """``{id: prediction row}`` of a run, or None when it is missing and missing runs are allowed.
+
+        Raises:
+            FileNotFoundError: the run has no ``predictions.jsonl`` (names the path).
+        """
+        if run_dir not in self._rows:
+            path = self.root / run_dir / "predictions.jsonl"
+            if not path.is_file():
+                if not self.allow_missing:
+                    raise FileNotFoundError(f"run {run_dir} is missing ({path} not found)")
+                self._rows[run_dir] = None
+            else:
+                self._rows[run_dir] = {r["id"]: r for r in read_jsonl(path)}
+        return self._rows[run_dir]
+
+    def records(self, dataset: str) -> dict[str, dict]:
+        if dataset not in self._records:
+            if dataset not in self.splits:
+                raise KeyError(f"no split file given for dataset {dataset!r}")
+            self._records[dataset] = {r["id"]: r for r in read_jsonl(self.splits[dataset])}
+        return self._records[dataset]
+
+    def column(self, run_dir: str, col: Column) -> tuple[dict[str, float] | None, str | None]:
+        """``({id: score}, None)`` for the column's records in a run, or ``(None, reason)``."""
+        rows = self.rows(run_dir)
+        if rows is None:
+            return None, f"{col.name}: missing run {run_dir}"
+        recs = self.records(col.dataset) if col.k is not None else None
+        unknown = [i for i in rows if recs is not None and i not in recs]
+        if unknown:
+            raise ValueError(f"run {run_dir}: ids {unknown[:3]} are not in the split of {col.dataset!r}")
+        kept = {i: float(r["score"] or 0.0) for i, r in rows.items() if recs is None or col.keeps(recs[i])}
+        if not kept:
+            return None, f"{col.name}: no record with K in {list(col.k)} among the run's {len(rows)}"
+        return kept, None
+
+
+def _mean(xs) -> float:
+    xs = list(xs)
+    return sum(xs) / len(xs)
+
+
+def _note_errors(rows: dict[str, dict] | None, run_dir: str) -> str | None:
+    if not rows:
+        return None
+    bad = sum(1 for r in rows.values() if r.get("status") == "error")
+    return f"{bad} of {len(rows)} samples of {run_dir} failed (scored 0)" if bad else None
+
+
+def score_table(plan: ConduitPlan, runs: Runs, rows: list[Row], cols: list[Column]) -> pd.DataFrame:
+    """A score table: one row per (backbone, ``rows`` entry); per column score and % of full; averages.
+
+    Returns:
+        DataFrame with columns ``backbone, r, method, spec, <col>, <col> %full, ..., avg, avg %full, notes``
+        (scores in points = mean score × 100, rounded to 2 decimals; percentages to 1 decimal; empty
+        cells are NaN with the reason in ``notes``).
+    """
+    out = []
+    for model in plan.models:
+        ref = {}
+        for c in cols:
+            scores, why = runs.column(plan.run_dir(model, c.dataset, plan.reference), c)
+            ref[c.name] = (None if scores is None else _mean(scores.values()), why)
+        for row in rows:
+            rec = {"backbone": model, "r": row.r, "method": row.label, "spec": row.spec}
+            notes, vals, refs = [], {}, {}
+            for c in cols:
+                run = plan.run_dir(model, c.dataset, row.spec)
+                scores, why = runs.column(run, c)
+                note = _note_errors(runs.rows(run), run)
+                if note and note not in notes:
+                    notes.append(note)
+                val = None if scores is None else _mean(scores.values())
+                rmean, rwhy = ref[c.name]
+                rec[c.name] = math.nan if val is None else round(100 * val, 2)
+                rec[f"{c.name} %full"] = _pct(val, rmean, c.name, why, rwhy, notes)
+                if why:
+                    notes.append(why)
+                vals[c.name], refs[c.name] = val, rmean
+            avg = _mean(vals.values()) if all(v is not None for v in vals.values()) else None
+            ravg = _mean(refs.values()) if all(v is not None for v in refs.values()) else None
+            if avg is None:
+                notes.append("avg: a column is empty")
+            rec["avg"] = math.nan if avg is None else round(100 * avg, 2)
+            rec["avg %full"] = _pct(avg, ravg, "avg", None, None if ravg is not None else "a reference column is empty",
+                                    notes)
+            rec["notes"] = "; ".join(dict.fromkeys(notes))
+            out.append(rec)
+    return pd.DataFrame(out)
+
+
+def _pct(val, ref, name, why, rwhy, notes) -> float:
+    if val is None:
+        return math.nan
+    if ref is None:
+        notes.append(f"{name} %full: full-prefill reference empty ({rwhy})")
+        return math.nan
+    if ref == 0:
+        notes.append(f"{name} %full: full prefill scores 0")
+        return math.nan
+    return round(100 * val / ref, 1)
+
+
+def _column_counts(runs: Runs, plan: ConduitPlan, target: str) -> str:
+    parts = []
+    for c in plan.columns(target):
+        ns = set()
+        for m in plan.models:
+            scores, _ = runs.column(plan.run_dir(m, c.dataset, plan.reference), c)
+            ns.add(0 if scores is None else len(scores))
+        parts.append(f"{c.name}={'/'.join(map(str, sorted(ns)))}")
+    return ", ".join(parts)
+
+
+TITLES = {
+    "table1": "Table 1 (main results: budgeted refresh methods vs full prefill, per budget r)",
+    "table2": "Table 2 (K=1: one image cached under a generic instruction; r = 0, r = 0.05, full prefill)",
+    "table4": "Table 4 (λ ablation of the image coefficient)",
+    "table5": "Table 5 (component ablation: query-attention only, intra-image throughput only, composite)",
+}
+
+
+def write_score_table(plan: ConduitPlan, runs: Runs, target: str, out: str | Path) -> pd.DataFrame:
+    """Write ``target``'s table (``table1``, ``table2``, ``table4``, ``table5``) to ``out`` as CSV with a header."""
+    df = score_table(plan, runs, plan.rows(target), plan.columns(target))
+    cols = ", ".join(f"{c.name} = {c.dataset}" + (f" with K in [{c.k[0]}, {c.k[1]}]" if c.k else "")
+                     for c in plan.columns(target))
+    header = [
+        plan.header(TITLES[target]),
+        ("# cells: mean per-record score x 100; '<col> %full' = 100 x cell / full-prefill cell (same backbone and "
+         f"column; full prefill = {plan.reference}); avg = unweighted mean over columns"),
+        f"# columns: {cols}; records per column: {_column_counts(runs, plan, target)}",
+    ]
+    forms = dict.fromkeys(parse_method_spec(r.spec).policy for r in plan.rows(target))
+    described = [f"{p} = {FORMS[p]}" for p in forms if p in FORMS]
+    if described:
+        header.append("# baseline forms: " + "; ".join(described))
+    _write_csv(df, header, out)
+    return df
+
+
+def _write_csv(df: pd.DataFrame, header: list[str], out: str | Path) -> None:
+    with atomic_path(out) as tmp, open(tmp, "w", encoding="utf-8") as f:
+        f.write("\n".join(header) + "\n")
+        df.to_csv(f, index=False)
+
+
+# --- staleness gap -----------------------------------------------------------------------------
+
+def paired_bootstrap(diff: np.ndarray, resamples: int, seed: int) -> tuple[float, float]:
+    """95% percentile CI of the mean of ``diff`` (per-record paired differences) by bootstrap resampling."""
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, len(diff), size=(int(resamples), len(diff)))
+    means = diff[idx].mean(axis=1)
+    return float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))
+
+
+def staleness_gap(plan: ConduitPlan, runs: Runs) -> pd.DataFrame:
+    """reuse − full prefill per backbone and column (plus each multi-image dataset pooled over K).
+
+    Returns:
+        DataFrame ``backbone, column, n, full, reuse, gap, ci95_lo, ci95_hi, significant, notes``
+        (points; ``significant``: the CI excludes 0).
+
+    Raises:
+        ValueError: the two runs of a column hold different record ids (not paired).
+    """
+    boot = plan.cfg["gap"]
+    cols = list(plan.columns("gap"))
+    pooled = {c.dataset for c in plan.multi if c.k is not None}
+    cols += [Column(f"{d} (all K)", d) for d in dict.fromkeys(c.dataset for c in plan.multi) if d in pooled]
+    out = []
+    for model in plan.models:
+        for c in cols:
+            rec = {"backbone": model, "column": c.name}
+            a, why_a = runs.column(plan.run_dir(model, c.dataset, canonical("reuse")), c)
+            b, why_b = runs.column(plan.run_dir(model, c.dataset, plan.reference), c)
+            if a is None or b is None:
+                out.append({**rec, "n": 0, "notes": "; ".join(w for w in (why_a, why_b) if w)})
+                continue
+            if set(a) != set(b):
+                raise ValueError(f"{model}/{c.name}: reuse and full runs hold different records; cannot pair them")
+            ids = sorted(a)
+            d = np.array([a[i] - b[i] for i in ids])
+            lo, hi = paired_bootstrap(d, boot["resamples"], boot["seed"])
+            out.append({**rec, "n": len(ids), "full": round(100 * _mean(b.values()), 2),
+                        "reuse": round(100 * _mean(a.values()), 2), "gap": round(100 * float(d.mean()), 2),
+                        "ci95_lo": round(100 * lo, 2), "ci95_hi": round(100 * hi, 2),
+                        "significant": bool(lo > 0 or hi < 0), "notes": ""})
+    cols_out = ["backbone", "column", "n", "full", "reuse", "gap", "ci95_lo", "ci95_hi", "significant", "notes"]
+    return pd.DataFrame(out).reindex(columns=cols_out)
+
+
+def write_staleness_gap(plan: ConduitPlan, runs: Runs, out: str | Path) -> pd.DataFrame:
+    """Write :func:`staleness_gap` with a header that says where the gap is (not) significant."""
+    df = staleness_gap(plan, runs)
+    boot = plan.cfg["gap"]
+    done = df[df["n"] > 0]  # columns without records are neither (their reason is in notes)
+
+    def name(d: pd.DataFrame) -> str:
+        return ", ".join(f"{r.backbone}/{r.column}" for r in d.itertuples()) or "none"
+
+    sig, nonsig = done[done["significant"].astype(bool)], done[~done["significant"].astype(bool)]
+    header = [
+        plan.header("staleness gap: cache reuse (stale per-image KV, r = 0) minus full prefill"),
+        (f"# gap = mean over records of (reuse score - full-prefill score) x 100, paired by record; 95% CI: paired "
+         f"bootstrap, percentile method, {boot['resamples']} resamples, seed {boot['seed']}"),
+        f"# gap significant at 95% (CI excludes 0): {name(sig)}",
+        f"# gap NOT significant at 95% (CI includes 0): {name(nonsig)}",
+    ]
+    _write_csv(df, header, out)
+    return df
+
+
+# --- Figure 3 ----------------------------------------------------------------------------------
+
+def fig3_data(plan: ConduitPlan, runs: Runs) -> pd.DataFrame:
+    """Budget-quality points: ``backbone, method, r, avg`` (multi-image column average, points), plus
+    the full-prefill and reuse levels as methods with r = NaN."""
+    t = score_table(plan, runs, plan.fig3_rows(), plan.multi)
+    return t[["backbone", "method", "spec", "r", "avg", "avg %full", "notes"]]
+
+
+def write_fig3(plan: ConduitPlan, runs: Runs, out_pdf: str | Path, out_csv: str | Path) -> pd.DataFrame:
+    """Figure 3: average multi-image score vs refresh budget r, one line per budgeted method, one panel per
+    backbone; full prefill and cache reuse as horizontal lines. The plotted numbers go to ``out_csv``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import seaborn as sns
+
+    df = fig3_data(plan, runs)
+    curve = df[df["r"].notna()]
+    fig, axes = plt.subplots(1, len(plan.models), figsize=(5 * len(plan.models), 4), squeeze=False)
+    for ax, model in zip(axes[0], plan.models):
+        sub = curve[curve["backbone"] == model]
+        sns.lineplot(data=sub, x="r", y="avg", hue="method", marker="o", ax=ax)
+        for label, style in (("Full prefill", "--"), ("Cache reuse", ":")):
+            level = df[(df["backbone"] == model) & (df["method"] == label)]["avg"]
+            if len(level) and not level.isna().all():
+                ax.axhline(float(level.iloc[0]), color="k", linestyle=style, linewidth=1, label=label)
+        ax.set_xscale("symlog", linthresh=0.02)
+        ax.set_xlabel("refresh budget r (fraction of visual tokens)")
+        ax.set_ylabel("average score (points)")
+        ax.set_title(model, fontsize=9)
+        ax.legend(fontsize=7)
+    fig.suptitle(plan.header("Figure 3 (budget-quality curves)").lstrip("# "), fontsize=8)
+    fig.tight_layout()
+    with atomic_path(out_pdf) as tmp:
+        fig.savefig(tmp, format="pdf")
+    plt.close(fig)
+    _write_csv(df, [plan.header("Figure 3 data (average over multi-image columns, points)")], out_csv)
+    return df
+
+
+WRITERS: dict[str, Callable] = {
+    "table1": lambda p, r, out: write_score_table(p, r, "table1", out),
+    "table2": lambda p, r, out: write_score_table(p, r, "table2", out),
+    "table4": lambda p, r, out: write_score_table(p, r, "table4", out),
+    "table5": lambda p, r, out: write_score_table(p, r, "table5", out),
+    "gap": write_staleness_gap,
+}
+
+
+def report(target: str, spec: str | dict, out: str | Path, root: str | Path = ".", out_csv: str | Path | None = None,
+           allow_missing: bool = False) -> pd.DataFrame:
+    """Entry point of ``kvbench report conduit-<target>``.
+
+    Args:
+        target: one of :data:`TABLES`.
+        spec: JSON (or dict) ``{"profile", "conduit": section, "splits": {dataset: path}, "zoo_models": [...]}``.
+        out: output CSV (or PDF for ``fig3``, with ``out_csv`` for its data).
+        root: directory run paths are relative to.
+        allow_missing: empty cells (with a note naming the run) instead of an error for missing runs.
+    """
+    spec = json.loads(spec) if isinstance(spec, str) else spec
+    plan = ConduitPlan(spec["conduit"], spec["profile"], spec.get("zoo_models", ()))
+    runs = Runs(root, spec.get("splits", {}), allow_missing=allow_missing)
+    if target == "fig3":
+        if out_csv is None:
+            raise ValueError("fig3 needs out_csv for the plotted numbers")
+        return write_fig3(plan, runs, out, out_csv)
+    if target not in WRITERS:
+        raise ValueError(f"unknown CONDUIT report {target!r}; expected one of {TABLES}")
+    return WRITERS[target](plan, runs, out)

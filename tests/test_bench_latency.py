@@ -1,0 +1,140 @@
+"""CONDUIT Table 3 benchmark code: FLOP counting vs. the analytic count, the timing model, the clock and
+the table builder. Runs on the small timing model (seconds); the real table is a pipeline target, not a test."""
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+import torch
+
+from kvbench.bench import TABLE3_METHODS, clock, flops
+from kvbench.bench.cost import analytic_cost, visual_rows
+from kvbench.bench.latency import (
+    RAW_COLUMNS,
+    LatencyConfig,
+    measure_flops,
+    run_conduit_latency,
+    serve_cached,
+    serve_full,
+)
+from kvbench.bench.requests import bench_record, visual_tokens_per_page
+from kvbench.bench.table3 import build_table3, write_table3
+from kvbench.bench.timing_model import build_timing_vlm, timing_config
+from kvbench.reuse import ImageKVStore, adapter_for, assemble, refresh
+from kvbench.reuse.policies.cacheblend import linear_layer_counts
+
+torch.set_num_threads(1)
+#: Stated tolerance of measured vs. analytic FLOPs (relative). They agree exactly on CPU today: every
+#: counted op is a matmul/attention the analytic model lists, and RoPE/softmax/norms count 0 in both.
+FLOPS_RTOL = 1e-3
+
+
+@pytest.fixture(scope="module")
+def adapter(tokenizer):
+    return adapter_for(*build_timing_vlm("timing-qwen2.5-vl-test", tokenizer))
+
+
+@pytest.fixture(scope="module")
+def served(adapter, tmp_path_factory):
+    rec = bench_record(2, 112)
+    images = ImageKVStore(tmp_path_factory.mktemp("imgcache"), adapter, rec["generic_system"]).entries(rec)
+    return rec, images
+
+
+def test_timing_model_is_the_wide_real_class(tokenizer):
+    cfg = timing_config("timing-qwen2.5-vl-wide", tokenizer)
+    assert cfg.architectures == ["Qwen2_5_VLForConditionalGeneration"]
+    assert cfg.text_config.hidden_size >= 1024 and cfg.text_config.num_hidden_layers > 6
+    assert cfg.vision_config.out_hidden_size == cfg.text_config.hidden_size
+    with pytest.raises(KeyError, match="timing-qwen2.5-vl-wide"):
+        timing_config("nope", tokenizer)
+
+
+def test_pages_set_the_context_size():
+    rec = bench_record(3, 112)
+    pages = [p["image"] for p in rec["content"] if p["type"] == "image"]
+    assert len(pages) == 3 and all(p.size == (112, 112) for p in pages)
+    assert visual_tokens_per_page(280) == 100
+    with pytest.raises(ValueError, match="multiple of 28"):
+        bench_record(2, 100)
+
+
+def test_layer_flops_formula_by_hand():
+    s = flops.DecoderShape(n_layers=1, hidden=8, n_heads=2, n_kv_heads=1, head_dim=4, intermediate=16, vocab=10)
+    # qkv 2*3*8*(2+2)*4=768, attn 2*2*3*5*2*4=480, out 2*3*2*4*8=384, mlp 2*3*3*8*16=2304
+    assert flops.layer_flops(s, 3, 5) == 768 + 480 + 384 + 2304
+    assert flops.full_prefill_flops(s, 5) == flops.layer_flops(s, 5, 5) + 2 * 8 * 10
+
+
+@pytest.mark.parametrize("method", TABLE3_METHODS + ["mpic-first", "cacheblend-conduit"])
+def test_measured_flops_match_analytic(adapter, served, method):
+    rec, images = served
+    f = measure_flops(adapter, rec, images, method, 0.1, flops.DecoderShape.of(adapter.model))
+    decoder = f["flops"] - f["flops_vision"]
+    assert decoder == pytest.approx(f["flops_analytic"], rel=FLOPS_RTOL)
+    assert f["flops_scoring"] == pytest.approx(f["flops_analytic_scoring"], rel=FLOPS_RTOL)
+    assert (f["flops_vision"] > 0) == (method == "full")  # only full prefill runs the vision tower
+    assert (f["flops_scoring"] > 0) == (method in ("conduit", "prophetkv"))
+
+
+def test_cpu_attention_is_counted():
+    """Without kvbench's extra formula PyTorch counts CPU sdpa as 0 FLOPs."""
+    q, k = torch.randn(1, 4, 3, 8), torch.randn(1, 2, 5, 8)
+    _, fc = flops.count_flops(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, k, enable_gqa=True))
+    assert fc.total == 2 * 2 * 4 * 3 * 5 * 8
+
+
+def test_analytic_rows_follow_the_executed_schedule(adapter, served):
+    rec, images = served
+    req = assemble(adapter, rec, images)
+    L, N = adapter.n_layers, req.n_visual
+    for policy in ("conduit", "mpic", "kvshare-conduit", "reuse"):
+        res = refresh(adapter, req, policy, 0.1)
+        assert visual_rows(policy, req, 0.1, L) == res.output.layer_counts
+    assert visual_rows("cacheblend", req, 0.1, L)[:2] == [N, N]  # all visual up to the check layer
+    assert visual_rows("kvshare-conduit", req, 0.1, L) == linear_layer_counts(L, N, -(-N // 10))
+    full = analytic_cost("full", req, 0.1, flops.DecoderShape.of(adapter.model))
+    assert full.scoring == 0 and full.total == flops.full_prefill_flops(flops.DecoderShape.of(adapter.model), req.seq_len)
+
+
+def test_served_paths_give_the_first_token(adapter, served):
+    rec, images = served
+    s = serve_cached(adapter, rec, images, "conduit", 1.0)
+    f = serve_full(adapter, rec)
+    assert s.token == f.token  # r = 1 reproduces full prefill
+    assert s.ttft_ms > s.assemble_ms > 0 and f.ttft_ms > 0
+
+
+def test_summarise_quartiles():
+    s = clock.summarise([5, 1, 3, 2, 4])
+    assert (s["median"], s["q1"], s["q3"], s["min"], s["max"], s["n"]) == (3, 2, 4, 1, 5, 5)
+    assert clock.summarise([7])["q3"] == 7
+    with pytest.raises(ValueError):
+        clock.summarise([])
+
+
+def test_config_fails_before_model_work():
+    for bad in (dict(r=1.5), dict(repeats=0), dict(sizes=[]), dict(methods=["nope"]), dict(tokenizer=None)):
+        with pytest.raises(ValueError):
+            LatencyConfig(**{"tokenizer": "x", **bad}).validate()
+
+
+def test_run_and_table(tokenizer_dir, tmp_path):
+    cfg = LatencyConfig(model="timing-qwen2.5-vl-test", tokenizer=str(tokenizer_dir), sizes=[1, 2], page_px=56,
+                        methods=["reuse", "conduit"], repeats=2, warmup=0, device="cpu")
+    rows = run_conduit_latency(cfg, log=lambda *_: None)
+    raw = pd.DataFrame(rows, columns=RAW_COLUMNS)
+    assert len(raw) == 2 * 3 * 2 and set(raw["method"]) == {"full", "reuse", "conduit"}
+    raw_csv = tmp_path / "raw.csv"
+    raw.to_csv(raw_csv, index=False)
+    write_table3(raw_csv, tmp_path / "table3.csv", "ci")
+    first = (tmp_path / "table3.csv").read_text().splitlines()[0]
+    assert first.startswith("# kvbench ci profile") and "RANDOM weights" in first and "not the paper's numbers" in first
+    table = pd.read_csv(tmp_path / "table3.csv", comment="#")
+    assert list(table["method"].unique()) == ["full", "reuse", "conduit"]
+    full = table[table["method"] == "full"]
+    assert (full["speedup"] == 1).all() and (full["pct_of_full_flops"] == 100).all()
+    assert table["flops_rel_err"].abs().max() < FLOPS_RTOL
+    conduit = table[(table["method"] == "conduit") & (table["pages"] != "mean")]
+    assert (conduit["scoring_ms_median"] > 0).all() and (conduit["scoring_tflops"] > 0).all()
+    with pytest.raises(ValueError, match="full"):
+        build_table3(raw[raw["method"] != "full"])

@@ -1,0 +1,59 @@
+"""The Table 3 job as the workflow builds it (no Snakemake run): inputs and arguments from each config."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kvbench.bench.workflow import latency_job
+from kvbench.cli import build_parser
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _config(name):
+    with open(REPO / "config" / f"{name}.yaml") as f:
+        return yaml.safe_load(f)
+
+
+def test_smoke_job_uses_the_timing_model_and_tokenizer():
+    job = latency_job(_config("config"), lambda m: f"zoo/{m}", "zoo/tokenizer")
+    assert job.input == "zoo/tokenizer/tokenizer.json"
+    args = build_parser().parse_args(["bench", "conduit-latency", "--out", "x.csv", *job.args.split()])
+    assert args.model == "timing-qwen2.5-vl-wide" and args.sizes == [2, 4, 6] and args.r == 0.1
+    assert "conduit" in args.methods and args.repeats >= 3
+
+
+def test_paper_job_reads_the_checkpoint():
+    job = latency_job(_config("paper"), lambda m: f"/data/{m}", "zoo/tokenizer")
+    assert job.input == "/data/qwen2.5-vl-3b/config.json" and "--model /data/qwen2.5-vl-3b" in job.args
+
+
+def test_bad_sections_fail_naming_the_problem():
+    with pytest.raises(ValueError, match="conduit_latency"):
+        latency_job({"models": {}}, str, "t")
+    with pytest.raises(ValueError, match="nope"):
+        latency_job({"models": {}, "conduit_latency": {"model": "nope"}}, str, "t")
+
+
+# --- the DAG (dry runs only: CI never times anything) --------------------------------------------------
+
+from test_workflow import CI_CONFIG, planned_jobs, snakemake, write_config  # noqa: E402
+
+
+@pytest.mark.parametrize("configfile", [None, CI_CONFIG], ids=["smoke", "ci"])
+def test_table3_is_a_dag_target(tmp_path, configfile):
+    r = snakemake(tmp_path, "-n", "results/table3.csv", *(["--configfile", str(configfile)] if configfile else []))
+    assert r.returncode == 0, r.stdout
+    assert planned_jobs(r.stdout) == {"tokenizer": 1, "conduit_latency": 1, "conduit_table3": 1,
+                                      "conduit_table_alias": 1}
+    assert "kvbench bench conduit-latency" in r.stdout or "conduit_latency" in r.stdout
+
+
+def test_table3_without_section_fails_naming_it(tmp_path):
+    cfg = _config("ci")
+    cfg.pop("conduit_latency")
+    r = snakemake(tmp_path, "-n", "results/conduit/table3.csv", "--configfile",
+                  str(write_config(tmp_path / "c.yaml", cfg)))
+    assert r.returncode != 0 and "conduit_latency" in r.stdout

@@ -1,0 +1,407 @@
+"""CONDUIT refresh runs and accuracy tables: method specs, refresh eval methods, audit replay, table
+builders on synthetic runs, and the Snakemake targets (dry runs; one slow real run)."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+import yaml
+from _zoo_fixtures import write_png, write_split
+from test_workflow import (
+    CI_CONFIG,
+    PAPER_CONFIG,
+    _fake_paper_root,
+    planned_jobs,
+    snakemake,
+    write_config,
+)
+
+from kvbench.cli import main
+from kvbench.eval.audit import ReplayPolicy, plan_audit
+from kvbench.eval.methods import get_method
+from kvbench.eval.refresh import RefreshMethod
+from kvbench.eval.runner import run_eval
+from kvbench.eval.specs import canonical, parse_method_spec, slug, slugs, with_budget
+from kvbench.models.loader import load_model
+from kvbench.report.conduit import ConduitPlan, Runs, report, staleness_gap
+from kvbench.reuse import refresh
+from kvbench.utils.io import read_jsonl
+
+torch.set_num_threads(1)
+REPO = Path(__file__).resolve().parents[1]
+
+
+# --- method specs ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("spec, want", [
+    ("reuse", "reuse"), ("full", "full"), ("conduit@0.1", "conduit@0.1"), ("conduit@0.10", "conduit@0.1"),
+    ("conduit@0.1:lam=1", "conduit@0.1"),  # λ = 1 is the default: same run
+    ("conduit@0.1:lam=0.5", "conduit@0.1:lam=0.5"), ("conduit@1", "conduit@1.0"),
+    ("kvshare@0.05", "kvshare-conduit@0.05"),  # alias resolved
+    ("conduit@0.1:use_v_norm=false,lam=0", "conduit@0.1:lam=0.0,use_v_norm=false"),  # sorted
+    ("conduit@0.1:layers=2+3", "conduit@0.1:layers=2+3"), ("mpic@0.2:k=3", "mpic@0.2:k=3"),
+])
+def test_spec_canonical_form(spec, want):
+    assert canonical(spec) == want
+
+
+def test_spec_fields_and_slugs():
+    s = parse_method_spec("conduit@0.1:lam=0.5")
+    assert (s.policy, s.r, s.params, s.effective_r) == ("conduit", 0.1, {"lam": 0.5}, 0.1)
+    assert parse_method_spec("reuse").effective_r == 0.0
+    assert slug("conduit@0.1:lam=0.5") == "conduit_r0.1_lam-0.5"
+    assert slug("conduit@0.1:use_v_norm=false") == "conduit_r0.1_use_v_norm-false"
+    assert slugs(["conduit@0.1", "conduit@0.1:lam=1", "reuse"]) == {"conduit_r0.1": "conduit@0.1", "reuse": "reuse"}
+    assert with_budget("cacheblend-conduit", 0.05) == "cacheblend-conduit@0.05"
+    assert with_budget("conduit:lam=0.5", 0) == "conduit@0.0:lam=0.5"
+    assert with_budget("reuse", 0.1) == "reuse" and with_budget("full", 0.1) == "full"
+
+
+@pytest.mark.parametrize("spec, needle", [
+    ("bogus@0.1", "unknown evaluation method 'bogus'"),
+    ("conduit@1.5", "r must be a refresh ratio in [0, 1]"),
+    ("conduit@-0.1", "r must be a refresh ratio in [0, 1]"),
+    ("conduit@x", "got 'x'"),
+    ("conduit@0.1:lam=2", "λ) must be in [0, 1], got 2"),
+    ("conduit@0.1:lam=-0.5", "must be in [0, 1]"),
+    ("conduit", "needs a budget"),
+    ("reuse@0.1", "runs at r = 0 by definition"),
+    ("full@0.5", "runs at r = 1 by definition"),
+    ("full:lam=1", "'full' takes no parameters"),
+    ("conduit@0.1:foo=1", "unknown parameter 'foo' for policy 'conduit'"),
+    ("conduit@0.1:lam", "is not key=value"),
+    ("conduit@0.1:lam=0.5,lam=0.2", "given twice"),
+    ("conduit@0.1:coef_source=mean", "coef_source must be"),
+    ("con duit", "malformed"),
+])
+def test_bad_specs_fail_with_clear_errors(spec, needle):
+    with pytest.raises(ValueError) as e:
+        parse_method_spec(spec)
+    assert needle in str(e.value)
+    with pytest.raises(ValueError):
+        get_method(spec)
+
+
+def test_get_method_builds_refresh_methods():
+    m = get_method("conduit@0.1:lam=0.5", cache_dir="/nowhere")
+    assert isinstance(m, RefreshMethod)
+    assert m.config()["spec"] == "conduit@0.1:lam=0.5" and m.config()["policy_params"]["lam"] == 0.5
+    with pytest.raises(ValueError, match="FullCache"):
+        RefreshMethod(spec="full")
+    with pytest.raises(ValueError, match="unknown evaluation method 'snapkv'"):
+        get_method("snapkv")
+
+
+def test_dry_run_validates_conduit_specs(tmp_path):
+    cfg = yaml.safe_load(CI_CONFIG.read_text())
+    cfg["conduit"]["ablation"] = [{"label": "bad", "method": "conduit@0.1:lam=2"}]
+    r = snakemake(tmp_path, "-n", "--configfile", str(write_config(tmp_path / "bad.yaml", cfg)))
+    assert r.returncode != 0 and "config conduit: method spec 'conduit@0.1:lam=2'" in r.stdout, r.stdout[-3000:]
+
+
+# --- refresh eval runs on a random-weight zoo VLM ----------------------------------------------
+
+def _records(tmp: Path) -> Path:
+    recs = []
+    for i, n_img in enumerate([2, 3, 2]):
+        content = []
+        for j in range(n_img):
+            content += [{"type": "text", "text": f"Page {j + 1}:"},
+                        {"type": "image", "image": "img/" + write_png(tmp / "img" / f"r{i}p{j}.png", 10 * i + j)}]
+        recs.append({"id": f"d{i}", "task": "toydoc", "split": "test", "kind": "vlm",
+                     "system": "Report the digit plus one.", "generic_system": "You are a helpful assistant.",
+                     "content": content, "question": f"Page {1 + i % n_img}, cell B", "answer": "3",
+                     "max_new_tokens": 3, "metric": "exact_match", "chance": 0.1, "meta": {"K": n_img}})
+    return write_split(tmp / "test.jsonl", recs)
+
+
+@pytest.fixture(scope="module")
+def runs(vlm_dir, tmp_path_factory):
+    """Run dirs of several methods over a 3-record multi-image split (one image cache shared)."""
+    tmp = tmp_path_factory.mktemp("conduit_runs")
+    split = _records(tmp)
+    assert main(["cache", "--model", str(vlm_dir), "--split", str(split), "--cache-dir", str(tmp / "cache"),
+                 "--out", str(tmp / "cache" / "index.json")]) == 0
+    out = {}
+    for spec in ["full", "reuse", "conduit@0.0", "conduit@1.0", "conduit@0.5", "kvshare-conduit@0.5",
+                 "cacheblend@0.5"]:
+        params = {} if spec == "full" else {"cache_dir": str(tmp / "cache"), "build_missing": False}
+        run_eval(vlm_dir, split, method=spec, out_dir=tmp / slug(spec), method_params=params)
+        out[spec] = tmp / slug(spec)
+    out["split"], out["cache"] = split, tmp / "cache"
+    return out
+
+
+def _preds(run: Path) -> list[str]:
+    return [r["prediction"] for r in read_jsonl(run / "predictions.jsonl")]
+
+
+def test_cache_rule_index_and_reuse(runs):
+    index = json.loads((runs["cache"] / "index.json").read_text())
+    assert index["n_records"] == 3 and index["n_images"] == 7 and index["built"] == 7
+    assert len(index["stores"]) == 1
+
+
+def test_conduit_r1_equals_full_and_r0_equals_reuse(runs):
+    assert all(r["status"] == "ok" for r in read_jsonl(runs["conduit@1.0"] / "predictions.jsonl"))
+    assert _preds(runs["conduit@1.0"]) == _preds(runs["full"])
+    assert _preds(runs["conduit@0.0"]) == _preds(runs["reuse"])
+
+
+def test_rows_carry_the_refresh_plan(runs):
+    rows = read_jsonl(runs["conduit@0.5"] / "predictions.jsonl")
+    for row in rows:
+        plan = row["plan"]
+        assert plan["policy"] == "conduit" and plan["r"] == 0.5
+        assert len(plan["selected"]) == plan["budget"] == math.ceil(0.5 * plan["n_visual"])
+        vis = [i for s, e in plan["image_spans"] for i in range(s, e)]
+        assert set(plan["selected"]) <= set(vis)  # sequence coordinates of visual tokens
+        assert plan["layer_counts"] == [plan["budget"]] * plan["n_layers"]
+        assert len(plan["coefficients"]) == plan["n_images"] and sum(plan["per_image_refreshed"]) == plan["budget"]
+        assert plan["scores"]["threshold"] <= plan["scores"]["max"] and len(plan["tokens"]) >= 1
+    info = json.loads((runs["conduit@0.5"] / "run_info.json").read_text())
+    assert info["method"]["spec"] == "conduit@0.5" and info["method"]["build_missing"] is False
+    assert "plan" not in read_jsonl(runs["full"] / "predictions.jsonl")[0]
+
+
+def test_read_only_cache_is_never_written(runs, vlm_dir, tmp_path):
+    split = _records(tmp_path)  # same images: cached
+    before = sorted(p.name for p in runs["cache"].rglob("*"))
+    run_eval(vlm_dir, split, method="reuse", out_dir=tmp_path / "r",
+             method_params={"cache_dir": str(runs["cache"]), "build_missing": False})
+    assert sorted(p.name for p in runs["cache"].rglob("*")) == before
+    empty = tmp_path / "empty-cache"
+    with pytest.raises(RuntimeError, match="all 3 samples failed.*has not been built"):
+        run_eval(vlm_dir, split, method="reuse", out_dir=tmp_path / "r2",
+                 method_params={"cache_dir": str(empty), "build_missing": False})
+
+
+@pytest.mark.parametrize("spec", ["conduit@0.5", "kvshare-conduit@0.5", "cacheblend@0.5", "reuse"])
+def test_replay_cli_reproduces_the_prediction(runs, spec, capsys):
+    for rid in ("d0", "d1"):
+        assert main(["replay", "--run", str(runs[spec]), "--id", rid]) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert out["match"] and out["replayed"] == out["recorded"] and out["replayed_tokens"] == out["recorded_tokens"]
+
+
+def test_replay_needs_a_plan(runs, capsys):
+    assert main(["replay", "--run", str(runs["full"]), "--id", "d0"]) == 2
+    assert "has no refresh plan" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("spec", ["conduit@0.5", "cacheblend@0.5", "kvshare-conduit@0.3"])
+def test_replayed_plan_is_bit_exact(runs, vlm_dir, spec):
+    """Replaying the audit record re-executes the same rows per layer: identical logits and K/V."""
+    model, proc = load_model(vlm_dir)
+    method = RefreshMethod(spec=spec, cache_dir=str(runs["cache"]), build_missing=False)
+    record = read_jsonl(runs["split"])[1]
+    with torch.inference_mode():
+        adapter, req, result, rec = method.run(model, proc, record, runs["split"].parent)
+        audit = json.loads(json.dumps(plan_audit(req, result, rec, {}, [0])))  # through JSON, as stored
+        again = refresh(adapter, req, ReplayPolicy(audit), audit["r"]).output
+    assert torch.equal(again.logits, result.output.logits)
+    assert all(torch.equal(a, b) for a, b in zip(again.keys, result.output.keys))
+    assert again.layer_counts == result.output.layer_counts
+
+
+# --- table builders on synthetic runs ----------------------------------------------------------
+
+def _cfg(**over) -> dict:
+    cfg = {
+        "models": ["m"], "n_test": None, "threads": 1, "reference": "full",
+        "multi_image": {"K2": {"dataset": "dp", "k": [2, 2]}, "K3": {"dataset": "dp", "k": [3, 3]}},
+        "single_image": {"dg": {"dataset": "dg"}},
+        "budgets": [0.1],
+        "methods": [{"label": "Cache reuse", "method": "reuse"}, {"label": "CONDUIT", "method": "conduit"},
+                    {"label": "Full prefill", "method": "full"}],
+        "single_image_rows": [{"label": "r = 0", "method": "conduit@0"}, {"label": "Full prefill", "method": "full"}],
+        "lambda": {"method": "conduit", "r": 0.1, "values": [0, 1]},
+        "ablation": [{"label": "Composite", "method": "conduit@0.1"}],
+        "curve": {"methods": ["CONDUIT"], "r": [0.1]},
+        "gap": {"resamples": 1000, "seed": 0},
+    }
+    cfg.update(over)
+    return cfg
+
+
+DP_K = {"a": 2, "b": 2, "c": 2, "d": 2, "e": 3, "f": 3}
+
+
+def _synthetic(root: Path, scores: dict[tuple[str, str], list[float]], cfg: dict | None = None):
+    """Write split files and prediction rows ``scores[(dataset, spec)]`` (in id order) under ``root``."""
+    write_split(root / "dp.jsonl", [{"id": i, "meta": {"K": k}} for i, k in DP_K.items()])
+    write_split(root / "dg.jsonl", [{"id": f"g{i}", "meta": {}} for i in range(4)])
+    plan = ConduitPlan(cfg or _cfg(), "syn", zoo_models=["m"])
+    ids = {"dp": list(DP_K), "dg": [f"g{i}" for i in range(4)]}
+    for (ds, spec), vals in scores.items():
+        rows = [{"id": i, "score": v, "status": "ok"} for i, v in zip(ids[ds], vals)]
+        write_split(root / plan.run_dir("m", ds, spec) / "predictions.jsonl", rows)
+    return plan, {"profile": "syn", "conduit": cfg or _cfg(), "zoo_models": ["m"],
+                  "splits": {"dp": str(root / "dp.jsonl"), "dg": str(root / "dg.jsonl")}}
+
+
+def _read(path: Path) -> tuple[list[str], pd.DataFrame]:
+    lines = path.read_text().splitlines()
+    return [x for x in lines if x.startswith("#")], pd.read_csv(path, comment="#")
+
+
+def test_table1_cells_and_percent_of_full(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    _, spec = _synthetic(tmp_path, {
+        ("dp", "full"): [1, 1, 1, 0, 1, 0],          # K2: 75, K3: 50
+        ("dp", "reuse"): [1, 0, 0, 0, 0, 0],         # K2: 25, K3: 0
+        ("dp", "conduit@0.1"): [1, 1, 0, 0, 1, 0],   # K2: 50, K3: 50
+    })
+    report("table1", json.dumps(spec), tmp_path / "t1.csv", root=tmp_path)
+    header, df = _read(tmp_path / "t1.csv")
+    assert "syn profile: tiny zoo (m) on smoke datasets; NOT the paper's numbers" in header[0]
+    assert "records per column: K2=4, K3=2" in header[2]
+    got = df.set_index("method")
+    assert list(got.index) == ["Cache reuse", "CONDUIT", "Full prefill"] and list(got["spec"]) == ["reuse", "conduit@0.1", "full"]
+    assert got.loc["CONDUIT", ["K2", "K2 %full", "K3", "K3 %full", "avg", "avg %full"]].tolist() == [50.0, 66.7, 50.0, 100.0, 50.0, 80.0]
+    assert got.loc["Cache reuse", ["K2", "K2 %full", "K3", "K3 %full", "avg", "avg %full"]].tolist() == [25.0, 33.3, 0.0, 0.0, 12.5, 20.0]
+    assert got.loc["Full prefill", ["K2 %full", "avg %full"]].tolist() == [100.0, 100.0]
+    assert got["notes"].isna().all() and (got["r"] == 0.1).all()
+
+
+def test_missing_run_is_an_error_or_a_noted_empty_cell(tmp_path):
+    _, spec = _synthetic(tmp_path, {("dp", "full"): [1] * 6, ("dp", "reuse"): [0] * 6})
+    with pytest.raises(FileNotFoundError, match="run results/runs/syn/m/dp/conduit/conduit_r0.1 is missing"):
+        report("table1", spec, tmp_path / "t1.csv", root=tmp_path)
+    report("table1", spec, tmp_path / "t1.csv", root=tmp_path, allow_missing=True)
+    _, df = _read(tmp_path / "t1.csv")
+    row = df.set_index("method").loc["CONDUIT"]
+    assert math.isnan(row["K2"]) and math.isnan(row["avg"])
+    assert "K2: missing run results/runs/syn/m/dp/conduit/conduit_r0.1" in row["notes"]
+
+
+def test_empty_reference_and_empty_bucket_are_noted(tmp_path):
+    cfg = _cfg(multi_image={"K2": {"dataset": "dp", "k": [2, 2]}, "K9": {"dataset": "dp", "k": [9, 9]}})
+    _, spec = _synthetic(tmp_path, {("dp", "full"): [0] * 6, ("dp", "reuse"): [0] * 6,
+                                    ("dp", "conduit@0.1"): [1] * 6}, cfg)
+    report("table1", spec, tmp_path / "t1.csv", root=tmp_path)
+    _, df = _read(tmp_path / "t1.csv")
+    row = df.set_index("method").loc["CONDUIT"]
+    assert row["K2"] == 100.0 and math.isnan(row["K2 %full"]) and math.isnan(row["K9"])
+    assert "K2 %full: full prefill scores 0" in row["notes"]
+    assert "K9: no record with K in [9, 9]" in row["notes"]
+
+
+def test_table2_table4_table5_rows(tmp_path):
+    _, spec = _synthetic(tmp_path, {
+        ("dg", "full"): [1, 1, 0, 0], ("dg", "conduit@0.0"): [1, 0, 0, 0],
+        ("dp", "full"): [1] * 6, ("dp", "conduit@0.1:lam=0.0"): [1, 0, 1, 0, 1, 0], ("dp", "conduit@0.1"): [1] * 6,
+    })
+    report("table2", spec, tmp_path / "t2.csv", root=tmp_path)
+    _, t2 = _read(tmp_path / "t2.csv")
+    assert t2.set_index("method").loc["r = 0", ["dg", "dg %full"]].tolist() == [25.0, 50.0]
+    report("table4", spec, tmp_path / "t4.csv", root=tmp_path)
+    _, t4 = _read(tmp_path / "t4.csv")
+    assert list(t4["method"]) == ["λ = 0", "λ = 1"] and list(t4["spec"]) == ["conduit@0.1:lam=0.0", "conduit@0.1"]
+    assert t4["K2"].tolist() == [50.0, 100.0] and t4["K3"].tolist() == [50.0, 100.0]
+    report("table5", spec, tmp_path / "t5.csv", root=tmp_path)
+    _, t5 = _read(tmp_path / "t5.csv")
+    assert t5["avg %full"].tolist() == [100.0] and t5["r"].tolist() == [0.1]
+
+
+def test_staleness_gap_ci_and_header(tmp_path):
+    _, spec = _synthetic(tmp_path, {
+        ("dp", "full"): [1, 1, 1, 1, 1, 0], ("dp", "reuse"): [0, 0, 0, 0, 1, 0],
+        ("dg", "full"): [1, 0, 1, 0], ("dg", "reuse"): [1, 0, 1, 0],
+    })
+    report("gap", spec, tmp_path / "gap.csv", root=tmp_path)
+    header, df = _read(tmp_path / "gap.csv")
+    g = df.set_index("column")
+    assert g.loc["K2", ["n", "full", "reuse", "gap", "ci95_lo", "ci95_hi"]].tolist() == [4, 100.0, 0.0, -100.0, -100.0, -100.0]
+    assert bool(g.loc["K2", "significant"]) and not bool(g.loc["dg", "significant"])
+    assert g.loc["dg", ["gap", "ci95_lo", "ci95_hi"]].tolist() == [0.0, 0.0, 0.0]
+    assert g.loc["dp (all K)", "gap"] == round(100 * -4 / 6, 2) and g.loc["dp (all K)", "n"] == 6
+    assert "paired bootstrap, percentile method, 1000 resamples" in header[1]
+    assert "significant at 95% (CI excludes 0): m/K2" in header[2]
+    assert header[3].startswith("# gap NOT significant at 95% (CI includes 0):") and "m/dg" in header[3]
+
+
+def test_staleness_gap_refuses_unpaired_runs(tmp_path):
+    plan, spec = _synthetic(tmp_path, {("dp", "full"): [1] * 6, ("dp", "reuse"): [1] * 5,
+                                       ("dg", "full"): [1] * 4, ("dg", "reuse"): [1] * 4})
+    with pytest.raises(ValueError, match="different records"):
+        staleness_gap(plan, Runs(tmp_path, spec["splits"]))
+
+
+def test_fig3_pdf_and_data(tmp_path):
+    _, spec = _synthetic(tmp_path, {("dp", "full"): [1] * 6, ("dp", "reuse"): [0] * 6,
+                                    ("dp", "conduit@0.1"): [1, 1, 0, 0, 1, 1]})
+    report("fig3", spec, tmp_path / "fig3.pdf", root=tmp_path, out_csv=tmp_path / "fig3.csv")
+    assert (tmp_path / "fig3.pdf").read_bytes().startswith(b"%PDF")
+    _, df = _read(tmp_path / "fig3.csv")
+    assert df.set_index("spec").loc["conduit@0.1", "avg"] == 75.0
+    assert set(df["method"]) == {"CONDUIT", "Full prefill", "Cache reuse"}
+
+
+# --- Snakemake targets -------------------------------------------------------------------------
+
+CONDUIT_TARGETS = ["results/table1.csv", "results/table2.csv", "results/table4.csv", "results/table5.csv",
+                   "results/conduit/staleness_gap.csv", "figures/conduit/fig3.pdf"]
+
+
+@pytest.mark.parametrize("configfile", [None, CI_CONFIG], ids=["smoke", "ci"])
+def test_conduit_targets_dry_run(tmp_path, configfile):
+    args = ["-n", "-p", *CONDUIT_TARGETS] + (["--configfile", str(configfile)] if configfile else [])
+    r = snakemake(tmp_path, *args)
+    assert r.returncode == 0, r.stdout[-3000:]
+    jobs = planned_jobs(r.stdout)
+    assert jobs["conduit_table"] == 4 and jobs["conduit_table_alias"] == 4
+    assert jobs["conduit_gap"] == jobs["conduit_fig3"] == 1 and jobs["conduit_cache"] == 2
+    n_test = 300 if configfile is None else 8
+    assert f"--limit {n_test}" in r.stdout and "--method conduit@0.1:lam=0.5 " in r.stdout
+    assert not (tmp_path / "results").exists()
+
+
+def test_conduit_targets_dry_run_paper(tmp_path):
+    root = tmp_path / "kvbench-data"
+    _fake_paper_root(root)
+    r = snakemake(tmp_path, "-n", "-p", "conduit", "--configfile", str(PAPER_CONFIG), "--config", f"paths={{root: {root}}}")
+    assert r.returncode == 0, r.stdout[-3000:]
+    jobs = planned_jobs(r.stdout)
+    # 2 backbones x (4 K=8 sets + 4 single-image sets) caches; no training, no data materialisation
+    assert jobs["conduit_cache"] == 16 and "train" not in jobs and "data" not in jobs
+    assert f"--split {root}/benchmarks/mmlongbench/longdocurl_K8.jsonl" in r.stdout
+
+
+def test_no_conduit_section_fails_naming_it(tmp_path):
+    cfg = yaml.safe_load(CI_CONFIG.read_text())
+    del cfg["conduit"]
+    r = snakemake(tmp_path, "-n", "results/conduit/table1.csv", "--configfile", str(write_config(tmp_path / "c.yaml", cfg)))
+    assert r.returncode != 0 and "has no `conduit:` section" in r.stdout, r.stdout[-3000:]
+
+
+@pytest.mark.slow
+def test_conduit_targets_real_run(tmp_path, vlm_dir):
+    """Every CONDUIT target for real on a tiny config: a random-weight VLM, 4-6 records (minutes on 2 cores)."""
+    cfg = {"profile": "tiny", "models": {"rand-vl": {"kind": "vlm", "checkpoint": str(vlm_dir), "gpus": 0}},
+           "datasets": {"docpages": {"kind": "vlm", "smoke": {"n_train": 0, "n_test": 6}},
+                        "digitgrid": {"kind": "vlm", "smoke": {"n_train": 0, "n_test": 4}}},
+           "eval": {"matrix": {"rand-vl": ["digitgrid"]}},
+           "conduit": {"models": ["rand-vl"], "n_test": 6,
+                       "multi_image": {"K2-3": {"dataset": "docpages", "k": [2, 3]},
+                                       "K4-6": {"dataset": "docpages", "k": [4, 6]}},
+                       "single_image": {"digitgrid": {"dataset": "digitgrid"}},
+                       "budgets": [0.1], "methods": [{"label": "Cache reuse", "method": "reuse"},
+                                                     {"label": "CONDUIT", "method": "conduit"},
+                                                     {"label": "Full prefill", "method": "full"}],
+                       "lambda": {"values": [1]}, "ablation": [{"label": "Composite", "method": "conduit@0.1"}],
+                       "curve": {"methods": ["CONDUIT"], "r": [0.1]}, "gap": {"resamples": 200}}}
+    r = snakemake(tmp_path, "conduit", "--cores", "2", "--configfile", str(write_config(tmp_path / "t.yaml", cfg)),
+                  timeout=3600)
+    assert r.returncode == 0, r.stdout[-5000:]
+    for name in ("table1", "table2", "table4", "table5", "staleness_gap"):
+        header, df = _read(tmp_path / "results" / "conduit" / f"{name}.csv")
+        assert header[0].startswith("# CONDUIT") and len(df) >= 1
+    assert (tmp_path / "figures" / "conduit" / "fig3.pdf").read_bytes().startswith(b"%PDF")
+    run = tmp_path / "results" / "runs" / "tiny" / "rand-vl" / "docpages" / "conduit" / "conduit_r0.1"
+    rid = read_jsonl(run / "predictions.jsonl")[0]["id"]
+    assert main(["replay", "--run", str(run), "--id", rid]) == 0

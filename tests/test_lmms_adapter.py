@@ -1,0 +1,105 @@
+"""The lmms-eval adapter: registration by name, request → record, and an offline evaluation through
+lmms-eval's own entry point (``simple_evaluate``) on a local docpages task, checked against kvbench's paths."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from kvbench.lmms import MODEL_ID, POLICIES, manifests, model_id
+from kvbench.lmms.records import IMAGE_TOKEN, to_record
+from kvbench.reuse import available_policies
+
+torch.set_num_threads(1)
+lmms_eval = pytest.importorskip("lmms_eval")
+
+
+def test_every_policy_is_registered_by_name():
+    from lmms_eval import models
+    from lmms_eval.api.model import lmms
+
+    assert POLICIES == available_policies()
+    names = set(models.list_available_models())
+    assert {MODEL_ID, *(model_id(p) for p in POLICIES)} <= names, "entry point missing: pip install -e ."
+    cls = models.get_model("kvbench_kvshare_conduit")
+    assert issubclass(cls, lmms) and cls.is_simple and cls.default_policy == "kvshare-conduit"
+    assert models.get_model(MODEL_ID).default_policy == "conduit"
+    assert len({m.model_id for m in manifests()}) == len(POLICIES) + 1
+
+
+def test_request_to_record_places_images():
+    rec = to_record(f"Page 1:{IMAGE_TOKEN}Page 2:{IMAGE_TOKEN}Page 2, cell B", ["a.png", "b.png"],
+                    {"system": "Add one.", "generic_system": "Read."})
+    assert rec["content"] == [{"type": "text", "text": "Page 1:"}, {"type": "image", "image": "a.png"},
+                              {"type": "text", "text": "Page 2:"}, {"type": "image", "image": "b.png"}]
+    assert (rec["question"], rec["system"], rec["generic_system"]) == ("Page 2, cell B", "Add one.", "Read.")
+    assert [p["type"] for p in to_record("What?", ["a", "b"])["content"]] == ["image", "image"]
+    with pytest.raises(ValueError, match="placeholders"):
+        to_record(f"{IMAGE_TOKEN} x", ["a", "b"])
+    with pytest.raises(ValueError, match="no image"):
+        to_record("x", [])
+
+
+@pytest.mark.parametrize("bad, match", [(dict(policy="nope"), "unknown refresh policy"), (dict(r=2), "ratio"),
+                                        (dict(batch_size=2), "batch_size"), (dict(temperature=1), "unknown model")])
+def test_bad_model_args_fail_before_loading(bad, match):
+    from kvbench.lmms.model import KVBenchReuse
+
+    with pytest.raises(ValueError, match=match):
+        KVBenchReuse(pretrained="/nonexistent", **bad)
+
+
+@pytest.fixture(scope="module")
+def task(tokenizer_dir, tmp_path_factory):
+    """A 3-record docpages JSONL on disk and its lmms-eval task directory."""
+    from kvbench.data.smoke import materialise
+    from kvbench.lmms.task import write_task
+
+    root = tmp_path_factory.mktemp("lmms")
+    materialise("docpages", root / "data", tokenizer_dir, n_train=1, n_test=3)
+    write_task(root / "tasks", root / "data" / "test.jsonl")
+    records = [json.loads(line) for line in (root / "data" / "test.jsonl").read_text().splitlines()]
+    return root, records
+
+
+def _evaluate(model, task_dir, **kw):
+    from lmms_eval.evaluator import simple_evaluate
+    from lmms_eval.tasks import TaskManager
+
+    res = simple_evaluate(model=model, tasks=["kvbench_docpages"], task_manager=TaskManager(include_path=str(task_dir)),
+                          log_samples=True, bootstrap_iters=0, **kw)
+    samples = sorted(res["samples"]["kvbench_docpages"], key=lambda s: s["doc_id"])
+    return res["results"]["kvbench_docpages"], [s["filtered_resps"][0] for s in samples]
+
+
+def test_full_policy_by_name_matches_kvbench_eval(task, vlm_dir):
+    """`--model kvbench_full` through lmms-eval answers exactly as `kvbench eval --method full` (model.generate):
+    the lmms prompt (doc_to_text + images) encodes to the same tokens as encode_record."""
+    from kvbench.eval.methods import FullCache
+    from kvbench.models import load_model
+
+    root, records = task
+    metrics, preds = _evaluate("kvbench_full", root / "tasks", model_args=f"pretrained={vlm_dir}")
+    model, proc = load_model(vlm_dir)
+    want = [FullCache().predict(model, proc, r, root / "data") for r in records]
+    assert preds == want
+    assert metrics["exact_match,none"] == pytest.approx(sum(p == r["answer"] for p, r in zip(preds, records)) / 3)
+
+
+def test_conduit_object_matches_the_reuse_engine(task, vlm_dir, tmp_path):
+    from kvbench.lmms.model import KVBenchReuse
+    from kvbench.reuse import ImageKVStore, greedy_decode, run_record
+
+    root, records = task
+    lm = KVBenchReuse(pretrained=str(vlm_dir), policy="conduit", r=0.1, lam=0.5, cache_dir=str(tmp_path / "c"))
+    _, preds = _evaluate(lm, root / "tasks")
+    assert lm.store(records[0]["generic_system"]).stats["built"] > 0  # images went through the KV cache
+    ad = lm.adapter
+    store = ImageKVStore(tmp_path / "direct", ad, records[0]["generic_system"])
+    tok = ad.processor.tokenizer
+    for rec, pred in zip(records, preds):
+        res = run_record(ad, store, rec, "conduit", 0.1, root / "data", lam=0.5)
+        ids = greedy_decode(ad, res.output, rec["max_new_tokens"])
+        ids = ids[:ids.index(tok.eos_token_id)] if tok.eos_token_id in ids else ids
+        assert pred == tok.decode(ids, skip_special_tokens=True).strip()
