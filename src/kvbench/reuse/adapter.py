@@ -14,6 +14,7 @@ model uses 1-D RoPE (``LlavaForConditionalGeneration``), see
 """
 from __future__ import annotations
 
+import abc
 import hashlib
 import json
 from typing import Any
@@ -28,7 +29,7 @@ def _tokenizer(proc: Any) -> Any:
     return getattr(proc, "tokenizer", proc)
 
 
-class VLMAdapter:
+class VLMAdapter(abc.ABC):
     """Architecture facts and small helpers for one VLM (batch size 1 throughout).
 
     Attributes:
@@ -68,9 +69,9 @@ class VLMAdapter:
         """int64 ``[1, T]`` positions 0..T-1 (1-D RoPE)."""
         return torch.arange(enc["input_ids"].shape[1], device=enc["input_ids"].device)[None]
 
+    @abc.abstractmethod
     def image_features(self, enc: dict) -> list[torch.Tensor]:
-        """Vision-tower output per image, each ``[n_j, hidden]`` in the model dtype."""
-        raise NotImplementedError
+        """Vision-tower output per image, each ``[n_j, hidden]`` in the model dtype (per family)."""
 
     def image_token_mask(self, enc: dict) -> torch.Tensor:
         """bool ``[T]``: True at visual tokens (the placeholders the vision features replace)."""
