@@ -12,7 +12,7 @@ from kvbench.train.batches import PROBE_CLASSES
 from kvbench.train.loop import lr_at, run_phases, sequence_loss
 from kvbench.train.recipes import Phase, apply_overrides, lm_recipe, vlm_recipe
 
-PHASES = [Phase("copy", "copy", steps=6, lr=3e-3, warmup=2, batch=4, seq_len=32)]
+PHASES = [Phase("copy", "copy", steps=6, lr=3e-3, warmup=2, batch=4, seq_len=32, head_supervision=1.0)]
 
 
 def _lm(tokenizer, seed=0):
@@ -133,3 +133,36 @@ def test_freeze_vision_phase_leaves_the_tower_untouched(tokenizer, tmp_path):
     run_phases(vlm, build_processor(tokenizer), phases, tmp_path, seed=0, budget_s=1e9)
     assert all(torch.equal(v, visual[k]) for k, v in vlm.model.visual.state_dict().items())
     assert any(not torch.equal(v, text[k]) for k, v in vlm.model.language_model.state_dict().items())
+
+
+@pytest.mark.parametrize("restrict", [False, True])
+def test_labelled_loss_equals_full_logits_loss(tokenizer, restrict):
+    from kvbench.train.batches import copy_batch, step_rng
+    from kvbench.train.loop import labelled_loss
+
+    model = _lm(tokenizer)
+    phase = Phase("c", "copy", steps=1, lr=1e-3, batch=3, seq_len=32, copy_vocab=64, restrict_softmax=restrict)
+    batch = copy_batch(step_rng(0, "c", 0), phase, tokenizer)
+    labels, output_ids = batch.pop("labels"), batch.pop("output_ids", None)
+    labels[1] = -100  # a sequence without labels is left out of the mean, as in sequence_loss
+    logits = model(**batch).logits
+    if output_ids is not None:
+        logits = logits[..., output_ids]
+    ref, ref_acc = sequence_loss(logits, labels)
+    got, acc = labelled_loss(model, batch, labels, output_ids)
+    assert got.item() == pytest.approx(ref.item(), rel=1e-5) and acc == pytest.approx(ref_acc)
+
+
+def test_labelled_loss_on_a_vlm_task_batch(tokenizer):
+    from kvbench.train.batches import step_rng, task_batch
+    from kvbench.train.loop import labelled_loss
+
+    torch.manual_seed(0)
+    vlm = transformers.Qwen2_5_VLForConditionalGeneration(build_config("tiny-qwen2.5-vl", tokenizer))
+    proc = build_processor(tokenizer)
+    phase = Phase("g", "tasks", steps=1, lr=1e-3, batch=2, mixture=(("digitgrid", 1.0, {"n_queries": 2}),))
+    batch = task_batch(step_rng(0, "g", 0), phase, proc)
+    labels = batch.pop("labels")
+    ref, _ = sequence_loss(vlm(**batch).logits, labels)
+    got, _ = labelled_loss(vlm, batch, labels)
+    assert got.item() == pytest.approx(ref.item(), rel=1e-5)

@@ -22,6 +22,7 @@ from tqdm import tqdm
 
 from kvbench.models.prompting import IGNORE_INDEX
 from kvbench.train.batches import BATCHES, PROBE_CLASSES, step_rng
+from kvbench.train.heads import head_supervision_loss, supervise_heads
 from kvbench.train.recipes import Phase
 from kvbench.train.state import load_state, save_state
 from kvbench.utils.io import atomic_path
@@ -52,6 +53,41 @@ def sequence_loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Ten
     has = mask.any(1)
     loss = per_seq[has].mean() if has.any() else ce.sum() * 0
     acc = ((lg.argmax(-1) == lb) & mask).sum().item() / max(1, mask.sum().item())
+    return loss, acc
+
+
+def labelled_loss(model: Any, batch: dict, labels: torch.Tensor,
+                  output_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, float]:
+    """:func:`sequence_loss` with the LM head applied only where a label applies.
+
+    Task batches label a few answer tokens per sequence, so projecting every
+    position onto the 4,096-token vocabulary (and its softmax) would be most of
+    a step's memory traffic; the loss is the same (``tests/test_train.py``).
+
+    Args:
+        model: a ``*ForCausalLM`` / ``*ForConditionalGeneration`` whose ``.model``
+            returns ``last_hidden_state`` float ``[B, T, d]`` and whose output
+            embeddings are the LM head.
+        batch: the model inputs (no ``labels``).
+        labels: int64 ``[B, T]`` as in :func:`sequence_loss`.
+        output_ids: optional int64 ``[V']``: the softmax runs over these vocabulary
+            rows only, and ``labels`` index into them (``Phase.restrict_softmax``).
+    """
+    hidden = model.model(**batch).last_hidden_state
+    lb = labels[:, 1:]
+    mask = lb != IGNORE_INDEX
+    if not mask.any():
+        return hidden.sum() * 0, 0.0
+    head = model.get_output_embeddings()
+    weight = head.weight if output_ids is None else head.weight[output_ids]
+    bias = head.bias if output_ids is None or head.bias is None else head.bias[output_ids]
+    logits = F.linear(hidden[:, :-1][mask], weight, bias).float()
+    target = lb[mask]
+    ce = F.cross_entropy(logits, target, reduction="none")
+    rows = mask.nonzero()[:, 0]
+    per_seq = torch.zeros(lb.shape[0], dtype=ce.dtype).index_add(0, rows, ce) / mask.sum(1).clamp(min=1)
+    loss = per_seq[mask.any(1)].mean()
+    acc = (logits.argmax(-1) == target).float().mean().item()
     return loss, acc
 
 
@@ -153,10 +189,13 @@ def run_phases(
                 else:
                     labels = batch.pop("labels")
                     output_ids = batch.pop("output_ids", None)
-                    logits = model(**batch).logits
-                    if output_ids is not None:
-                        logits = logits[..., output_ids]
-                    loss, acc = sequence_loss(logits, labels)
+                    if not phase.head_supervision:
+                        loss, acc = labelled_loss(model, batch, labels, output_ids)
+                    else:
+                        with supervise_heads(model):
+                            loss, acc = labelled_loss(model, batch, labels, output_ids)
+                            aux = head_supervision_loss(batch["input_ids"], batch["attention_mask"])
+                        loss = loss + phase.head_supervision * aux
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_([p for p in params if p.requires_grad], 1.0)

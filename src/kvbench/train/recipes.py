@@ -42,6 +42,9 @@ class Phase:
         jointly, the probe-trained features were lost and the language side
         stayed at chance; frozen, digitgrid reached 92% (docs/decisions.md,
         "Training status").
+    head_supervision : float — weight of the attention-supervision term
+        (:mod:`kvbench.train.heads`: a previous-token head and an induction head)
+        added to the loss; 0 turns it off. Text models only.
     mixture : tuple — ``(family, weight, params)`` triples for ``tasks`` phases;
         ``params`` go to :func:`kvbench.data.smoke.sample`.
     """
@@ -57,30 +60,43 @@ class Phase:
     restrict_softmax: bool = False
     decay: bool = True
     freeze_vision: bool = False
+    head_supervision: float = 0.0
     mixture: tuple = field(default_factory=tuple)
 
 
-def _lm_tasks(seq_len: int, lcc_weight: float = 0.15) -> tuple:
+def _lm_tasks(seq_len: int) -> tuple:
     q = max(2, min(16, seq_len // 64))
+    # Three times as many KV queries as needle queries per sequence: with 16 at 1k, KV retrieval
+    # reached 0.10 after the 512-token phase, with 48 (and the lexicon-wide copy) 0.40.
     return (
         ("niah", 1.0, {"length_tokens": seq_len, "n_queries": min(4, q)}),
-        ("kv", 1.0, {"length_tokens": seq_len, "n_queries": q}),
-        ("vt", 0.7, {"length_tokens": seq_len, "n_queries": 1}),
-        ("lcc", lcc_weight, {"length_tokens": seq_len, "n_queries": 1, "full_loss": True}),
+        ("kv", 1.5, {"length_tokens": seq_len, "n_queries": min(48, 3 * q)}),
+        ("vt", 0.5, {"length_tokens": seq_len, "n_queries": 1}),
+        ("lcc", 0.1, {"length_tokens": seq_len, "n_queries": 1, "full_loss": True}),
     )
 
 
+#: ``(seq_len, steps, batch)`` of the LM's task phases after the copy warm-up.
+LM_LENGTHS = ((64, 100, 16), (128, 100, 8), (256, 100, 8), (512, 180, 4), (1024, 380, 2))
+
+
 def lm_recipe() -> list[Phase]:
-    """Phases of ``tiny-qwen2-lm`` (about 13 minutes on 2 cores)."""
-    # 512 copy tokens and a constant lr reproduce the trial's conditions (vocabulary 512,
-    # lr 3e-3); over the full 4,096-token vocabulary with a decaying lr the circuit
-    # had not formed after 400 steps.
-    phases = [Phase("copy32", "copy", steps=500, lr=3e-3, warmup=30, batch=64, seq_len=32,
-                    copy_vocab=512, decay=False)]
-    for seq_len, steps in ((64, 40), (128, 40), (256, 60), (512, 90), (1024, 220), (2048, 60)):
-        batch = max(2, 4096 // seq_len)
-        phases.append(Phase(f"tasks{seq_len}", "tasks", steps=steps, lr=7e-4, warmup=10,
-                            batch=batch, seq_len=seq_len, mixture=_lm_tasks(seq_len)))
+    """Phases of ``tiny-qwen2-lm``: copy warm-up at 32 tokens, then 64 -> 1,024-token task mixtures.
+
+    Every phase supervises a previous-token and an induction head
+    (:mod:`kvbench.train.heads`); without that the circuit had not formed
+    within the CPU budget. Batches are small (2,048 tokens or fewer) so that
+    the run reaches the 1k-token phase inside the 840 s cap on 2 cores: on the
+    plateau the number of steps, not tokens, is what counted (docs/decisions.md,
+    "Training status").
+    """
+    # The copy tokens are the whole key/value lexicon (1,626 tokens), so that every key's
+    # embedding is trained before the retrieval tasks; the softmax runs over them alone.
+    phases = [Phase("copy32", "copy", steps=400, lr=3e-3, warmup=30, batch=16, seq_len=32,
+                    copy_vocab=1626, restrict_softmax=True, decay=False, head_supervision=1.0)]
+    for seq_len, steps, batch in LM_LENGTHS:
+        phases.append(Phase(f"tasks{seq_len}", "tasks", steps=steps, lr=1e-3, warmup=10, batch=batch,
+                            seq_len=seq_len, mixture=_lm_tasks(seq_len), head_supervision=1.0))
     return phases
 
 

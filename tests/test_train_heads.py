@@ -1,0 +1,40 @@
+"""Attention supervision of the zoo LM's previous-token and induction heads (kvbench.train.heads)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from kvbench.models.tiny import build_config
+from kvbench.train import heads
+
+
+def test_targets():
+    ids = torch.tensor([[5, 7, 9, 5, 7, 5]])
+    assert heads.previous_token_targets(ids).tolist() == [[-1, 0, 1, 2, 3, 4]]
+    # position 3 (a 5) saw 5 at 0 -> attend to 1; position 5 (a 5) saw 5 last at 3 -> attend to 4
+    assert heads.induction_targets(ids).tolist() == [[-1, -1, -1, 1, 2, 4]]
+
+
+def test_supervision_leaves_the_forward_pass_unchanged_and_restores_sdpa(tokenizer):
+    torch.manual_seed(0)
+    model = transformers.Qwen2ForCausalLM(build_config("tiny-qwen2-lm", tokenizer)).eval()
+    ids = torch.randint(10, 200, (2, 24))
+    ids[:, 12:] = ids[:, :12]
+    mask = torch.ones_like(ids)
+    ref = model(input_ids=ids, attention_mask=mask).logits
+    with heads.supervise_heads(model):
+        got = model(input_ids=ids, attention_mask=mask).logits
+        loss = heads.head_supervision_loss(ids, mask)
+    assert torch.allclose(got, ref, atol=1e-5)
+    assert model.config._attn_implementation == "sdpa"
+    # an untrained model attends near uniformly: each term is about log(number of visible positions)
+    assert 1.0 < loss.item() < 2 * torch.log(torch.tensor(24.0)).item()
+    loss.backward()
+    layer, head = heads.PREVIOUS_TOKEN_HEAD
+    assert model.model.layers[layer].self_attn.q_proj.weight.grad.abs().sum() > 0
+
+
+def test_loss_without_a_forward_pass_is_an_error():
+    with pytest.raises(RuntimeError, match="inside supervise_heads"):
+        heads.head_supervision_loss(torch.zeros(1, 4, dtype=torch.long), torch.ones(1, 4))
