@@ -297,8 +297,9 @@ def test_table2_table4_table5_rows(tmp_path):
         ("dp", "full"): [1] * 6, ("dp", "conduit@0.1:lam=0.0"): [1, 0, 1, 0, 1, 0], ("dp", "conduit@0.1"): [1] * 6,
     })
     report("table2", spec, tmp_path / "t2.csv", root=tmp_path)
-    _, t2 = _read(tmp_path / "t2.csv")
+    h2, t2 = _read(tmp_path / "t2.csv")
     assert t2.set_index("method").loc["r = 0", ["dg", "dg %full"]].tolist() == [25.0, 50.0]
+    assert "# spread across rows (max - min, points): dg 25.00" in h2
     report("table4", spec, tmp_path / "t4.csv", root=tmp_path)
     _, t4 = _read(tmp_path / "t4.csv")
     assert list(t4["method"]) == ["λ = 0", "λ = 1"] and list(t4["spec"]) == ["conduit@0.1:lam=0.0", "conduit@0.1"]
@@ -306,6 +307,13 @@ def test_table2_table4_table5_rows(tmp_path):
     report("table5", spec, tmp_path / "t5.csv", root=tmp_path)
     _, t5 = _read(tmp_path / "t5.csv")
     assert t5["avg %full"].tolist() == [100.0] and t5["r"].tolist() == [0.1]
+
+
+def test_flat_table_says_so_in_its_header(tmp_path):
+    _, spec = _synthetic(tmp_path, {("dg", "full"): [1, 1, 0, 0], ("dg", "conduit@0.0"): [1, 0, 1, 0]})
+    report("table2", spec, tmp_path / "t2.csv", root=tmp_path)
+    header, _ = _read(tmp_path / "t2.csv")
+    assert any(h.startswith("# FLAT on this profile") and "dg 0.00" in h for h in header)
 
 
 def test_staleness_gap_ci_and_header(tmp_path):

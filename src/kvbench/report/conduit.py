@@ -317,12 +317,27 @@ def write_score_table(plan: ConduitPlan, runs: Runs, target: str, out: str | Pat
          f"column; full prefill = {plan.reference}); avg = unweighted mean over columns"),
         f"# columns: {cols}; records per column: {_column_counts(runs, plan, target)}",
     ]
+    header.append(flatness_line(df, plan.columns(target)))
     forms = dict.fromkeys(parse_method_spec(r.spec).policy for r in plan.rows(target))
     described = [f"{p} = {FORMS[p]}" for p in forms if p in FORMS]
     if described:
         header.append("# baseline forms: " + "; ".join(described))
     _write_csv(df, header, out)
     return df
+
+
+def flatness_line(df: pd.DataFrame, cols: list[Column]) -> str:
+    """Header line with each column's spread across rows (max - min, points); says FLAT when all are 0.
+
+    Issue #3 asks that a table that comes out flat on the smoke profile say so in its header
+    instead of being tuned until it is not; identical scores in every column is that case.
+    """
+    spreads = {c.name: float(df[c.name].max() - df[c.name].min()) for c in cols if df[c.name].notna().any()}
+    text = ", ".join(f"{k} {v:.2f}" for k, v in spreads.items()) or "no column has scores"
+    if spreads and all(v == 0 for v in spreads.values()):
+        return (f"# FLAT on this profile: every row scores the same in every column (spread {text} points), "
+                "so these methods are not told apart here")
+    return f"# spread across rows (max - min, points): {text}"
 
 
 def _write_csv(df: pd.DataFrame, header: list[str], out: str | Path) -> None:
