@@ -15,6 +15,11 @@ from kvbench.cli import main
      "unknown zoo model 'nope'"),
     (["data", "--task", "nope", "--tokenizer", "x", "--out", "o"], "nope"),
     (["report", "zoo-figure", "--out", "x.png"], "must end in .pdf"),
+    (["train", "--model", "tiny-qwen2-lm", "--tokenizer", "x", "--out", "o", "--workdir", "w", "--budget-s", "-5"],
+     "budget_s must be a positive number of seconds, got -5.0"),
+    (["train", "--model", "tiny-qwen2-lm", "--tokenizer", "nowhere", "--out", "o", "--workdir", "w",
+      "--budget-s", "5"], "tokenizer directory 'nowhere' not found"),
+    (["data", "--task", "kv_1k", "--tokenizer", "nowhere", "--out", "o"], "tokenizer directory 'nowhere' not found"),
 ])
 def test_bad_input_is_one_line_and_exit_2(argv, needle, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
@@ -31,6 +36,12 @@ def test_eval_negative_limit_is_refused(lm_dir, tmp_path, capsys):
                  "--limit", "-1"]) == 2
     assert "limit must be >= 0" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
+
+
+def test_zero_threads_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["eval", "--model", "m", "--split", "s", "--out", "o", "--threads", "0"])
+    assert e.value.code == 2 and "expected a positive integer, got 0" in capsys.readouterr().err
 
 
 def test_data_needs_a_test_record(tokenizer_dir, tmp_path, capsys):

@@ -77,6 +77,11 @@ def test_spec_fields_and_slugs():
     ("conduit@0.1:lam=0.5,lam=0.2", "given twice"),
     ("conduit@0.1:coef_source=mean", "coef_source must be"),
     ("con duit", "malformed"),
+    # found by a fresh-clone review: these were silently accepted or failed with a TypeError
+    ("conduit@0.1:use_v_norm=no", "use_v_norm must be true or false, got 'no'"),
+    ("conduit@0.1:use_v_norm=1", "use_v_norm must be true or false, got 1"),
+    ("conduit@0.1:lam=high", "lam must be a number, got 'high'"),
+    ("conduit@0.1:layers=-3", "layers must be layer indices >= 0"),
 ])
 def test_bad_specs_fail_with_clear_errors(spec, needle):
     with pytest.raises(ValueError) as e:
@@ -84,6 +89,12 @@ def test_bad_specs_fail_with_clear_errors(spec, needle):
     assert needle in str(e.value)
     with pytest.raises(ValueError):
         get_method(spec)
+
+
+def test_single_layer_and_unknown_method_params():
+    assert parse_method_spec("conduit@0.1:layers=2").params == {"layers": [2]}
+    with pytest.raises(ValueError, match=r"unknown method parameter\(s\) \['nope'\]"):
+        get_method("full", nope=1)
 
 
 def test_get_method_builds_refresh_methods():

@@ -172,3 +172,7 @@ def test_encode_record_labels_cover_answers_only(tokenizer):
 def test_unknown_record_kind(tokenizer):
     with pytest.raises(ValueError, match="kind must be"):
         encode_record({"id": "x", "kind": "audio"}, tokenizer)
+
+
+def test_checkpoint_directory_is_readable_by_others(lm_dir):
+    assert lm_dir.stat().st_mode & 0o755 == 0o755  # mkdtemp's 0700 kept other cluster users out

@@ -55,6 +55,13 @@ def test_state_on_disk_is_not_pickle(tokenizer, tmp_path):
     assert names == ["meta.json", "model.safetensors", "optimizer.json", "optimizer.safetensors"]
 
 
+def test_state_of_another_recipe_is_refused(tokenizer, tmp_path):
+    run_phases(_lm(tokenizer), tokenizer, PHASES, tmp_path, seed=0, budget_s=1e9, max_steps=2)
+    other = [Phase("copy", "copy", steps=6, lr=1e-3, warmup=2, batch=4, seq_len=32, head_supervision=1.0)]
+    with pytest.raises(ValueError, match=r"was trained with another recipe \(phases differing: \['copy'\]\)"):
+        run_phases(_lm(tokenizer), tokenizer, other, tmp_path, seed=0, budget_s=1e9)
+
+
 def test_state_of_another_model_is_refused(tokenizer, tmp_path):
     run_phases(_lm(tokenizer), tokenizer, PHASES, tmp_path, seed=0, budget_s=1e9, max_steps=2)
     cfg = build_config("tiny-qwen2.5-vl", tokenizer)

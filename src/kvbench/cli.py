@@ -10,6 +10,17 @@ import json
 import sys
 
 
+def _positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (thread counts)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
 def _tokenizer(a: argparse.Namespace) -> None:
     from kvbench.models.tokenizer import save_tokenizer
 
@@ -136,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--workdir", required=True, help="resumable training state, loss curves")
     s.add_argument("--budget-s", type=float, required=True, help="wall-clock training budget in seconds")
     s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--threads", type=int, default=2)
+    s.add_argument("--threads", type=_positive_int, default=2)
     s.add_argument("--overrides", default="", help="JSON object of training-recipe overrides")
     s.set_defaults(func=_train)
 
@@ -147,7 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--out", required=True, help="run directory: predictions.jsonl, metrics.json, run_info.json")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--limit", type=int, default=None, help="evaluate only the first N samples")
-    s.add_argument("--threads", type=int, default=1)
+    s.add_argument("--threads", type=_positive_int, default=1)
     s.add_argument("--method-params", default="",
                    help="JSON object of method parameters, e.g. '{\"cache_dir\": \"cache/x\", \"build_missing\": false}'")
     s.set_defaults(func=_eval)
@@ -158,7 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--cache-dir", required=True, help="cache root (one store per model weights and generic prefix)")
     s.add_argument("--out", required=True, help="index JSON written last (what was built or reused)")
     s.add_argument("--limit", type=int, default=None, help="only the first N records")
-    s.add_argument("--threads", type=int, default=1)
+    s.add_argument("--threads", type=_positive_int, default=1)
     s.set_defaults(func=_cache)
 
     s = sub.add_parser("replay", help="re-run the recorded refresh plan of one sample and compare the prediction")
@@ -192,7 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--methods", nargs="+", default=d["methods"], help="refresh policies (full is always added)")
     s.add_argument("--repeats", type=int, default=d["repeats"], help="timed runs per (size, method)")
     s.add_argument("--warmup", type=int, default=d["warmup"], help="untimed runs first")
-    s.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    s.add_argument("--threads", type=_positive_int, default=None, help="torch threads (default: torch's)")
     s.add_argument("--device", default="auto", help="auto (CUDA if available), cpu or cuda[:i]")
     s.add_argument("--dtype", default="auto", help="auto (bfloat16 on CUDA, float32 on CPU) or a torch dtype")
     s.add_argument("--seed", type=int, default=0)

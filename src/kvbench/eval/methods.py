@@ -14,6 +14,8 @@ compression method is one file plus one line in :data:`METHODS`.
 """
 from __future__ import annotations
 
+import inspect
+
 import abc
 import dataclasses
 from dataclasses import dataclass
@@ -136,9 +138,14 @@ def get_method(name: str, **params: Any) -> EvalMethod:
     Raises:
         ValueError: unknown name or invalid spec (the message lists the valid names).
     """
+    cls = METHODS["refresh"] if name not in METHODS else METHODS[name]
+    accepted = sorted(p for p in inspect.signature(cls).parameters if p != "spec")
+    unknown = sorted(set(params) - set(accepted))
+    if unknown:
+        raise ValueError(f"method {name!r}: unknown method parameter(s) {unknown}; accepted: {accepted or 'none'}")
     if name not in METHODS:
-        return METHODS["refresh"](spec=name, **params)
-    return METHODS[name](**params)
+        return cls(spec=name, **params)
+    return cls(**params)
 
 
 # Refresh methods register themselves (kvbench.eval.refresh subclasses EvalMethod, so it is imported last).

@@ -72,7 +72,7 @@ def validate_records(records: list[dict], path: str | os.PathLike = "") -> None:
         if not isinstance(r["max_new_tokens"], int) or r["max_new_tokens"] < 1:
             raise ValueError(f"{where}: field 'max_new_tokens' must be a positive int, got {r['max_new_tokens']!r}")
         if rid in seen:
-            raise ValueError(f"{where}: duplicate field 'id'")
+            raise ValueError(f"{where}: duplicate record id {rid!r} (ids must be unique in a split)")
         seen.add(rid)
 
 

@@ -88,6 +88,28 @@ def _value(text: str) -> Any:
     return text
 
 
+def _typed(spec: str, key: str, value: Any, param: inspect.Parameter) -> Any:
+    """Check ``value`` against the type of the policy parameter's default / annotation.
+
+    Without this, ``use_v_norm=no`` became the string "no" and the policy's ``bool(...)``
+    read it as True: the ablation silently ran as default CONDUIT.
+    """
+    default, note = param.default, str(param.annotation)
+    if isinstance(default, bool):
+        if not isinstance(value, bool):
+            raise ValueError(f"method spec {spec!r}: {key} must be true or false, got {value!r}")
+    elif isinstance(default, (int, float)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"method spec {spec!r}: {key} must be a number, got {value!r}")
+    elif "list[int]" in note and value is not None:
+        value = [value] if isinstance(value, int) and not isinstance(value, bool) else value
+        if not isinstance(value, list) or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0
+                                                  for x in value):
+            raise ValueError(f"method spec {spec!r}: {key} must be layer indices >= 0 joined by '+' "
+                             f"(e.g. {key}=2+3+4), got {value!r}")
+    return value
+
+
 def _plain_methods() -> list[str]:
     """Registry methods named without a spec (``full``)."""
     from kvbench.eval.methods import METHODS
@@ -148,7 +170,7 @@ def _parse_params(spec: str, policy: str, text: str | None) -> dict:
                              f"accepted: {accepted or 'none'}")
         if key in params:
             raise ValueError(f"method spec {spec!r}: parameter {key!r} given twice")
-        params[key] = _value(val.strip())
+        params[key] = _typed(spec, key, _value(val.strip()), inspect.signature(cls.__init__).parameters[key])
     try:
         given, default = get_policy(policy, **params).params(), get_policy(policy).params()
     except (TypeError, ValueError) as e:

@@ -186,6 +186,7 @@ def save_checkpoint(model: Any, processor_or_tokenizer: Any, out_dir: str | os.P
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    tmp.chmod(0o755)  # mkdtemp makes it 0700; a checkpoint is read by other users on shared file systems
     try:
         model.save_pretrained(tmp, safe_serialization=True)
         processor_or_tokenizer.save_pretrained(tmp)

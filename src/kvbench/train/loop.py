@@ -9,6 +9,8 @@ and when the wall-clock budget runs out; a rerun resumes from it.
 """
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
 import signal
 import time
@@ -144,13 +146,20 @@ def run_phases(
 
     Raises:
         Interrupted: SIGTERM/SIGINT arrived (state saved first).
+        ValueError: ``workdir`` holds the state of another recipe (changed phases or overrides).
     """
     workdir = Path(workdir)
     extra = extra_modules or {}
     modules = {"model": model, **extra}
     params = [p for m in modules.values() for p in m.parameters()]
     opt = torch.optim.AdamW(params, lr=phases[0].lr, betas=(0.9, 0.98), weight_decay=0.01)
-    meta = load_state(workdir / "state", modules, opt) or {"global_step": 0, "train_time_s": 0.0}
+    recipe = json.loads(json.dumps([dataclasses.asdict(p) for p in phases]))  # tuples -> lists, as saved
+    meta = load_state(workdir / "state", modules, opt) or {"global_step": 0, "train_time_s": 0.0, "recipe": recipe}
+    if meta.get("recipe", recipe) != recipe:
+        changed = sorted({p["name"] for p in recipe if p not in meta["recipe"]}
+                         | {p["name"] for p in meta["recipe"] if p not in recipe})
+        raise ValueError(f"{workdir / 'state'} was trained with another recipe (phases differing: {changed}); "
+                         "resuming would mix the two. Use a new --workdir, or delete that one to start over")
     curves_path = workdir / "curves.csv"
     rows = []
     if meta["global_step"] and curves_path.exists():
@@ -163,7 +172,7 @@ def run_phases(
     loss_v = acc = float("nan")
 
     def save() -> None:
-        m = {"global_step": g, "train_time_s": elapsed0 + time.monotonic() - t0}
+        m = {"global_step": g, "train_time_s": elapsed0 + time.monotonic() - t0, "recipe": recipe}
         save_state(workdir / "state", modules, opt, m)
         with atomic_path(curves_path) as tmp:
             pd.DataFrame(rows).to_csv(tmp, index=False)

@@ -44,12 +44,17 @@ def train_zoo_model(
 
     Raises:
         KeyError: unknown zoo name.
-        ValueError: bad overrides, or a ``workdir`` state of another model.
+        ValueError: bad overrides, a budget <= 0, or a ``workdir`` state of another model or recipe.
+        FileNotFoundError: ``tokenizer_dir`` is not a directory.
     """
+    if not budget_s > 0:
+        raise ValueError(f"budget_s must be a positive number of seconds, got {budget_s!r}")
     spec = zoo_spec(name)
     phases = apply_overrides(RECIPES[spec.kind](), overrides or {})
     torch.set_num_threads(threads)
     torch.manual_seed(seed)
+    if not Path(tokenizer_dir).is_dir():
+        raise FileNotFoundError(f"tokenizer directory {str(tokenizer_dir)!r} not found; build it with `kvbench tokenizer`")
     tok = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
     proc = build_processor(tok) if spec.kind == "vlm" else tok
     config = build_config(name, tok)
