@@ -48,3 +48,15 @@ def test_data_needs_a_test_record(tokenizer_dir, tmp_path, capsys):
     assert main(["data", "--task", "kv_1k", "--tokenizer", str(tokenizer_dir), "--out", str(tmp_path / "d"),
                  "--n-test", "0"]) == 2
     assert "n_test >= 1" in capsys.readouterr().err
+
+
+def test_refresh_method_on_a_text_split_fails_before_loading(tmp_path, capsys):
+    from _zoo_fixtures import text_record
+    from kvbench.utils.io import write_jsonl
+
+    split = tmp_path / "s.jsonl"
+    write_jsonl(split, [text_record(0)])
+    # the model path does not exist: the split check must come first
+    assert main(["eval", "--model", str(tmp_path / "no-model"), "--split", str(split), "--out", str(tmp_path / "run"),
+                 "--method", "conduit@0.1"]) == 2
+    assert "cannot be served by 'conduit@0.1': refresh methods need VLM records" in capsys.readouterr().err

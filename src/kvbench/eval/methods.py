@@ -49,6 +49,13 @@ class EvalMethod(abc.ABC):
         """``{"name": ..., **hyper-parameters}`` for ``run_info.json``."""
         return {"name": self.name, **dataclasses.asdict(self)}
 
+    def check_records(self, records: list[dict]) -> None:
+        """Refuse a split this method cannot serve, before any model is loaded (default: accept all).
+
+        Raises:
+            ValueError: naming the first record that cannot be served and why.
+        """
+
     def audit(self) -> dict | None:
         """Audit record of the last :meth:`predict` call, stored as ``plan`` in its predictions row
         (refresh methods: the refresh plan); None for methods without one."""

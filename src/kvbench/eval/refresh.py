@@ -151,6 +151,13 @@ class RefreshMethod(EvalMethod):
             self._stores[h] = open_store(root, adapter, generic_system, self.build_missing)
         return self._stores[h]
 
+    def check_records(self, records: list[dict]) -> None:
+        """Refresh methods serve VLM records with a ``generic_system`` (the prefix their images are cached under)."""
+        for r in records:
+            if r.get("kind") != "vlm" or "generic_system" not in r:
+                raise ValueError(f"record {r.get('id')!r} (kind {r.get('kind')!r}) cannot be served by {self.spec!r}: "
+                                 "refresh methods need VLM records with 'generic_system' (e.g. docpages, digitgrid)")
+
     def run(self, model: Any, proc: Any, record: dict, base_dir: str | Path | None):
         """Assemble and refresh ``record``; returns ``(adapter, request, RefreshResult, recorder)`` (no decoding)."""
         if "generic_system" not in record:

@@ -186,6 +186,7 @@ def run_eval(
     if not records:
         raise ValueError(f"{split_path}: no records to evaluate (limit={limit})")
     validate_records(records, split_path)
+    evaluator.check_records(records)
 
     torch.manual_seed(seed)
     torch.set_num_threads(int(threads))
