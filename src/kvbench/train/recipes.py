@@ -4,9 +4,10 @@ Recipes are counted in optimiser steps, not seconds, so a run is a function of
 its seed alone (``--budget-s`` only caps wall time and is recorded when hit).
 The LM recipe follows the measured trial in ``shared/notes/training.md``:
 induction heads form on a random-offset copy task at 32 tokens (lr 3e-3),
-then the context length is raised gradually (lr 7e-4, cosine) because a jump
-straight to long contexts destroyed the circuit, and accuracy only appears
-at lengths that were trained. The VLM recipe first trains the vision tower
+helped by supervising where a previous-token and an induction head attend
+(:mod:`kvbench.train.heads`), then the context length is raised gradually
+(64 -> 1,024 tokens, lr 1e-3, cosine) because a jump straight to long contexts
+destroyed the circuit, and accuracy only appears at lengths that were trained. The VLM recipe first trains the vision tower
 as a digit-cell classifier (a stand-in for a pretrained vision tower, as in
 ``shared/notes/staleness.md``), then the whole model on the VLM tasks.
 """
