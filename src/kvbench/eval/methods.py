@@ -14,10 +14,9 @@ compression method is one file plus one line in :data:`METHODS`.
 """
 from __future__ import annotations
 
-import inspect
-
 import abc
 import dataclasses
+import inspect
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar

@@ -154,15 +154,17 @@ class RefreshMethod(EvalMethod):
     def check_records(self, records: list[dict]) -> None:
         """Refresh methods serve VLM records with a ``generic_system`` (the prefix their images are cached under)."""
         for r in records:
-            if r.get("kind") != "vlm" or "generic_system" not in r:
-                raise ValueError(f"record {r.get('id')!r} (kind {r.get('kind')!r}) cannot be served by {self.spec!r}: "
-                                 "refresh methods need VLM records with 'generic_system' (e.g. docpages, digitgrid)")
+            self._check_record(r)
+
+    def _check_record(self, r: dict) -> None:
+        if r.get("kind") != "vlm" or "generic_system" not in r:
+            raise ValueError(f"record {r.get('id')!r} (kind {r.get('kind')!r}) cannot be served by {self.spec!r}: "
+                             "refresh methods need VLM records with 'generic_system' (the prefix their images are "
+                             "cached under; e.g. docpages, digitgrid)")
 
     def run(self, model: Any, proc: Any, record: dict, base_dir: str | Path | None):
         """Assemble and refresh ``record``; returns ``(adapter, request, RefreshResult, recorder)`` (no decoding)."""
-        if "generic_system" not in record:
-            raise ValueError(f"record {record.get('id')!r} lacks 'generic_system' (the prefix images are cached "
-                             "under); refresh methods need it")
+        self._check_record(record)  # also on the lmms-eval path, which does not go through run_eval
         adapter = self.get_adapter(model, proc)
         req = prepare(adapter, self.get_store(adapter, record["generic_system"]), record, base_dir)
         p = self._parsed

@@ -158,7 +158,8 @@ def _parse_params(spec: str, policy: str, text: str | None) -> dict:
     if policy == "full":
         raise ValueError(f"method spec {spec!r}: 'full' takes no parameters")
     cls = REGISTRY[policy]
-    accepted = [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
+    signature = inspect.signature(cls.__init__).parameters
+    accepted = [p for p in signature if p != "self"]
     params: dict[str, Any] = {}
     for item in text.split(","):
         key, sep, val = item.partition("=")
@@ -170,7 +171,7 @@ def _parse_params(spec: str, policy: str, text: str | None) -> dict:
                              f"accepted: {accepted or 'none'}")
         if key in params:
             raise ValueError(f"method spec {spec!r}: parameter {key!r} given twice")
-        params[key] = _typed(spec, key, _value(val.strip()), inspect.signature(cls.__init__).parameters[key])
+        params[key] = _typed(spec, key, _value(val.strip()), signature[key])
     try:
         given, default = get_policy(policy, **params).params(), get_policy(policy).params()
     except (TypeError, ValueError) as e:
