@@ -173,3 +173,52 @@ def test_labelled_loss_on_a_vlm_task_batch(tokenizer):
     ref, _ = sequence_loss(vlm(**batch).logits, labels)
     got, _ = labelled_loss(vlm, batch, labels)
     assert got.item() == pytest.approx(ref.item(), rel=1e-5)
+
+
+def test_cell_reading_labels_put_each_cells_answer_at_its_visual_token(tokenizer):
+    import random
+
+    from kvbench.data import digits, docpages, instructions
+    from kvbench.models.prompting import IGNORE_INDEX, encode_record
+    from kvbench.train.batches import cell_reading_labels
+
+    proc = build_processor(tokenizer)
+    record = docpages.sample(random.Random(5), "train", n_queries=2, K=3, instruction="plus_five")
+    enc = encode_record(record, proc, with_answer=True)
+    cells = cell_reading_labels(record, enc, proc)
+    visual = enc["input_ids"][0] == tokenizer.convert_tokens_to_ids(proc.image_token)
+    assert visual.sum() == 12 and torch.equal(cells[0] != IGNORE_INDEX, visual)
+    want = [str((int(digits.labels()[i]) + 5) % 10) for page in record["meta"]["digit_indices"] for i in page]
+    assert tokenizer.convert_ids_to_tokens(cells[0][visual].tolist()) == want
+    # the queried cell's target is the record's answer
+    m = record["meta"]
+    q = (m["page"] - 1) * 4 + (m["row"] - 1) * 2 + (m["col"] - 1)
+    assert want[q] == record["answer"] == str(instructions.apply("plus_five", m["digit"]))
+
+
+def test_cell_reading_refuses_a_record_without_cells(tokenizer):
+    from kvbench.train.batches import cell_reading_labels
+
+    proc = build_processor(tokenizer)
+    with pytest.raises(ValueError, match="needs a grid record"):
+        cell_reading_labels({"id": "x", "task": "niah_1k", "meta": {}}, {"input_ids": torch.zeros(1, 3)}, proc)
+
+
+def test_task_loss_adds_the_cell_reading_term(tokenizer):
+    from kvbench.train.batches import step_rng, task_batch
+    from kvbench.train.loop import head_loss, labelled_loss, task_loss
+
+    torch.manual_seed(0)
+    vlm = transformers.Qwen2_5_VLForConditionalGeneration(build_config("tiny-qwen2.5-vl", tokenizer))
+    proc = build_processor(tokenizer)
+    phase = Phase("g", "tasks", steps=1, lr=1e-3, batch=2, cell_reading=0.5,
+                  mixture=(("digitgrid", 1.0, {"n_queries": 2}),))
+    batch = task_batch(step_rng(0, "g", 0), phase, proc)
+    labels, cells = batch.pop("labels"), batch.pop("cell_labels")
+    assert cells.shape == labels.shape and (cells != -100).sum() == 32  # 16 cells per digitgrid page
+    answers, _ = labelled_loss(vlm, batch, labels)
+    reading, _ = head_loss(vlm, vlm.model(**batch).last_hidden_state, cells)
+    got, _ = task_loss(vlm, batch, labels, phase, cell_labels=cells)
+    assert got.item() == pytest.approx(answers.item() + 0.5 * reading.item(), rel=1e-5)
+    with pytest.raises(ValueError, match="cell_labels"):
+        task_loss(vlm, batch, labels, phase)

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from kvbench.models.prompting import IGNORE_INDEX, encode_record
+from kvbench.train.readthrough import hidden_keys
 from kvbench.train.recipes import Phase
 
 
@@ -86,9 +87,57 @@ def _collate(encs: list[dict], pad_id: int) -> dict:
     out["labels"] = pad("labels", IGNORE_INDEX)
     if "mm_token_type_ids" in encs[0]:
         out["mm_token_type_ids"] = pad("mm_token_type_ids", 0)
+    for key in ("hide_queries", "hide_keys"):
+        if key in encs[0]:
+            out[key] = pad(key, False)
+    if any("cell_labels" in e for e in encs):
+        for e in encs:
+            e.setdefault("cell_labels", torch.full_like(e["input_ids"], IGNORE_INDEX))
+        out["cell_labels"] = pad("cell_labels", IGNORE_INDEX)
     if any("pixel_values" in e for e in encs):
         out["pixel_values"] = torch.cat([e["pixel_values"] for e in encs if "pixel_values" in e])
         out["image_grid_thw"] = torch.cat([e["image_grid_thw"] for e in encs if "image_grid_thw" in e])
+    return out
+
+
+def cell_reading_labels(record: dict, enc: dict, proc: Any) -> torch.Tensor:
+    """Per-position targets of the cell-reading term (``Phase.cell_reading``).
+
+    Each visual token of a docpages/digitgrid page covers one 28x28 cell, in
+    row-major order (:mod:`kvbench.data.digits`); its target is the first token of
+    that cell's answer under the record's instruction, which is what the record's
+    question would get for that cell. Unlike ``labels`` these are not shifted: the
+    hidden state *at* position t is trained to predict ``cell_labels[t]``.
+
+    Args:
+        record: a grid record (``meta.digit_indices``, ``meta.instruction``).
+        enc: its :func:`~kvbench.models.prompting.encode_record` output (``input_ids`` ``[1, T]``).
+        proc: the VLM processor (``image_token``, ``tokenizer``).
+
+    Returns:
+        int64 ``[1, T]``: answer-token ids at visual tokens, -100 elsewhere.
+
+    Raises:
+        ValueError: the record has no cell digits, or its visual-token count is
+            not one per cell (pages rendered at another resolution).
+    """
+    from kvbench.data import digits, instructions
+
+    meta = record.get("meta", {})
+    if "digit_indices" not in meta or "instruction" not in meta:
+        raise ValueError(f"record {record.get('id')!r} ({record.get('task')}): cell_reading needs a grid "
+                         "record with meta.digit_indices and meta.instruction")
+    tok = getattr(proc, "tokenizer", proc)
+    labels = digits.labels()
+    targets = [tok(str(instructions.apply(meta["instruction"], int(labels[i]))), add_special_tokens=False)
+               ["input_ids"][0] for page in meta["digit_indices"] for i in page]
+    ids = enc["input_ids"][0]
+    where = (ids == tok.convert_tokens_to_ids(proc.image_token)).nonzero()[:, 0]
+    if len(where) != len(targets):
+        raise ValueError(f"record {record.get('id')!r}: {len(where)} visual tokens for {len(targets)} cells; "
+                         "cell_reading needs one visual token per cell (28x28 px cells)")
+    out = torch.full_like(enc["input_ids"], IGNORE_INDEX)
+    out[0, where] = torch.tensor(targets, dtype=out.dtype)
     return out
 
 
@@ -96,7 +145,9 @@ def task_batch(rng: random.Random, phase: Phase, proc: Any) -> dict:
     """A batch of smoke-task records drawn from the train pools by mixture weight.
 
     A mixture entry with ``full_loss: True`` (code) trains on every token
-    (language modelling); the others only on answer tokens.
+    (language modelling); the others only on answer tokens. With
+    ``phase.cell_reading`` the batch also holds ``cell_labels`` (int64
+    ``[B, T]``, see :func:`cell_reading_labels`).
     """
     from kvbench.data import smoke
 
@@ -113,6 +164,11 @@ def task_batch(rng: random.Random, phase: Phase, proc: Any) -> dict:
         enc = encode_record(record, proc, with_answer=True)
         if full_loss:
             enc["labels"] = enc["input_ids"].clone()
+        if phase.cell_reading and record.get("kind") == "vlm":
+            enc["cell_labels"] = cell_reading_labels(record, enc, proc)
+        if phase.hide_prompt:
+            q, k = hidden_keys(enc["input_ids"][0], tok.convert_tokens_to_ids(proc.image_token), phase.hide_prompt)
+            enc["hide_queries"], enc["hide_keys"] = q[None], k[None]
         encs.append(enc)
     return _collate(encs, tok.pad_token_id)
 

@@ -9,6 +9,7 @@ and when the wall-clock budget runs out; a rerun resumes from it.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -25,6 +26,7 @@ from tqdm import tqdm
 from kvbench.models.prompting import IGNORE_INDEX
 from kvbench.train.batches import BATCHES, PROBE_CLASSES, step_rng
 from kvbench.train.heads import head_supervision_loss, supervise_heads
+from kvbench.train.readthrough import hide_prompt
 from kvbench.train.recipes import Phase
 from kvbench.train.state import load_state, save_state
 from kvbench.utils.io import atomic_path
@@ -58,6 +60,42 @@ def sequence_loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Ten
     return loss, acc
 
 
+def head_loss(model: Any, hidden: torch.Tensor, targets: torch.Tensor,
+              output_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, float]:
+    """Per-sequence-normalised CE of the LM head at the positions that have a target.
+
+    Args:
+        model: its output embeddings are the LM head.
+        hidden: float ``[B, T, d]``, final hidden states.
+        targets: int64 ``[B, T]``, the token predicted *from* each position
+            (no shift here), ``-100`` where no loss applies.
+        output_ids: optional int64 ``[V']``: the softmax runs over these vocabulary
+            rows only, and ``targets`` index into them (``Phase.restrict_softmax``).
+
+    Returns:
+        (loss, accuracy at the targeted positions); loss 0 (with a graph) if none.
+    """
+    mask = targets != IGNORE_INDEX
+    if not mask.any():
+        return hidden.sum() * 0, 0.0
+    head = model.get_output_embeddings()
+    weight = head.weight if output_ids is None else head.weight[output_ids]
+    bias = head.bias if output_ids is None or head.bias is None else head.bias[output_ids]
+    logits = F.linear(hidden[mask], weight, bias).float()
+    target = targets[mask]
+    ce = F.cross_entropy(logits, target, reduction="none")
+    rows = mask.nonzero()[:, 0]
+    per_seq = torch.zeros(targets.shape[0], dtype=ce.dtype).index_add(0, rows, ce) / mask.sum(1).clamp(min=1)
+    loss = per_seq[mask.any(1)].mean()
+    acc = (logits.argmax(-1) == target).float().mean().item()
+    return loss, acc
+
+
+def _shifted(labels: torch.Tensor) -> torch.Tensor:
+    """Next-token labels (token t+1 is predicted from position t) as per-position targets."""
+    return torch.nn.functional.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+
+
 def labelled_loss(model: Any, batch: dict, labels: torch.Tensor,
                   output_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, float]:
     """:func:`sequence_loss` with the LM head applied only where a label applies.
@@ -75,21 +113,40 @@ def labelled_loss(model: Any, batch: dict, labels: torch.Tensor,
         output_ids: optional int64 ``[V']``: the softmax runs over these vocabulary
             rows only, and ``labels`` index into them (``Phase.restrict_softmax``).
     """
-    hidden = model.model(**batch).last_hidden_state
-    lb = labels[:, 1:]
-    mask = lb != IGNORE_INDEX
-    if not mask.any():
-        return hidden.sum() * 0, 0.0
-    head = model.get_output_embeddings()
-    weight = head.weight if output_ids is None else head.weight[output_ids]
-    bias = head.bias if output_ids is None or head.bias is None else head.bias[output_ids]
-    logits = F.linear(hidden[:, :-1][mask], weight, bias).float()
-    target = lb[mask]
-    ce = F.cross_entropy(logits, target, reduction="none")
-    rows = mask.nonzero()[:, 0]
-    per_seq = torch.zeros(lb.shape[0], dtype=ce.dtype).index_add(0, rows, ce) / mask.sum(1).clamp(min=1)
-    loss = per_seq[mask.any(1)].mean()
-    acc = (logits.argmax(-1) == target).float().mean().item()
+    return head_loss(model, model.model(**batch).last_hidden_state, _shifted(labels), output_ids)
+
+
+def task_loss(model: Any, batch: dict, labels: torch.Tensor, phase: Phase,
+              output_ids: torch.Tensor | None = None,
+              cell_labels: torch.Tensor | None = None) -> tuple[torch.Tensor, float]:
+    """One LM-phase loss: answer tokens, plus the phase's auxiliary terms.
+
+    ``loss = CE(answers) + phase.head_supervision * attention term
+    + phase.cell_reading * CE(cell_labels)`` (:mod:`kvbench.train.heads`,
+    :func:`kvbench.train.batches.cell_reading_labels`). The accuracy is the
+    answer tokens'.
+
+    Raises:
+        ValueError: ``phase.cell_reading`` is set but the batch has no ``cell_labels``.
+    """
+    if phase.head_supervision and phase.hide_prompt:
+        raise ValueError(f"phase {phase.name!r}: head_supervision (text models) and hide_prompt (VLMs) "
+                         "cannot be combined")
+    if phase.cell_reading and cell_labels is None:
+        raise ValueError(f"phase {phase.name!r}: cell_reading needs cell_labels in the batch "
+                         "(VLM grid records only)")
+    hide = batch.pop("hide_queries", None), batch.pop("hide_keys", None)
+    with contextlib.ExitStack() as stack:
+        if phase.head_supervision:
+            stack.enter_context(supervise_heads(model))
+        if hide[0] is not None:
+            stack.enter_context(hide_prompt(model, *hide))
+        hidden = model.model(**batch).last_hidden_state
+        loss, acc = head_loss(model, hidden, _shifted(labels), output_ids)
+        if phase.head_supervision:
+            loss = loss + phase.head_supervision * head_supervision_loss(batch["input_ids"], batch["attention_mask"])
+    if phase.cell_reading:
+        loss = loss + phase.cell_reading * head_loss(model, hidden, cell_labels)[0]
     return loss, acc
 
 
@@ -198,13 +255,8 @@ def run_phases(
                 else:
                     labels = batch.pop("labels")
                     output_ids = batch.pop("output_ids", None)
-                    if not phase.head_supervision:
-                        loss, acc = labelled_loss(model, batch, labels, output_ids)
-                    else:
-                        with supervise_heads(model):
-                            loss, acc = labelled_loss(model, batch, labels, output_ids)
-                            aux = head_supervision_loss(batch["input_ids"], batch["attention_mask"])
-                        loss = loss + phase.head_supervision * aux
+                    cell_labels = batch.pop("cell_labels", None)
+                    loss, acc = task_loss(model, batch, labels, phase, output_ids, cell_labels)
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_([p for p in params if p.requires_grad], 1.0)

@@ -9,7 +9,10 @@ helped by supervising where a previous-token and an induction head attend
 (64 -> 1,024 tokens, lr 1e-3, cosine) because a jump straight to long contexts
 destroyed the circuit, and accuracy only appears at lengths that were trained. The VLM recipe first trains the vision tower
 as a digit-cell classifier (a stand-in for a pretrained vision tower, as in
-``shared/notes/staleness.md``), then the whole model on the VLM tasks.
+``shared/notes/staleness.md``), then the whole model on the VLM tasks, with a
+per-cell reading term and the prompt text hidden from the question side
+(:mod:`kvbench.train.readthrough`), so that the instruction is applied while
+the pages are read.
 """
 from __future__ import annotations
 
@@ -46,6 +49,17 @@ class Phase:
     head_supervision : float — weight of the attention-supervision term
         (:mod:`kvbench.train.heads`: a previous-token head and an induction head)
         added to the loss; 0 turns it off. Text models only.
+    cell_reading : float — weight of the per-cell reading term: at every visual
+        token of a docpages/digitgrid page, the LM head must predict that cell's
+        answer under the request's instruction (the instruction applied to the
+        cell's digit). It makes the instruction-dependent work happen at the image
+        positions, as it does in the staleness trial and in real VLMs, so that a
+        page cached under another prefix is measurably stale (issue #3, item 9;
+        docs/decisions.md, "Per-cell reading loss"). 0 turns it off. VLMs only.
+    hide_prompt : str — training-time attention mask (:mod:`kvbench.train.readthrough`):
+        ``""`` none, ``"prefix"`` or ``"text"``: the tokens after the last page
+        do not see the prompt text, so the instruction reaches the answer only
+        through the pages. VLMs only.
     mixture : tuple — ``(family, weight, params)`` triples for ``tasks`` phases;
         ``params`` go to :func:`kvbench.data.smoke.sample`.
     """
@@ -62,6 +76,8 @@ class Phase:
     decay: bool = True
     freeze_vision: bool = False
     head_supervision: float = 0.0
+    cell_reading: float = 0.0
+    hide_prompt: str = ""
     mixture: tuple = field(default_factory=tuple)
 
 
@@ -102,17 +118,20 @@ def lm_recipe() -> list[Phase]:
 
 
 def vlm_recipe() -> list[Phase]:
-    """Phases of ``tiny-qwen2.5-vl`` (1,950 steps; on 2 cores the 840 s cap ends it near step 1,800)."""
+    """Phases of ``tiny-qwen2.5-vl`` (1,950 steps, about 15 minutes on 2 cores)."""
     # Cell lookup is learned on one image first (digitgrid), then across pages, with the
-    # probe-trained vision tower frozen as a stand-in for a pretrained one.
+    # probe-trained vision tower frozen as a stand-in for a pretrained one. The per-cell reading
+    # term and the hidden prompt make the instruction reach the answer through the pages, so a
+    # page cached under another prefix is stale (docs/decisions.md, "Per-cell reading loss").
     grid = (("digitgrid", 1.0, {"n_queries": 8}),)
     mix = (("docpages", 1.0, {"n_queries": 8}), ("digitgrid", 0.3, {"n_queries": 8}))
+    read = {"freeze_vision": True, "cell_reading": 1.0, "hide_prompt": "text"}
     return [
         Phase("vision_probe", "vision_probe", steps=150, lr=3e-3, warmup=10, batch=16),
-        # The one-page lookup broke through 475-625 steps into this phase in the H200 sweep
-        # (docs/decisions.md, "Training status"); a shorter phase ended on the plateau.
-        Phase("grid", "tasks", steps=800, lr=2e-3, warmup=20, batch=8, mixture=grid, freeze_vision=True),
-        Phase("tasks", "tasks", steps=1000, lr=1.5e-3, warmup=20, batch=8, mixture=mix, freeze_vision=True),
+        # The one-page lookup broke through about 600 steps into this phase with the reading
+        # terms (about 1,050 steps later without them); a shorter phase ended on the plateau.
+        Phase("grid", "tasks", steps=800, lr=2e-3, warmup=20, batch=8, mixture=grid, **read),
+        Phase("tasks", "tasks", steps=1000, lr=1.5e-3, warmup=20, batch=8, mixture=mix, **read),
     ]
 
 
