@@ -103,3 +103,38 @@ def test_conduit_object_matches_the_reuse_engine(task, vlm_dir, tmp_path):
         ids = greedy_decode(ad, res.output, rec["max_new_tokens"])
         ids = ids[:ids.index(tok.eos_token_id)] if tok.eos_token_id in ids else ids
         assert pred == tok.decode(ids, skip_special_tokens=True).strip()
+
+
+
+def test_loglikelihood_scores_continuations_over_the_refreshed_cache(task, vlm_dir, tmp_path):
+    """lmms-eval loglikelihood requests get (mean NLL per continuation token, is_greedy), lmms-eval's own
+    convention (its multiple_choice scoring takes the argmin; EvolvingLMMs-Lab/lmms-eval#370), computed
+    over the policy's refreshed K/V: equal to continuation_logprob on the same record."""
+    from lmms_eval.api.instance import Instance
+
+    from kvbench.lmms.model import KVBenchReuse
+    from kvbench.lmms.task import doc_to_text, doc_to_visual
+    from kvbench.reuse import ImageKVStore, continuation_logprob, run_record
+
+    root, records = task
+    lm = KVBenchReuse(pretrained=str(vlm_dir), policy="conduit", r=0.1, cache_dir=str(tmp_path / "c"))
+    docs = records
+    lm.task_dict = {"t": {"test": docs}}
+    visual = lambda doc: doc_to_visual(doc, root / "data")  # noqa: E731
+    conts = ["3", "45"]
+    meta = lambda i: {"task": "t", "doc_id": i, "repeats": 1}  # noqa: E731
+    reqs = [Instance("loglikelihood", (doc_to_text(d), c, visual, i, "t", "test"), idx=0, metadata=meta(i))
+            for i, d in enumerate(docs) for c in conts]
+    got = lm.loglikelihood(reqs)
+    ad, tok = lm.adapter, lm.adapter.processor.tokenizer
+    store = ImageKVStore(tmp_path / "direct", ad, records[0]["generic_system"])
+    for i, rec in enumerate(records):
+        out = run_record(ad, store, rec, "conduit", 0.1, root / "data").output
+        for j, c in enumerate(conts):
+            ids = tok(c, add_special_tokens=False)["input_ids"]
+            lp, greedy = continuation_logprob(ad, out, ids)
+            assert got[2 * i + j][0] == pytest.approx(-lp / len(ids), abs=1e-5)
+            assert got[2 * i + j][1] == greedy
+    with pytest.raises(ValueError, match="empty continuation"):
+        lm.loglikelihood([Instance("loglikelihood", (doc_to_text(docs[0]), "", visual, 0, "t", "test"), idx=0,
+                                   metadata=meta(0))])

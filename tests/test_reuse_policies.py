@@ -14,6 +14,7 @@ from kvbench.reuse import (
     adapter_for,
     available_policies,
     get_policy,
+    continuation_logprob,
     greedy_decode,
     prepare,
     refresh,
@@ -127,6 +128,27 @@ def test_greedy_decoding_from_refreshed_cache(vlm, req, full):
     part = refresh(vlm, req, "conduit", 0.2).output
     assert len(greedy_decode(vlm, part, 3)) == 3
     assert part.keys[0].shape[2] == req.seq_len  # decoding worked on a copy
+
+
+def test_continuation_logprob_equals_the_models_own_forward(vlm, req, full):
+    """Scoring a continuation over the K/V of full prefill = log-softmax of one HF forward over prompt + continuation."""
+    cont = [11, 12, 13]
+    enc = {k: v for k, v in req.enc.items() if k in ("input_ids", "pixel_values", "image_grid_thw",
+                                                     "mm_token_type_ids", "attention_mask")}
+    ids = torch.cat([enc["input_ids"], torch.tensor([cont])], 1)
+    enc.update(input_ids=ids, attention_mask=torch.ones_like(ids),
+               mm_token_type_ids=torch.cat([enc["mm_token_type_ids"], torch.zeros(1, 3, dtype=torch.long)], 1))
+    with torch.no_grad():
+        lp = torch.log_softmax(vlm.model(**enc).logits[0, req.seq_len - 1:-1].float(), -1)
+    want = float(lp[torch.arange(3), torch.tensor(cont)].sum())
+    got, greedy = continuation_logprob(vlm, full, cont)
+    assert got == pytest.approx(want, abs=1e-4)
+    assert greedy == bool((lp.argmax(-1) == torch.tensor(cont)).all())
+    top = greedy_decode(vlm, full, 3)
+    assert continuation_logprob(vlm, full, top)[1] is True
+    assert continuation_logprob(vlm, full, top[:1])[0] == pytest.approx(float(torch.log_softmax(full.logits, -1)[top[0]]))
+    with pytest.raises(ValueError, match="at least one token"):
+        continuation_logprob(vlm, full, [])
 
 
 def test_cacheblend_paper_form_fixes_the_set_at_the_check_layer(vlm, req):

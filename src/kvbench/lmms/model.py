@@ -4,8 +4,10 @@ Each ``generate_until`` request becomes a kvbench record (:func:`kvbench.lmms.re
 its images are looked up in (or added to) the per-image KV caches under ``cache_dir``
 (:class:`~kvbench.reuse.ImageKVStore`, one store per generic prefix), the request is
 assembled and refreshed by the policy (:func:`~kvbench.reuse.run_record`) and decoded
-greedily from the refreshed K/V (:func:`~kvbench.reuse.greedy_decode`). Batch size 1,
-generation only: log-likelihood requests raise ``NotImplementedError``.
+greedily from the refreshed K/V (:func:`~kvbench.reuse.greedy_decode`). A ``loglikelihood``
+request (multiple-choice tasks) scores its continuation over the same refreshed K/V
+(:func:`~kvbench.reuse.continuation_logprob`). Batch size 1; multi-round requests are not
+supported (as in lmms-eval's own Qwen2.5-VL wrapper).
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from kvbench.lmms.records import to_record
 from kvbench.reuse import (
     ImageKVStore,
     adapter_for,
+    continuation_logprob,
     get_policy,
     greedy_decode,
     run_record,
@@ -118,8 +121,38 @@ class KVBenchReuse(lmms):
             self.cache_hook.add_partial("generate_until", (context, gen_kwargs), text)
         return out
 
-    def loglikelihood(self, requests):
-        raise NotImplementedError("kvbench reuse models generate only (refresh policies act on the prefill)")
+    def loglikelihood(self, requests) -> list[tuple[float, bool]]:
+        """``(loss, is_greedy)`` per request, the prompt refreshed by the policy.
+
+        ``loss`` is the mean negative log-likelihood per continuation token (nats), as lmms-eval's
+        own wrappers return it (the HF ``loss``; its ``multiple_choice`` scoring takes the argmin,
+        EvolvingLMMs-Lab/lmms-eval#370). ``req.args`` = ``(context, continuation or doc_to_target,
+        doc_to_visual, doc_id, task, split)``; the continuation is tokenised on its own and
+        appended after the generation prompt. Note: lmms-eval 0.7.3's evaluator turns a
+        non-string response into ``str(...)`` (``unwrap_generation_output``), so its
+        ``multiple_choice`` tasks fail for every model in that version; call this method directly.
+
+        Raises:
+            ValueError: an empty continuation.
+        """
+        out = []
+        tok = getattr(self.adapter.processor, "tokenizer", self.adapter.processor)
+        for req in requests:
+            context, target, doc_to_visual, doc_id, task, split = req.args
+            doc = self.task_dict[task][split][doc_id]
+            continuation = target if isinstance(target, str) else target(doc)
+            visuals = doc_to_visual(doc)
+            record = to_record(context, visuals if isinstance(visuals, list) else [visuals], doc,
+                               rid=f"{task}/{split}/{doc_id}", max_new_tokens=1, **self.opts)
+            ids = tok(continuation, add_special_tokens=False)["input_ids"]
+            if not ids:
+                raise ValueError(f"{record['id']}: empty continuation {continuation!r}")
+            res = run_record(self.adapter, self.store(record["generic_system"]), record, self.policy, self.r,
+                             **self.params)
+            logprob, greedy = continuation_logprob(self.adapter, res.output, ids)
+            out.append((-logprob / len(ids), greedy))
+            self.cache_hook.add_partial("loglikelihood", (context, continuation), out[-1])
+        return out
 
     def generate_until_multi_round(self, requests):
         raise NotImplementedError("kvbench reuse models answer single-round requests only")

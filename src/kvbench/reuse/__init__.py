@@ -11,6 +11,7 @@ from kvbench.reuse.cache_store import CacheMismatchError, ImageKV, ImageKVStore
 from kvbench.reuse.executor import (
     ExecResult,
     LayerSchedule,
+    continuation_logprob,
     execute,
     full_prefill,
     greedy_decode,
@@ -22,6 +23,6 @@ from kvbench.reuse.validate import budget_count, check_ratio, check_strength
 __all__ = [
     "AssembledRequest", "CacheMismatchError", "ExecResult", "ImageKV", "ImageKVStore", "LayerSchedule",
     "ScoringPass", "VLMAdapter", "adapter_for", "assemble", "available_policies", "budget_count", "check_ratio",
-    "check_strength", "execute", "full_prefill", "get_policy", "greedy_decode", "prepare", "refresh",
+    "check_strength", "continuation_logprob", "execute", "full_prefill", "get_policy", "greedy_decode", "prepare", "refresh",
     "run_record", "scoring_pass",
 ]

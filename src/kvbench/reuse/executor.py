@@ -264,3 +264,38 @@ def greedy_decode(adapter: VLMAdapter, result: ExecResult, n_tokens: int) -> lis
         tok = int(step.logits[0, -1].argmax())
         out.append(tok)
     return out
+
+
+@torch.no_grad()
+def continuation_logprob(adapter: VLMAdapter, result: ExecResult, continuation: list[int]) -> tuple[float, bool]:
+    """Log-likelihood of ``continuation`` after the executed prompt, from ``result``'s logits and K/V.
+
+    The first token is scored by ``result.logits``; the rest by one forward
+    pass of ``continuation[:-1]`` over a ``DynamicCache`` copy of the K/V, at
+    positions ``next_position + i`` on every RoPE axis (as in :func:`greedy_decode`).
+    lmms-eval's ``loglikelihood`` contract (multiple-choice tasks).
+
+    Args:
+        continuation: token ids (>= 1).
+
+    Returns:
+        ``(sum of log-probabilities in nats, whether every token is the greedy argmax)``.
+
+    Raises:
+        ValueError: an empty continuation.
+    """
+    if not continuation:
+        raise ValueError("continuation must have at least one token")
+    logits = [result.logits.float()]
+    if len(continuation) > 1:
+        n = len(continuation) - 1
+        pos = torch.arange(result.next_position, result.next_position + n, device=adapter.device)[None]
+        if result.mrope:
+            pos = pos[None].expand(3, 1, n)
+        out = adapter.model(input_ids=torch.tensor([continuation[:-1]], device=adapter.device), position_ids=pos,
+                            cache=result.to_cache(), use_cache=True)
+        logits += list(out.logits[0].float())
+    lp = torch.log_softmax(torch.stack(logits), -1)
+    target = torch.tensor(continuation, device=lp.device)
+    total = float(lp.gather(1, target[:, None]).sum())
+    return total, bool((lp.argmax(-1) == target).all())

@@ -128,8 +128,8 @@ def vlm_recipe() -> list[Phase]:
     read = {"freeze_vision": True, "cell_reading": 1.0, "hide_prompt": "text"}
     return [
         Phase("vision_probe", "vision_probe", steps=150, lr=3e-3, warmup=10, batch=16),
-        # The one-page lookup broke through about 600 steps into this phase with the reading
-        # terms (about 1,050 steps later without them); a shorter phase ended on the plateau.
+        # The one-page lookup broke through about 600 steps into this phase (with the reading
+        # term alone, about 1,050 steps after the probe); a shorter phase ended on the plateau.
         Phase("grid", "tasks", steps=800, lr=2e-3, warmup=20, batch=8, mixture=grid, **read),
         Phase("tasks", "tasks", steps=1000, lr=1.5e-3, warmup=20, batch=8, mixture=mix, **read),
     ]
