@@ -23,7 +23,7 @@ from test_workflow import (
 from kvbench.cli import main
 from kvbench.eval.audit import ReplayPolicy, plan_audit
 from kvbench.eval.methods import get_method
-from kvbench.eval.refresh import RefreshMethod
+from kvbench.eval.refresh import MissingCacheEntry, RefreshMethod
 from kvbench.eval.runner import run_eval
 from kvbench.eval.specs import canonical, parse_method_spec, slug, slugs, with_budget
 from kvbench.models.loader import load_model
@@ -186,9 +186,35 @@ def test_read_only_cache_is_never_written(runs, vlm_dir, tmp_path):
              method_params={"cache_dir": str(runs["cache"]), "build_missing": False})
     assert sorted(p.name for p in runs["cache"].rglob("*")) == before
     empty = tmp_path / "empty-cache"
-    with pytest.raises(RuntimeError, match="all 3 samples failed.*has not been built"):
+    with pytest.raises(MissingCacheEntry, match="has not been built"):
         run_eval(vlm_dir, split, method="reuse", out_dir=tmp_path / "r2",
                  method_params={"cache_dir": str(empty), "build_missing": False})
+    assert not (tmp_path / "r2" / "metrics.json").exists()
+
+
+def test_corrupt_entry_in_a_read_only_cache_stops_the_run(runs, vlm_dir, tmp_path):
+    """A read-only eval never scores a sample 0 for a cache problem: the run stops, nothing is written."""
+    import shutil
+
+    cache = tmp_path / "cache"
+    shutil.copytree(runs["cache"], cache)
+    entry = sorted(cache.rglob("*.safetensors"))[0]
+    entry.write_bytes(entry.read_bytes()[:-7] + b"garbage")
+    with pytest.raises(MissingCacheEntry, match="no valid entry"):
+        run_eval(vlm_dir, runs["split"], method="conduit@0.5", out_dir=tmp_path / "r",
+                 method_params={"cache_dir": str(cache), "build_missing": False})
+    assert not (tmp_path / "r").exists() or not any((tmp_path / "r").iterdir())
+
+
+def test_refresh_runs_refuse_imageless_records_and_bad_params_before_loading(tmp_path):
+    recs = [json.loads(line) for line in _records(tmp_path).read_text().splitlines()]
+    recs[1]["content"] = [{"type": "text", "text": "no pages here"}]
+    split = write_split(tmp_path / "mixed.jsonl", recs)
+    with pytest.raises(ValueError, match="'d1' has no image part"):
+        run_eval("/nonexistent-model", split, method="conduit@0.1", out_dir=tmp_path / "r")
+    with pytest.raises(ValueError, match="build_missing must be true or false, got 'no'"):
+        run_eval("/nonexistent-model", split, method="reuse", out_dir=tmp_path / "r",
+                 method_params={"build_missing": "no"})
 
 
 @pytest.mark.parametrize("spec", ["conduit@0.5", "kvshare-conduit@0.5", "cacheblend@0.5", "reuse"])

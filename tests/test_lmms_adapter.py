@@ -42,7 +42,8 @@ def test_request_to_record_places_images():
 
 
 @pytest.mark.parametrize("bad, match", [(dict(policy="nope"), "unknown refresh policy"), (dict(r=2), "ratio"),
-                                        (dict(batch_size=2), "batch_size"), (dict(temperature=1), "unknown model")])
+                                        (dict(batch_size=2), "batch_size"), (dict(temperature=1), "unknown model"),
+                                        (dict(policy="prophetkv", lam=0.5), "takes no 'lam'")])
 def test_bad_model_args_fail_before_loading(bad, match):
     from kvbench.lmms.model import KVBenchReuse
 

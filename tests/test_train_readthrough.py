@@ -52,7 +52,7 @@ def test_hiding_changes_only_the_question_side(tokenizer):
     batch.pop("labels")
     with torch.no_grad():
         plain = vlm.model(**batch).last_hidden_state
-        with hide_prompt(vlm, q, k):
+        with hide_prompt(vlm, q, k, batch["attention_mask"]):
             hidden = vlm.model(**batch).last_hidden_state
     assert vlm.config._attn_implementation == "sdpa"  # restored
     real = batch["attention_mask"].bool()

@@ -154,7 +154,9 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("eval", help="run a method over a benchmark split")
     s.add_argument("--model", required=True, help="HF checkpoint directory or zoo name")
     s.add_argument("--split", required=True, help="JSONL split file")
-    s.add_argument("--method", default="full")
+    s.add_argument("--method", default="full",
+                   help="'full' (model.generate) or a CONDUIT spec such as reuse, conduit@0.1, conduit@0.1:lam=0.5, "
+                        "prophetkv@0.05, mpic-first@0.1 (default: full)")
     s.add_argument("--out", required=True, help="run directory: predictions.jsonl, metrics.json, run_info.json")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--limit", type=int, default=None, help="evaluate only the first N samples")

@@ -30,6 +30,11 @@ def _tokenizer(proc: Any) -> Any:
     return getattr(proc, "tokenizer", proc)
 
 
+class FatalRunError(RuntimeError):
+    """A failure of the run's inputs rather than of one sample (e.g. a missing or corrupt image cache):
+    the runner stops and writes nothing, instead of scoring the sample 0."""
+
+
 @dataclass
 class EvalMethod(abc.ABC):
     """Base class of evaluation methods (one record in, one prediction string out).

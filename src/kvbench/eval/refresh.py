@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 import torch
 
 from kvbench.eval.audit import Recorded, plan_audit
-from kvbench.eval.methods import METHODS, EvalMethod
+from kvbench.eval.methods import METHODS, EvalMethod, FatalRunError
 from kvbench.eval.specs import (  # noqa: F401  (re-exported: the spec API is used with the method)
     FIXED_R,
     MethodSpec,
@@ -41,6 +41,10 @@ from kvbench.reuse.cache_store import template_hash
 
 # --- the evaluation method -------------------------------------------------------------------
 
+class MissingCacheEntry(FatalRunError, FileNotFoundError):
+    """A read-only image cache lacks a valid entry: the run stops (scoring the sample 0 would change what is measured)."""
+
+
 class ReadOnlyStore(ImageKVStore):
     """An :class:`ImageKVStore` that never writes: a missing (or corrupt) entry is an error.
 
@@ -48,18 +52,20 @@ class ReadOnlyStore(ImageKVStore):
     never modified by its readers.
 
     Raises:
-        FileNotFoundError: the directory has no manifest (cache not built), or an entry is missing.
+        MissingCacheEntry: the directory has no manifest (cache not built), or an entry is missing
+            or failed its hash check; the whole run stops.
     """
 
     def __init__(self, root, adapter, generic_system):
         if not (Path(root) / "manifest.json").is_file():
-            raise FileNotFoundError(f"image cache {root} has not been built (no manifest.json); "
+            raise MissingCacheEntry(f"image cache {root} has not been built (no manifest.json); "
                                     "build it with `kvbench cache` (Snakemake rule conduit_cache)")
         super().__init__(root, adapter, generic_system)
 
     def _build(self, enc, key):
-        raise FileNotFoundError(f"image cache {self.root} has no valid entry {key[:12]} for an image of this "
-                                "request; rebuild it with `kvbench cache` (Snakemake rule conduit_cache)")
+        raise MissingCacheEntry(f"image cache {self.root} has no valid entry {key[:12]} for an image of this "
+                                "request (missing, or its hash check failed); rebuild it with `kvbench cache` "
+                                "(Snakemake rule conduit_cache: rerun it with --forcerun conduit_cache)")
 
 
 def store_root(cache_dir: str | Path, adapter, generic_system: str) -> Path:
@@ -115,6 +121,8 @@ class RefreshMethod(EvalMethod):
     build_missing: bool = True
 
     def __post_init__(self):
+        if not isinstance(self.build_missing, bool):
+            raise ValueError(f"build_missing must be true or false, got {self.build_missing!r}")
         parsed = parse_method_spec(self.spec)
         if parsed.policy == "full":
             raise ValueError("'full' is the FullCache method (model.generate); use method 'full', "
@@ -161,6 +169,9 @@ class RefreshMethod(EvalMethod):
             raise ValueError(f"record {r.get('id')!r} (kind {r.get('kind')!r}) cannot be served by {self.spec!r}: "
                              "refresh methods need VLM records with 'generic_system' (the prefix their images are "
                              "cached under; e.g. docpages, digitgrid)")
+        if not any(p.get("type") == "image" for p in r.get("content") or []):
+            raise ValueError(f"record {r.get('id')!r} has no image part; {self.spec!r} refreshes cached images "
+                             "and needs >= 1 image per record")
 
     def run(self, model: Any, proc: Any, record: dict, base_dir: str | Path | None):
         """Assemble and refresh ``record``; returns ``(adapter, request, RefreshResult, recorder)`` (no decoding)."""

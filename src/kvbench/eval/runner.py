@@ -14,7 +14,8 @@
   checkpoint path and hashes, attention implementation, dtype, device, seed,
   threads, host, timestamps, wall time).
 
-A sample that raises is recorded with ``status="error"`` and score 0; the run
+A sample that raises is recorded with ``status="error"`` and score 0 (a
+:class:`~kvbench.eval.methods.FatalRunError`, such as a missing image cache, stops the run instead); the run
 fails only when every sample fails. All files are written atomically.
 """
 from __future__ import annotations
@@ -35,7 +36,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from kvbench.eval.methods import get_method
+from kvbench.eval.methods import FatalRunError, get_method
 from kvbench.eval.metrics import METRICS, aggregate
 from kvbench.models.loader import load_model, resolve_spec
 from kvbench.utils.io import read_jsonl, write_json, write_jsonl
@@ -200,6 +201,8 @@ def run_eval(
         try:
             pred = evaluator.predict(model, proc, r, split_path.parent)
             score, status, err = float(METRICS[r["metric"]](pred, r["answer"])), "ok", None
+        except FatalRunError:
+            raise
         except Exception as e:  # noqa: BLE001 - one bad sample must not kill the run
             first_exc = first_exc or e
             pred, score, status, err = None, 0.0, "error", f"{type(e).__name__}: {e}"

@@ -70,7 +70,11 @@ class KVBenchReuse(lmms):
         self.policy = policy or self.default_policy
         self.r = check_ratio(r)
         self.params = {} if lam is None else {"lam": lam}
-        get_policy(self.policy, **self.params)  # validates name and parameters before loading
+        try:
+            get_policy(self.policy, **self.params)  # validates name and parameters before loading
+        except TypeError:
+            raise ValueError(f"{type(self).__name__}: policy {self.policy!r} takes no 'lam' "
+                             "(image-coefficient strength); drop it or use policy=conduit") from None
         self.opts = dict(system_field=system_field, generic_field=generic_field, system=system,
                          generic_system=generic_system)
         self.max_new_tokens = int(max_new_tokens)

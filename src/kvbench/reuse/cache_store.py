@@ -122,13 +122,18 @@ class ImageKVStore:
         manifest = self.root / "manifest.json"
         want = {"format": FORMAT_VERSION, "model_id": self.model_id, "template_id": self.template_id}
         if manifest.exists():
-            have = json.loads(manifest.read_text())
+            try:
+                have = json.loads(manifest.read_text())
+            except json.JSONDecodeError as e:
+                raise CacheMismatchError(f"image cache manifest {manifest} is not valid JSON ({e}); "
+                                         f"delete {self.root} and rebuild it with `kvbench cache`") from None
             for field in ("format", "model_id", "template_id"):
                 if have.get(field) != want[field]:
                     raise CacheMismatchError(
                         f"image cache {self.root} was built for {field}={have.get(field)!r}, this run has "
-                        f"{want[field]!r} (model class {type(self.adapter.model).__name__}); "
-                        "use a separate cache directory per model and template")
+                        f"{want[field]!r} (model class {type(self.adapter.model).__name__}; cache-time prefix "
+                        f"there {have.get('generic_system')!r}, here {self.generic_system!r}); a store holds one "
+                        "model and one cache-time prefix: give this one its own directory")
         else:
             write_json(manifest, {**want, "model_class": type(self.adapter.model).__name__,
                                   "generic_system": self.generic_system})

@@ -85,7 +85,7 @@ def head_loss(model: Any, hidden: torch.Tensor, targets: torch.Tensor,
     target = targets[mask]
     ce = F.cross_entropy(logits, target, reduction="none")
     rows = mask.nonzero()[:, 0]
-    per_seq = torch.zeros(targets.shape[0], dtype=ce.dtype).index_add(0, rows, ce) / mask.sum(1).clamp(min=1)
+    per_seq = torch.zeros(targets.shape[0], dtype=ce.dtype, device=ce.device).index_add(0, rows, ce) / mask.sum(1).clamp(min=1)
     loss = per_seq[mask.any(1)].mean()
     acc = (logits.argmax(-1) == target).float().mean().item()
     return loss, acc
@@ -140,7 +140,7 @@ def task_loss(model: Any, batch: dict, labels: torch.Tensor, phase: Phase,
         if phase.head_supervision:
             stack.enter_context(supervise_heads(model))
         if hide[0] is not None:
-            stack.enter_context(hide_prompt(model, *hide))
+            stack.enter_context(hide_prompt(model, *hide, batch.get("attention_mask")))
         hidden = model.model(**batch).last_hidden_state
         loss, acc = head_loss(model, hidden, _shifted(labels), output_ids)
         if phase.head_supervision:

@@ -40,7 +40,8 @@ def _attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch
             allowed = attention_mask
         else:
             allowed = attention_mask == 0
-        attention_mask = allowed & ~block[:, None]
+        # transformers may pass no mask for a custom implementation; padded keys are dropped here either way
+        attention_mask = allowed & ~block[:, None] & _block["keys_valid"][:, None, None, :]
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
@@ -82,13 +83,16 @@ def hidden_keys(input_ids: torch.Tensor, image_token_id: int, mode: str) -> tupl
 
 
 @contextmanager
-def hide_prompt(model: Any, queries: torch.Tensor, keys: torch.Tensor) -> Iterator[None]:
+def hide_prompt(model: Any, queries: torch.Tensor, keys: torch.Tensor,
+                attention_mask: torch.Tensor | None = None) -> Iterator[None]:
     """Within the block, ``model``'s decoder attention hides ``keys`` from ``queries`` (bool ``[B, T]`` each).
 
-    Restores the model's attention implementation on exit.
+    ``attention_mask`` (``[B, T]``, 0 at padding) is applied too, whatever mask transformers
+    builds for a custom attention implementation. Restores the implementation on exit.
     """
     old = model.config._attn_implementation
     _block["mask"] = queries[:, :, None] & keys[:, None, :]
+    _block["keys_valid"] = (torch.ones_like(queries) if attention_mask is None else attention_mask.bool())
     model.set_attn_implementation(ATTN_NAME)
     try:
         yield
