@@ -96,7 +96,7 @@ def _report(a: argparse.Namespace) -> None:
 
         if not a.conduit:
             raise ValueError(f"{a.what} needs --conduit (JSON: profile, conduit config section, splits)")
-        conduit.report(a.what.removeprefix("conduit-"), a.conduit, a.out, out_csv=a.data_out,
+        conduit.report(a.what.removeprefix("conduit-"), _json_object(a.conduit, "--conduit"), a.out, out_csv=a.data_out,
                        allow_missing=a.allow_missing)
 
 
