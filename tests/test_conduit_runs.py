@@ -192,6 +192,19 @@ def test_read_only_cache_is_never_written(runs, vlm_dir, tmp_path):
     assert not (tmp_path / "r2" / "metrics.json").exists()
 
 
+def test_same_seed_gives_identical_predictions_and_table(runs, vlm_dir, tmp_path):
+    """A second run of the same spec and seed: the same prediction rows (timings aside) and score, the files every table is computed from."""
+    run_eval(vlm_dir, runs["split"], method="conduit@0.5", out_dir=tmp_path / "again",
+             method_params={"cache_dir": str(runs["cache"]), "build_missing": False})
+
+    def rows(run):
+        return [{k: v for k, v in r.items() if k != "latency_ms"} for r in read_jsonl(run / "predictions.jsonl")]
+
+    assert rows(tmp_path / "again") == rows(runs["conduit@0.5"])
+    assert (json.loads((tmp_path / "again" / "metrics.json").read_text())["score"]
+            == json.loads((runs["conduit@0.5"] / "metrics.json").read_text())["score"])
+
+
 def test_corrupt_entry_in_a_read_only_cache_stops_the_run(runs, vlm_dir, tmp_path):
     """A read-only eval never scores a sample 0 for a cache problem: the run stops, nothing is written."""
     import shutil
