@@ -193,7 +193,8 @@ def test_read_only_cache_is_never_written(runs, vlm_dir, tmp_path):
 
 
 def test_same_seed_gives_identical_predictions_and_table(runs, vlm_dir, tmp_path):
-    """A second run of the same spec and seed: the same prediction rows (timings aside) and score, the files every table is computed from."""
+    """A second run of the same spec and seed: the same prediction rows (timings aside) and score,
+    the files every table is computed from."""
     run_eval(vlm_dir, runs["split"], method="conduit@0.5", out_dir=tmp_path / "again",
              method_params={"cache_dir": str(runs["cache"]), "build_missing": False})
 
