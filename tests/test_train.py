@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -143,9 +144,9 @@ def test_freeze_vision_phase_leaves_the_tower_untouched(tokenizer, tmp_path):
 
 
 @pytest.mark.parametrize("restrict", [False, True])
-def test_labelled_loss_equals_full_logits_loss(tokenizer, restrict):
+def test_task_loss_equals_full_logits_loss(tokenizer, restrict):
     from kvbench.train.batches import copy_batch, step_rng
-    from kvbench.train.loop import labelled_loss
+    from kvbench.train.loop import task_loss
 
     model = _lm(tokenizer)
     phase = Phase("c", "copy", steps=1, lr=1e-3, batch=3, seq_len=32, copy_vocab=64, restrict_softmax=restrict)
@@ -156,13 +157,13 @@ def test_labelled_loss_equals_full_logits_loss(tokenizer, restrict):
     if output_ids is not None:
         logits = logits[..., output_ids]
     ref, ref_acc = sequence_loss(logits, labels)
-    got, acc = labelled_loss(model, batch, labels, output_ids)
+    got, acc = task_loss(model, batch, labels, phase, output_ids)
     assert got.item() == pytest.approx(ref.item(), rel=1e-5) and acc == pytest.approx(ref_acc)
 
 
-def test_labelled_loss_on_a_vlm_task_batch(tokenizer):
+def test_task_loss_on_a_vlm_task_batch(tokenizer):
     from kvbench.train.batches import step_rng, task_batch
-    from kvbench.train.loop import labelled_loss
+    from kvbench.train.loop import task_loss
 
     torch.manual_seed(0)
     vlm = transformers.Qwen2_5_VLForConditionalGeneration(build_config("tiny-qwen2.5-vl", tokenizer))
@@ -171,7 +172,7 @@ def test_labelled_loss_on_a_vlm_task_batch(tokenizer):
     batch = task_batch(step_rng(0, "g", 0), phase, proc)
     labels = batch.pop("labels")
     ref, _ = sequence_loss(vlm(**batch).logits, labels)
-    got, _ = labelled_loss(vlm, batch, labels)
+    got, _ = task_loss(vlm, batch, labels, phase)
     assert got.item() == pytest.approx(ref.item(), rel=1e-5)
 
 
@@ -206,7 +207,7 @@ def test_cell_reading_refuses_a_record_without_cells(tokenizer):
 
 def test_task_loss_adds_the_cell_reading_term(tokenizer):
     from kvbench.train.batches import step_rng, task_batch
-    from kvbench.train.loop import head_loss, labelled_loss, task_loss
+    from kvbench.train.loop import head_loss, task_loss
 
     torch.manual_seed(0)
     vlm = transformers.Qwen2_5_VLForConditionalGeneration(build_config("tiny-qwen2.5-vl", tokenizer))
@@ -216,7 +217,7 @@ def test_task_loss_adds_the_cell_reading_term(tokenizer):
     batch = task_batch(step_rng(0, "g", 0), phase, proc)
     labels, cells = batch.pop("labels"), batch.pop("cell_labels")
     assert cells.shape == labels.shape and (cells != -100).sum() == 32  # 16 cells per digitgrid page
-    answers, _ = labelled_loss(vlm, batch, labels)
+    answers, _ = task_loss(vlm, batch, labels, replace(phase, cell_reading=0.0))
     reading, _ = head_loss(vlm, vlm.model(**batch).last_hidden_state, cells)
     got, _ = task_loss(vlm, batch, labels, phase, cell_labels=cells)
     assert got.item() == pytest.approx(answers.item() + 0.5 * reading.item(), rel=1e-5)

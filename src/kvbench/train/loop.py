@@ -96,30 +96,15 @@ def _shifted(labels: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
 
 
-def labelled_loss(model: Any, batch: dict, labels: torch.Tensor,
-                  output_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, float]:
-    """:func:`sequence_loss` with the LM head applied only where a label applies.
-
-    Task batches label a few answer tokens per sequence, so projecting every
-    position onto the 4,096-token vocabulary (and its softmax) would be most of
-    a step's memory traffic; the loss is the same (``tests/test_train.py``).
-
-    Args:
-        model: a ``*ForCausalLM`` / ``*ForConditionalGeneration`` whose ``.model``
-            returns ``last_hidden_state`` float ``[B, T, d]`` and whose output
-            embeddings are the LM head.
-        batch: the model inputs (no ``labels``).
-        labels: int64 ``[B, T]`` as in :func:`sequence_loss`.
-        output_ids: optional int64 ``[V']``: the softmax runs over these vocabulary
-            rows only, and ``labels`` index into them (``Phase.restrict_softmax``).
-    """
-    return head_loss(model, model.model(**batch).last_hidden_state, _shifted(labels), output_ids)
-
-
 def task_loss(model: Any, batch: dict, labels: torch.Tensor, phase: Phase,
               output_ids: torch.Tensor | None = None,
               cell_labels: torch.Tensor | None = None) -> tuple[torch.Tensor, float]:
     """One LM-phase loss: answer tokens, plus the phase's auxiliary terms.
+
+    The LM head is applied only where a target applies (:func:`head_loss`): task
+    batches label a few answer tokens per sequence, so projecting every position
+    onto the 4,096-token vocabulary would be most of a step's memory traffic; the
+    answer term equals :func:`sequence_loss` on full logits (``tests/test_train.py``).
 
     ``loss = CE(answers) + phase.head_supervision * attention term
     + phase.cell_reading * CE(cell_labels)`` (:mod:`kvbench.train.heads`,
