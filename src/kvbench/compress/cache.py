@@ -1,0 +1,283 @@
+"""The shared machinery of every compression method: a transformers ``Cache`` whose layers store what a
+method keeps, and one attention function that reads it.
+
+A compression method is a :class:`StoreLayer` subclass (one per decoder layer) with three hooks:
+
+- :meth:`StoreLayer.history`: the stored tokens as attention should read them (post-RoPE keys, values and
+  the absolute position of every key, per KV head, since eviction may keep different tokens per head);
+- :meth:`StoreLayer.commit`: store a chunk of new tokens once its attention has run (so a single-chunk
+  prefill is exact, as in the ResidualKV code and in SnapKV/KVzip, and methods that score the chunk with
+  its own queries, e.g. SnapKV's observation window, see those queries);
+- :meth:`StoreLayer.narrow` (optional): a per-query mask over the keys read (Quest's page selection).
+
+:class:`PressCache` calls them from ``update`` and from the attention function registered as
+``"kvbench_press"``, which builds the causal mask from the key positions (the model's own mask has the
+logical length and is ignored: a compressed cache returns fewer keys than positions). Per-step facts
+that the layers of one forward share (OmniKV's selected token indices, chosen at a filter layer and read
+by the following sparse layers) live in :attr:`PressCache.step`, the nano-vllm "context" pattern.
+
+Shapes: batch size 1 throughout (both papers decode at batch 1); keys/values ``[1, H_kv, n, D]`` in the
+model dtype; positions int64 ``[1, H_kv, n]``; queries ``[1, H_q, t, D]`` post-RoPE.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from kvbench.compress.accounting import StoredBytes
+from kvbench.reuse import rope
+
+ATTN_NAME = "kvbench_press"
+_active: contextvars.ContextVar["PressCache | None"] = contextvars.ContextVar("kvbench_press_cache", default=None)
+
+
+@dataclass
+class KVView:
+    """Keys, values and key positions as attention reads them.
+
+    ``keys``/``values`` ``[1, H_kv, n, D]`` (keys post-RoPE at their own positions), ``positions`` int64
+    ``[1, H_kv, n]`` (absolute token positions; a key is visible to query position p iff its position <= p).
+    """
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    positions: torch.Tensor
+
+    @staticmethod
+    def dense(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> "KVView":
+        """A view whose every head holds the same tokens: ``positions`` int64 ``[n]``."""
+        pos = positions.view(1, 1, -1).expand(keys.shape[0], keys.shape[1], -1)
+        return KVView(keys, values, pos)
+
+    @staticmethod
+    def cat(views: list["KVView | None"]) -> "KVView":
+        """Concatenate along tokens (None entries skipped); every view must have the same heads."""
+        vs = [v for v in views if v is not None and v.keys.shape[-2] > 0]
+        if len(vs) == 1:
+            return vs[0]
+        return KVView(torch.cat([v.keys for v in vs], -2), torch.cat([v.values for v in vs], -2),
+                      torch.cat([v.positions for v in vs], -1))
+
+    def __len__(self) -> int:
+        return self.keys.shape[-2]
+
+
+@dataclass
+class LayerContext:
+    """What a store layer may need from the model: its index and RoPE, to restore pre-RoPE keys
+    (ResidualKV, Palu) at their own positions."""
+
+    layer_idx: int
+    n_layers: int
+    rotary_emb: Any
+    apply_rope: Any
+    dtype: torch.dtype
+
+    def rotate(self, k_pre: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Post-RoPE keys ``[1, H, n, D]`` from pre-RoPE ``k_pre`` at int64 ``positions`` ``[n]``."""
+        cos, sin = rope.cos_sin(self.rotary_emb, positions.view(1, -1), k_pre.dtype)
+        return rope.rotate(self.apply_rope, k_pre, cos, sin)
+
+    def unrotate(self, k_post: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Pre-RoPE keys ``[1, H, n, D]`` from post-RoPE ``k_post`` at ``positions`` ``[n]`` (exact inverse)."""
+        cos, sin = rope.cos_sin(self.rotary_emb, positions.view(1, -1), k_post.dtype)
+        return rope.unrotate(self.apply_rope, k_post, cos, sin)
+
+
+class StoreLayer(CacheLayerMixin):
+    """One decoder layer of a compressed KV cache. The default stores every token exactly (the full cache).
+
+    Subclasses override :meth:`history`, :meth:`commit`, optionally :meth:`narrow`, and
+    :meth:`stored_bytes` (bytes really held, by part, for KR: :mod:`kvbench.compress.accounting`).
+    """
+
+    is_compileable = False
+    is_croppable = False
+
+    def __init__(self, ctx: LayerContext, cache: "PressCache"):
+        super().__init__()
+        self.ctx = ctx
+        self.cache = cache
+        self.seen = 0                      # tokens written to this layer (the logical length)
+        self._stored: KVView | None = None
+        self._pending: KVView | None = None
+        self._view: KVView | None = None
+        self._query_pos: torch.Tensor | None = None
+
+    # -- the method's hooks ------------------------------------------------------------------
+    def history(self) -> KVView | None:
+        """The stored tokens as attention reads them (None before the first commit)."""
+        return self._stored
+
+    def commit(self, chunk: KVView, query: torch.Tensor) -> None:
+        """Store ``chunk`` (its exact post-RoPE K/V) after its attention ran; ``query`` ``[1, H_q, t, D]``."""
+        self._stored = KVView.cat([self._stored, chunk])
+
+    def narrow(self, query: torch.Tensor, view: KVView) -> torch.Tensor | None:
+        """Optional bool mask ``[1, H_q, t, n]`` (True = may attend) over ``view``; None keeps all."""
+        return None
+
+    def stored_bytes(self) -> StoredBytes:
+        """Bytes this layer holds, by part; default: FP16 K and V of every stored key."""
+        n = 0 if self._stored is None else self._stored.keys.numel() + self._stored.values.numel()
+        return StoredBytes(layer=self.ctx.layer_idx, full_layer=2 * n)
+
+    # -- transformers' layer API -----------------------------------------------------------------
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Return history + the new chunk (exact) for this step's attention; the chunk is committed after it."""
+        if key_states.shape[0] != 1:
+            raise ValueError(f"compressed caches run at batch size 1, got batch {key_states.shape[0]}")
+        self.is_initialized = True
+        t = key_states.shape[-2]
+        pos = torch.arange(self.seen, self.seen + t, device=key_states.device)
+        self._pending = KVView.dense(key_states, value_states, pos)
+        self._query_pos = pos
+        self._view = KVView.cat([self.history(), self._pending])
+        self.seen += t
+        return self._view.keys, self._view.values
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.seen + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.seen = 0
+        self._stored = self._pending = self._view = None
+        self.is_initialized = False
+
+
+@dataclass
+class StepState:
+    """Facts shared by the layers of one forward pass (reset by :meth:`PressCache.begin_step`).
+
+    ``selected``: OmniKV's token positions chosen at the latest filter layer, int64 ``[m]``.
+    """
+
+    selected: torch.Tensor | None = None
+    extra: dict = field(default_factory=dict)
+
+
+class PressCache(Cache):
+    """A transformers ``Cache`` of :class:`StoreLayer` objects, one per decoder layer.
+
+    Use it inside :func:`press_attention` (which switches the model's attention to ``"kvbench_press"``);
+    pass ``position_ids`` explicitly or let the model derive them from :meth:`get_seq_length` (the logical
+    length: the number of tokens written, not the number stored).
+
+    Records per forward: ``attended`` (per layer, the mean over KV heads of keys the LAST query row may
+    attend, for CR) and ``selections`` (OmniKV positions per decode step, for the audit record).
+    """
+
+    def __init__(self, model: Any, layer_factory: Any):
+        text_cfg = model.config.get_text_config()
+        n_layers = text_cfg.num_hidden_layers
+        attn = _decoder_layers(model)[0].self_attn
+        rotary = _rotary(model)
+        layers = []
+        for i in range(n_layers):
+            ctx = LayerContext(i, n_layers, rotary, rope.rotation_fn(attn), model.dtype)
+            layers.append(layer_factory(ctx, self))
+        super().__init__(layers=layers)
+        self.step = StepState()
+        self.attended: list[list[int]] = []
+        self.selections: list[list[int]] = []
+
+    def begin_step(self) -> None:
+        """Reset per-forward state (called by the attention function at layer 0)."""
+        self.step = StepState()
+        self.attended.append([])
+
+    def stored_bytes(self) -> list[StoredBytes]:
+        """Per-layer bytes by part (:class:`kvbench.compress.accounting.StoredBytes`)."""
+        return [layer.stored_bytes() for layer in self.layers]
+
+
+def _decoder_layers(model: Any) -> Any:
+    inner = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+    return inner.layers
+
+
+def _rotary(model: Any) -> Any:
+    inner = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+    return inner.rotary_emb
+
+
+def _press_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: torch.Tensor | None, scaling: float | None = None, **kwargs):
+    """Attention over what the active :class:`PressCache` returned, masked by key positions."""
+    cache = _active.get()
+    if cache is None:
+        raise RuntimeError(f"attention implementation {ATTN_NAME!r} needs an active PressCache (press_attention)")
+    layer: StoreLayer = cache.layers[module.layer_idx]
+    if module.layer_idx == 0:
+        cache.begin_step()
+    view = layer._view
+    groups = query.shape[1] // key.shape[1]
+    allowed = view.positions[:, :, None, :] <= layer._query_pos.view(1, 1, -1, 1)   # [1, H_kv, t, n]
+    allowed = allowed.repeat_interleave(groups, dim=1)
+    extra = layer.narrow(query, view)
+    if extra is not None:
+        allowed = allowed & extra
+    cache.attended[-1].append(int(allowed[:, :, -1].sum().item()) // allowed.shape[1])
+    out = F.scaled_dot_product_attention(query, key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1),
+                                         attn_mask=allowed, scale=scaling)
+    pending, layer._pending = layer._pending, None
+    layer.commit(pending, query)
+    return out.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(ATTN_NAME, _press_attention)
+
+
+@contextlib.contextmanager
+def press_attention(model: Any, cache: PressCache) -> Iterator[PressCache]:
+    """Within the block, ``model``'s attention reads ``cache`` through ``"kvbench_press"``; restores the
+    model's attention implementation on exit (also after an exception)."""
+    old = model.config._attn_implementation
+    token = _active.set(cache)
+    model.set_attn_implementation(ATTN_NAME)
+    try:
+        yield cache
+    finally:
+        model.set_attn_implementation(old)
+        _active.reset(token)
+
+
+@dataclass
+class Press:
+    """A compression method: a dataclass of its hyper-parameters that builds one :class:`StoreLayer` per
+    decoder layer (kvpress style: one method per file, one registry line). The base class is the full,
+    exact cache."""
+
+    name = "full"
+
+    def make_layer(self, ctx: LayerContext, cache: PressCache) -> StoreLayer:
+        """The store of decoder layer ``ctx.layer_idx``."""
+        return StoreLayer(ctx, cache)
+
+    def new_cache(self, model: Any) -> PressCache:
+        """An empty cache for one request on ``model``."""
+        return PressCache(model, self.make_layer)
+
+    def after_context(self, model: Any, cache: PressCache, context_ids: torch.Tensor) -> None:
+        """Called once after the context chunk is prefilled (before the question chunk), inside
+        :func:`press_attention`; e.g. KVzip's context-reconstruction scoring pass. Default: nothing."""
+
+    def compute_ratio(self, n_layers: int) -> float | None:
+        """CR the method targets by construction (None: measured only)."""
+        return 1.0

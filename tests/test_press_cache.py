@@ -1,0 +1,72 @@
+"""The shared compressed-cache machinery: the base Press (full cache) is exact, chunked or not."""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache, Qwen2Config, Qwen2ForCausalLM
+
+from kvbench.compress.cache import Press, press_attention
+from kvbench.compress.generate import greedy_generate, split_prompt
+
+
+@pytest.fixture(scope="module")
+def tiny_lm():
+    torch.manual_seed(0)
+    cfg = Qwen2Config(hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                      intermediate_size=128, vocab_size=256, attn_implementation="sdpa")
+    return Qwen2ForCausalLM(cfg).eval()
+
+
+def _chunked_logits(model, cache, ids, cuts):
+    outs, start = [], 0
+    for end in [*cuts, ids.shape[1]]:
+        pos = torch.arange(start, end).view(1, -1)
+        outs.append(model(input_ids=ids[:, start:end], position_ids=pos, cache=cache, use_cache=True).logits)
+        start = end
+    return torch.cat(outs, 1)
+
+
+@pytest.mark.parametrize("cuts", [[], [17], [5, 6, 30]])
+def test_full_press_equals_plain_model(tiny_lm, cuts):
+    ids = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(1))
+    ref = tiny_lm(input_ids=ids).logits
+    cache = Press().new_cache(tiny_lm)
+    with torch.inference_mode(), press_attention(tiny_lm, cache):
+        got = _chunked_logits(tiny_lm, cache, ids, cuts)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    assert cache.get_seq_length() == 40
+    assert tiny_lm.config._attn_implementation == "sdpa"      # restored on exit
+
+
+def test_greedy_generate_matches_dynamic_cache(tiny_lm):
+    ids = torch.randint(0, 256, (1, 25), generator=torch.Generator().manual_seed(2))
+    new, cache = greedy_generate(tiny_lm, Press(), ids, 20, max_new_tokens=6, eos=set())
+    dyn, seq, want = DynamicCache(config=tiny_lm.config), ids, []
+    with torch.inference_mode():
+        logits = tiny_lm(input_ids=seq, cache=dyn, use_cache=True).logits
+        for _ in range(6):
+            nxt = int(logits[0, -1].argmax())
+            want.append(nxt)
+            logits = tiny_lm(input_ids=torch.tensor([[nxt]]), cache=dyn, use_cache=True).logits
+    assert new == want
+    # every forward recorded one attended count per layer; the last decode step reads all 30 earlier + itself
+    assert len(cache.attended) == 2 + 5 and cache.attended[-1] == [30, 30, 30]
+
+
+def test_stop_at_eos(tiny_lm):
+    ids = torch.randint(0, 256, (1, 10), generator=torch.Generator().manual_seed(3))
+    first, _ = greedy_generate(tiny_lm, Press(), ids, 5, max_new_tokens=4, eos=set())
+    new, _ = greedy_generate(tiny_lm, Press(), ids, 5, max_new_tokens=4, eos={first[0]})
+    assert new == first[:1]
+
+
+def test_split_prompt_puts_the_question_in_the_second_chunk(tokenizer):
+    rec = {"id": "r", "context": "Pairs: QJS rhr, FJM qhz.", "question": "\nQuery: QJS"}
+    ids, split = split_prompt(tokenizer, rec)
+    assert ids[0].tolist() == tokenizer(rec["context"] + rec["question"], add_special_tokens=False)["input_ids"]
+    assert "QJS" in tokenizer.decode(ids[0, split:].tolist()) and "Query" not in tokenizer.decode(ids[0, :split].tolist())
+
+
+def test_split_prompt_refuses_a_record_without_context(tokenizer):
+    with pytest.raises(ValueError, match="'context' and 'question'"):
+        split_prompt(tokenizer, {"id": "x", "question": "q"})
