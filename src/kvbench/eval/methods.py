@@ -8,6 +8,8 @@ compression method is one file plus one line in :data:`METHODS`.
 
 - ``full``: greedy decoding with the full, exact KV cache (transformers'
   ``generate`` with its default ``DynamicCache``): the upper-bound baseline.
+- ``compress``: a ResidualKV-side compression press (:mod:`kvbench.eval.compress`), named by a press
+  spec such as ``snapkv:keep=0.3`` (:func:`get_method` accepts press specs directly).
 - ``refresh``: a CONDUIT-side refresh policy over cached per-image KV
   (:mod:`kvbench.eval.refresh`), named by a method spec such as
   ``conduit@0.1:lam=0.5`` (:func:`get_method` accepts specs directly).
@@ -149,15 +151,21 @@ def get_method(name: str, **params: Any) -> EvalMethod:
     Raises:
         ValueError: unknown name or invalid spec (the message lists the valid names).
     """
+    from kvbench.eval.compress import is_press_spec
+
+    spec = name
+    if name not in METHODS and is_press_spec(name):
+        name = "compress"
     cls = METHODS["refresh"] if name not in METHODS else METHODS[name]
     accepted = sorted(p for p in inspect.signature(cls).parameters if p != "spec")
     unknown = sorted(set(params) - set(accepted))
     if unknown:
         raise ValueError(f"method {name!r}: unknown method parameter(s) {unknown}; accepted: {accepted or 'none'}")
-    if name not in METHODS:
-        return cls(spec=name, **params)
+    if name not in METHODS or name == "compress" and spec != name:
+        return cls(spec=spec, **params)
     return cls(**params)
 
 
-# Refresh methods register themselves (kvbench.eval.refresh subclasses EvalMethod, so it is imported last).
-import kvbench.eval.refresh  # noqa: F401
+# Refresh and compression methods register themselves (they subclass EvalMethod, so they are imported last).
+import kvbench.eval.compress  # noqa: F401, E402
+import kvbench.eval.refresh  # noqa: F401, E402

@@ -1,0 +1,306 @@
+"""The ResidualKV cache (paper §IV-A..C; authors' ``src/deltakv/modeling/cache_pipeline.py`` at b5169d6).
+
+Per sparse layer, a request's tokens are held as
+
+- **sinks**: the first ``n_sink`` tokens, raw (attention sinks; never coded);
+- **raw window**: the latest ``window`` tokens, raw (the code keeps a 128-255 token recent buffer);
+- **references**: tokens on the stride schedule (:func:`~kvbench.compress.residualkv.references.reference_mask`),
+  their pre-RoPE K‖V stored FP8 e4m3 (§V-A; overflow saturates, :func:`~kvbench.compress.residualkv.quant.to_fp8`);
+- **residual codes**: every other token, z = f_c(kv) − f_c(mean of its k nearest earlier references)
+  quantised per token in groups (§IV-A), plus the indices of those references.
+
+A token leaves the raw window when it falls out of it ("compression after the chunk's view is built": a
+single-chunk prefill is exact, decode reads restored K/V). Restoring is kv̂ = f_d(z̃) + mean_ref (§IV-B),
+split into pre-RoPE K and V, and K is rotated at the token's own position. References are read as they are
+stored (FP8 round trip), and the SAME dequantised references are used to encode and to restore.
+
+Modes (:class:`ResidualKVPress`):
+
+- ``standalone``: every sparse layer restores all its coded tokens each step (CR 100%, §IV-C);
+- ``omnikv``: layers in ``full_layers`` keep the full KV; a full layer followed by a sparse layer is a
+  **filter layer**: with the current queries it scores the candidates (the positions that sparse layers hold
+  compressed) by raw q·k logits, max over query heads and query rows, keeps the top ``keep`` share, and the
+  following sparse layers restore only those tokens (plus sinks and window);
+- ``snapkv``: at the end of the context prefill, SnapKV's observation-window scores (window 32, pooling 7,
+  :mod:`kvbench.compress.presses.snapkv`) pick ``keep`` of the coded tokens per layer; the others are dropped
+  for good (references stay: other tokens need them).
+"""
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvbench.compress.accounting import StoredBytes
+from kvbench.compress.cache import KVView, LayerContext, PressCache, Press, StoreLayer
+from kvbench.compress.presses.omnikv import FilterLayer
+from kvbench.compress.residualkv import quant, references
+from kvbench.compress.residualkv.codec import ResidualCodec, model_kv_shape
+
+MODES = ("standalone", "omnikv", "snapkv")
+
+
+@functools.lru_cache(maxsize=8)
+def _load_codec(path: str) -> ResidualCodec:
+    return ResidualCodec.load(path).eval()
+
+
+def _index_dtype(n_refs: int) -> torch.dtype:
+    # Indices are held in the narrowest integer type that addresses every reference; KR counts those bytes.
+    return torch.int16 if n_refs < 2 ** 15 else torch.int32
+
+
+class _Codes:
+    """Coded tokens of one layer: quantised residual codes, neighbour indices and positions."""
+
+    def __init__(self):
+        self.chunks: list[quant.QuantizedCodes | torch.Tensor] = []
+        self.nbr: list[torch.Tensor] = []       # [c, k] indices into the layer's reference list
+        self.valid: list[torch.Tensor] = []     # [c, k] bool
+        self.pos: list[torch.Tensor] = []       # [c]
+
+    def add(self, codes, nbr, valid, pos, n_refs: int) -> None:
+        self.chunks.append(codes)
+        self.nbr.append(nbr.to(_index_dtype(n_refs)))
+        self.valid.append(valid)
+        self.pos.append(pos)
+
+    def keep(self, mask: torch.Tensor) -> None:
+        """Drop coded tokens where ``mask`` (over all coded tokens, in order) is False (SnapKV mode)."""
+        out, start = _Codes(), 0
+        for c, n, v, p in zip(self.chunks, self.nbr, self.valid, self.pos):
+            m = mask[start:start + len(p)]
+            start += len(p)
+            if m.any():
+                sub = c[m] if isinstance(c, torch.Tensor) else c.take(m)
+                out.add(sub, n[m], v[m], p[m], 2 ** 15 if n.dtype == torch.int32 else 1)
+        self.__dict__.update(out.__dict__)
+
+    def positions(self) -> torch.Tensor:
+        return torch.cat(self.pos) if self.pos else torch.zeros(0, dtype=torch.long)
+
+    def dequantized(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(z̃ [C, d_c] float32, nbr [C, k] int64, valid [C, k])``."""
+        exact = lambda c: isinstance(c, torch.Tensor) and c.dtype == torch.float32  # noqa: E731  bits 32
+        z = torch.cat([c if exact(c) else quant.dequantize(c) for c in self.chunks])
+        return z, torch.cat([n.long() for n in self.nbr]), torch.cat(self.valid)
+
+    def nbytes(self) -> tuple[int, int, int]:
+        """``(payload, scales, indices)`` bytes as held."""
+        payload = scales = 0
+        for c in self.chunks:
+            if isinstance(c, torch.Tensor):
+                payload += c.numel() * c.element_size()
+            else:
+                total = c.nbytes()
+                scales += c.zmin.numel() * 2 + c.scale.numel() * 2
+                payload += total - c.zmin.numel() * 2 - c.scale.numel() * 2
+        indices = sum(n.numel() * n.element_size() for n in self.nbr)
+        return payload, scales, indices
+
+
+class ResidualKVLayer(StoreLayer):
+    """A sparse layer of the ResidualKV cache (see the module docstring)."""
+
+    def __init__(self, ctx: LayerContext, cache: PressCache, press: "ResidualKVPress"):
+        super().__init__(ctx, cache)
+        self.press = press
+        self.codec = press.codec_model.layers[ctx.layer_idx]
+        self.cfg = press.codec_model.config
+        self.sink: KVView | None = None
+        self.window: KVView | None = None
+        self.ref_store = torch.zeros(0, self.cfg.d_kv, dtype=torch.float8_e4m3fn if press.ref_fp8 else torch.float32)
+        self.ref_pos = torch.zeros(0, dtype=torch.long)
+        self.codes = _Codes()
+        self.n_saturated = 0
+
+    # -- storage ---------------------------------------------------------------------------------------
+    def _kv_pre(self, view: KVView) -> torch.Tensor:
+        """Pre-RoPE K‖V ``[n, d_kv]`` float32 of a dense raw view (heads flattened, K first)."""
+        pos = view.positions[0, 0]
+        k = self.ctx.unrotate(view.keys, pos)
+        flat = lambda x: x[0].transpose(0, 1).reshape(x.shape[-2], -1)  # noqa: E731  [H, n, D] -> [n, H*D]
+        return torch.cat([flat(k), flat(view.values)], -1).float()
+
+    def _to_view(self, kv: torch.Tensor, pos: torch.Tensor) -> KVView:
+        """Dense view of pre-RoPE ``kv`` ``[n, d_kv]`` at ``pos``: split, reshape to heads, rotate K."""
+        n, H = kv.shape[0], self.ctx_heads
+        k, v = kv.to(self.ctx.dtype).split(kv.shape[-1] // 2, -1)
+        k = k.reshape(n, H, -1).transpose(0, 1).unsqueeze(0)
+        v = v.reshape(n, H, -1).transpose(0, 1).unsqueeze(0)
+        return KVView.dense(self.ctx.rotate(k, pos), v, pos)
+
+    @property
+    def ctx_heads(self) -> int:
+        return self.sink.keys.shape[1] if self.sink is not None else self.window.keys.shape[1]
+
+    def refs(self) -> torch.Tensor:
+        """Stored references as read back, float32 ``[R, d_kv]``."""
+        return quant.from_fp8(self.ref_store) if self.press.ref_fp8 else self.ref_store
+
+    def commit(self, chunk: KVView, query: torch.Tensor) -> None:
+        n_sink_left = self.cfg.n_sink - (0 if self.sink is None else len(self.sink))
+        if n_sink_left > 0:
+            take = min(n_sink_left, len(chunk))
+            head = KVView(chunk.keys[..., :take, :], chunk.values[..., :take, :], chunk.positions[..., :take])
+            self.sink = KVView.cat([self.sink, head])
+            chunk = KVView(chunk.keys[..., take:, :], chunk.values[..., take:, :], chunk.positions[..., take:])
+        if len(chunk):
+            self.window = KVView.cat([self.window, chunk])
+        over = 0 if self.window is None else len(self.window) - self.cfg.window
+        if over > 0:
+            w = self.window
+            old = KVView(w.keys[..., :over, :], w.values[..., :over, :], w.positions[..., :over])
+            self.window = KVView(w.keys[..., over:, :], w.values[..., over:, :], w.positions[..., over:])
+            self._compress(old)
+
+    def _compress(self, old: KVView) -> None:
+        """Code the tokens leaving the raw window (§IV-A)."""
+        kv, pos = self._kv_pre(old), old.positions[0, 0]
+        is_ref = references.reference_mask(pos, n_sink=self.cfg.n_sink, stride=self.cfg.stride,
+                                           alpha=self.cfg.alpha, grid=self.cfg.grid)
+        if is_ref.any():
+            if self.press.ref_fp8:
+                stored, sat = quant.to_fp8(kv[is_ref])
+                self.n_saturated += sat
+            else:
+                stored = kv[is_ref]
+            self.ref_store = torch.cat([self.ref_store, stored])
+            self.ref_pos = torch.cat([self.ref_pos, pos[is_ref]])
+        tok = ~is_ref
+        if not tok.any():
+            return
+        refs = self.refs()
+        nbr, valid = references.nearest_references(kv[tok], pos[tok], refs, self.ref_pos, self.cfg.k)
+        mean = references.mean_reference(refs, nbr, valid)
+        with torch.no_grad():
+            if self.press.use_codec:
+                z = self.codec.residual_code(kv[tok], mean)
+            else:  # Table VIII "without f_c, f_d": the residual itself, quantised
+                z = kv[tok] - mean
+        # bits 32: the payload stored exactly in float32 (the identity-codec invariant; not a paper setting)
+        codes = z.float().clone() if self.press.bits == 32 else quant.quantize(z, self.press.bits, self.cfg.group)
+        self.codes.add(codes, nbr, valid, pos[tok], len(self.ref_pos))
+
+    # -- reading ---------------------------------------------------------------------------------------
+    def history(self) -> KVView | None:
+        if self.sink is None:
+            return None
+        selected = self.cache.step.selected if self.press.mode == "omnikv" else None
+        parts = [self.sink]
+        if len(self.ref_pos):
+            keep = torch.ones_like(self.ref_pos, dtype=torch.bool) if selected is None else torch.isin(self.ref_pos, selected)
+            if keep.any():
+                parts.append(self._to_view(self.refs()[keep], self.ref_pos[keep]))
+        code_pos = self.codes.positions()
+        if len(code_pos):
+            keep = torch.ones_like(code_pos, dtype=torch.bool) if selected is None else torch.isin(code_pos, selected)
+            if keep.any():
+                z, nbr, valid = self.codes.dequantized()
+                mean = references.mean_reference(self.refs(), nbr[keep], valid[keep])
+                with torch.no_grad():
+                    kv = self.codec.restore(z[keep], mean) if self.press.use_codec else z[keep] + mean
+                parts.append(self._to_view(kv, code_pos[keep]))
+        parts.append(self.window)
+        return KVView.cat(parts)
+
+    def stored_bytes(self) -> StoredBytes:
+        payload, scales, indices = self.codes.nbytes()
+        raw = lambda v: 0 if v is None else (v.keys.numel() + v.values.numel()) * 2  # noqa: E731  FP16
+        return StoredBytes(layer=self.ctx.layer_idx, codes=payload, scales=scales,
+                           references=self.ref_store.numel() * self.ref_store.element_size(), indices=indices,
+                           raw_window=raw(self.window), sinks=raw(self.sink))
+
+    def drop_unselected(self, keep_positions: torch.Tensor) -> None:
+        """SnapKV mode: keep only coded tokens at ``keep_positions`` (references stay)."""
+        self.codes.keep(torch.isin(self.codes.positions(), keep_positions))
+
+
+@dataclass
+class ResidualKVPress(Press):
+    """ResidualKV as a cache press (paper §IV; defaults from §V-A and the authors' configs).
+
+    Parameters:
+        codec: name of the codec variant (recorded; the workflow maps it to ``codec_dir``).
+        codec_dir: directory of a trained codec (``codec.safetensors`` + ``codec.json``, :class:`ResidualCodec`).
+        mode: ``standalone`` | ``omnikv`` | ``snapkv`` (module docstring).
+        full_layers: decoder layers kept as full KV (paper Table I; e.g. Llama-3.1-8B [0, 1, 2, 8, 18]).
+            Required non-empty for ``omnikv``.
+        keep: OmniKV share of candidate tokens restored at sparse layers (authors' configs 0.11-0.185),
+            or SnapKV share of coded tokens kept.
+        bits: residual-code bits (4 = paper text default, 2 = multimodal, 16 = unquantised fp16,
+            32 = stored exactly in float32: for the identity-codec invariant only).
+        ref_fp8: references stored FP8 e4m3 (paper §V-A deployment); False keeps them float32.
+        use_codec: False = Table VIII "without f_c, f_d" (the raw residual, quantised).
+        audit_steps: OmniKV selections recorded per request (the audit record).
+    """
+
+    name = "residualkv"
+    codec_dir: str = ""
+    mode: str = "omnikv"
+    full_layers: tuple[int, ...] = ()
+    keep: float = 0.2
+    bits: int = 4
+    use_codec: bool = True
+    ref_fp8: bool = True
+    codec: str = "main"
+    audit_steps: int = 8
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if not 0 < self.keep <= 1:
+            raise ValueError(f"keep must be in (0, 1], got {self.keep}")
+        if not Path(self.codec_dir, "codec.json").is_file():
+            raise ValueError(f"codec_dir {self.codec_dir!r} holds no trained codec (codec.json missing)")
+        self.full_layers = tuple(int(x) for x in self.full_layers)
+        if self.mode == "omnikv" and not self.full_layers:
+            raise ValueError("mode 'omnikv' needs full_layers (the filter layers are full layers followed by a sparse one)")
+        if self.bits != 32:
+            quant.check_quant_config(self.codec_model.config.d_c, self.bits, self.codec_model.config.group)
+
+    @property
+    def codec_model(self) -> ResidualCodec:
+        """The trained codec (loaded once per directory)."""
+        return _load_codec(str(Path(self.codec_dir).resolve()))
+
+    @property
+    def n_sink(self) -> int:
+        """Leading raw tokens of the sparse layers (the codec's), never OmniKV candidates."""
+        return self.codec_model.config.n_sink
+
+    @property
+    def window(self) -> int:
+        """Recent raw tokens of the sparse layers (the codec's), never OmniKV candidates."""
+        return self.codec_model.config.window
+
+    def n_keep(self, n_candidates: int) -> int:
+        return max(1, min(n_candidates, math.ceil(self.keep * n_candidates)))
+
+    def new_cache(self, model) -> PressCache:
+        cfg = model.config.get_text_config()
+        n_layers, d_kv = model_kv_shape(model)
+        got = (self.codec_model.config.n_layers, self.codec_model.config.d_kv)
+        if got != (n_layers, d_kv):
+            raise ValueError(f"codec {self.codec_dir!r} does not fit the model: codec (n_layers, d_kv) = {got}, "
+                             f"model {(n_layers, d_kv)}")
+        bad = [i for i in self.full_layers if not 0 <= i < cfg.num_hidden_layers]
+        if bad:
+            raise ValueError(f"full_layers {bad} outside the model's {cfg.num_hidden_layers} layers")
+        return super().new_cache(model)
+
+    def make_layer(self, ctx: LayerContext, cache: PressCache) -> StoreLayer:
+        i = ctx.layer_idx
+        if i in self.full_layers:
+            if self.mode == "omnikv" and i + 1 < ctx.n_layers and i + 1 not in self.full_layers:
+                return FilterLayer(ctx, cache, self)
+            return StoreLayer(ctx, cache)
+        return ResidualKVLayer(ctx, cache, self)
+
+    def compute_ratio(self, n_layers: int) -> float | None:
+        if self.mode == "standalone":
+            return 1.0
+        return None

@@ -1,0 +1,161 @@
+"""Compression methods as evaluation methods: one press spec per run (ResidualKV §V).
+
+Spec grammar (values as in :mod:`kvbench.eval.specs`)::
+
+    spec := press [ ":" key "=" value { "," key "=" value } ]
+
+e.g. ``full``-equivalent ``press``, ``snapkv:keep=0.3``, ``kivi:bits=2``, ``residualkv:mode=omnikv,keep=0.2``.
+``press`` names a class of :data:`kvbench.compress.registry.PRESSES`; keys are its dataclass fields.
+A ResidualKV press needs ``codec_dir`` (a path, passed as a method parameter, not in the spec, so that run
+names do not hold paths; the spec's ``codec`` field names the codec variant for the record).
+
+Each answer is produced by :func:`kvbench.compress.generate.greedy_generate` (context chunk, question chunk,
+greedy decode through the compressed cache). The audit row of every sample holds KR measured from the bytes
+the cache holds (per layer, by part), CR measured from the keys attention could read, and, for the first
+``audit_requests`` samples of a run, OmniKV's selected positions per step.
+"""
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+from kvbench.compress import accounting
+from kvbench.eval.methods import METHODS, EvalMethod
+from kvbench.eval.specs import _fmt, _typed, _value
+
+
+def _presses() -> dict:
+    from kvbench.compress.registry import PRESSES
+
+    return PRESSES
+
+
+def parse_press_spec(spec: str) -> tuple[str, dict]:
+    """``(press name, parameters)`` of a press spec; parameters are checked against the press's fields.
+
+    Raises:
+        ValueError: unknown press (listing the known ones), malformed or unknown parameter, wrong type.
+    """
+    name, _, text = spec.partition(":")
+    presses = _presses()
+    if name not in presses:
+        raise ValueError(f"unknown compression method {name!r}; known: {sorted(presses)}")
+    fields = {f.name: f for f in dataclasses.fields(presses[name])}
+    sig = inspect.signature(presses[name]).parameters
+    params: dict[str, Any] = {}
+    for item in filter(None, text.split(",")):
+        key, sep, val = item.partition("=")
+        key = key.strip()
+        if not sep or not val.strip():
+            raise ValueError(f"method spec {spec!r}: parameter {item!r} is not key=value")
+        if key not in fields or key == "codec_dir":
+            accepted = sorted(k for k in fields if k != "codec_dir")
+            raise ValueError(f"method spec {spec!r}: unknown parameter {key!r} for {name!r}; accepted: {accepted}")
+        if key in params:
+            raise ValueError(f"method spec {spec!r}: parameter {key!r} given twice")
+        params[key] = _typed(spec, key, _value(val.strip()), sig[key])
+    return name, params
+
+
+def canonical_press_spec(spec: str) -> str:
+    """One string per distinct run: parameters sorted."""
+    name, params = parse_press_spec(spec)
+    return name + ("" if not params else ":" + ",".join(f"{k}={_fmt(v)}" for k, v in sorted(params.items())))
+
+
+def is_press_spec(spec: str) -> bool:
+    """True if ``spec`` names a compression method."""
+    return spec.partition(":")[0] in _presses()
+
+
+@dataclass
+class CompressMethod(EvalMethod):
+    """A compression press run over text records (see the module docstring).
+
+    Parameters:
+        spec: press spec.
+        codec_dir: trained codec directory, for presses that take one (ResidualKV).
+        audit_requests: samples whose OmniKV selections are kept in the audit row.
+    """
+
+    name: ClassVar[str] = "compress"
+    spec: str = "full"
+    codec_dir: str = ""
+    audit_requests: int = 4
+
+    def __post_init__(self):
+        self._name, self._params = parse_press_spec(self.spec)
+        self._press = None
+        self._audit: dict | None = None
+        self._n = 0
+
+    def press(self) -> Any:
+        """The press instance (built once; a ResidualKV press loads and checks its codec here)."""
+        if self._press is None:
+            cls = _presses()[self._name]
+            extra = {"codec_dir": self.codec_dir} if "codec_dir" in {f.name for f in dataclasses.fields(cls)} else {}
+            if extra and not self.codec_dir:
+                raise ValueError(f"method {self.spec!r} needs codec_dir (a trained codec directory)")
+            self._press = cls(**self._params, **extra)
+        return self._press
+
+    def config(self) -> dict:
+        press = self.press()
+        return {"name": self.name, "spec": canonical_press_spec(self.spec), "codec_dir": self.codec_dir,
+                "press": {"class": type(press).__name__, **dataclasses.asdict(press)}}
+
+    def check_records(self, records: list[dict]) -> None:
+        for r in records:
+            if r.get("kind") != "text" or not isinstance(r.get("context"), str):
+                raise ValueError(f"record {r.get('id')!r}: compression methods run on text records with a "
+                                 f"'context' field (kind {r.get('kind')!r})")
+        self.press()
+
+    def predict(self, model: Any, proc: Any, record: dict, base_dir: str | Path | None) -> str:
+        from kvbench.compress.generate import greedy_generate, split_prompt
+        from kvbench.eval.refresh import eos_ids
+
+        tok = getattr(proc, "tokenizer", proc)
+        ids, split = split_prompt(tok, record)
+        new, cache = greedy_generate(model, self.press(), ids, split, int(record["max_new_tokens"]), eos_ids(model, proc))
+        self._audit = self._audit_row(model, cache, ids.shape[1])
+        self._n += 1
+        return self.decode(proc, record, __import__("torch").tensor(new))
+
+    def _audit_row(self, model: Any, cache: Any, n_prompt: int) -> dict:
+        cfg = model.config.get_text_config()
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        parts = cache.stored_bytes()
+        n_tokens = cache.get_seq_length()
+        row = {
+            "n_tokens": n_tokens,
+            "kr": accounting.keep_ratio_measured(parts, n_tokens=n_tokens, n_layers=cfg.num_hidden_layers,
+                                                 n_kv_heads=cfg.num_key_value_heads, head_dim=head_dim),
+            # CR over the forwards after the context chunk (the question chunk and decode steps): what the
+            # compressed cache served; the context chunk is exact by construction.
+            "cr": _compute_ratio(cache.attended[1:], n_prompt),
+            "bytes": [dataclasses.asdict(p) for p in parts],
+        }
+        if self._n < self.audit_requests and cache.selections:
+            row["selections"] = cache.selections
+        return row
+
+    def audit(self) -> dict | None:
+        return self._audit
+
+
+def _compute_ratio(attended: list[list[int]], n_prompt: int) -> float | None:
+    """Mean over forwards and layers of attended keys / keys visible (context + tokens written so far)."""
+    if not attended:
+        return None
+    ratios = []
+    for step, counts in enumerate(attended):
+        visible = n_prompt + step  # the question chunk's last row sees the whole prompt; decode step s adds s
+        ratios += [c / visible for c in counts]
+    return sum(ratios) / len(ratios)
+
+
+METHODS[CompressMethod.name] = CompressMethod

@@ -1,0 +1,103 @@
+"""The ResidualKV cache: identity codec == vanilla cache; storage, RoPE and OmniKV invariants; bad input."""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from kvbench.compress.cache import Press, press_attention
+from kvbench.compress.residualkv.cache import ResidualKVLayer, ResidualKVPress
+from kvbench.compress.residualkv.codec import ResidualCodec
+
+
+@pytest.fixture(scope="module")
+def tiny_lm():
+    torch.manual_seed(0)
+    cfg = Qwen2Config(hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                      intermediate_size=128, vocab_size=256, attn_implementation="sdpa")
+    return Qwen2ForCausalLM(cfg).eval()
+
+
+def _identity_codec(model, path, **overrides):
+    """Linear f_c and f_d set to the identity (d_c = d_kv): z = kv - mean_ref, restore = z + mean_ref."""
+    codec = ResidualCodec.for_model(model, d_c=64, d_ff=64, encoder="linear", decoder="linear", bits=16, **overrides)
+    with torch.no_grad():
+        for layer in codec.layers:
+            for p in layer.parameters():
+                p.copy_(torch.eye(p.shape[0], p.shape[1]) if p.dim() == 2 else torch.zeros_like(p))
+    codec.save(path)
+    return path
+
+
+def _run(model, press, ids, cuts):
+    cache = press.new_cache(model)
+    outs, start = [], 0
+    with torch.inference_mode(), press_attention(model, cache):
+        for end in [*cuts, ids.shape[1]]:
+            pos = torch.arange(start, end).view(1, -1)
+            outs.append(model(input_ids=ids[:, start:end], position_ids=pos, cache=cache, use_cache=True).logits)
+            start = end
+    return torch.cat(outs, 1), cache
+
+
+IDS = torch.randint(0, 256, (1, 60), generator=torch.Generator().manual_seed(0))
+CUTS = [30, 45, *range(46, 60)]   # context chunk, question chunk, then one token at a time (decode)
+
+
+def test_identity_codec_equals_vanilla_cache(tiny_lm, tmp_path):
+    codec_dir = _identity_codec(tiny_lm, tmp_path / "id", n_sink=2, window=4, stride=5)
+    press = ResidualKVPress(codec_dir=str(codec_dir), mode="standalone", bits=32, ref_fp8=False)
+    got, cache = _run(tiny_lm, press, IDS, CUTS)
+    want, _ = _run(tiny_lm, Press(), IDS, CUTS)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+    layer = cache.layers[1]
+    assert isinstance(layer, ResidualKVLayer)
+    # 60 tokens: 2 sinks, 4 raw, 54 flushed; references at 2, 7, 12, ... (paper grid, stride 5)
+    assert layer.ref_pos.tolist() == list(range(2, 56, 5))
+    assert len(layer.codes.positions()) == 54 - len(layer.ref_pos)
+
+
+def test_restored_keys_get_rope_at_their_own_positions(tiny_lm, tmp_path):
+    codec_dir = _identity_codec(tiny_lm, tmp_path / "id", n_sink=2, window=4, stride=5)
+    press = ResidualKVPress(codec_dir=str(codec_dir), mode="standalone", bits=32, ref_fp8=False)
+    _, cache = _run(tiny_lm, press, IDS[:, :40], [30])
+    _, full = _run(tiny_lm, Press(), IDS[:, :40], [30])
+    for i in range(3):
+        view = cache.layers[i].history()
+        ref = full.layers[i].history()
+        order = view.positions[0, 0].argsort()
+        assert view.positions[0, 0][order].tolist() == list(range(40))
+        torch.testing.assert_close(view.keys[..., order, :], ref.keys, atol=2e-5, rtol=1e-4)
+
+
+def test_quantised_codes_change_little_and_store_fewer_bytes(tiny_lm, tmp_path):
+    codec_dir = _identity_codec(tiny_lm, tmp_path / "id", n_sink=2, window=4, stride=5)
+    exact, c_exact = _run(tiny_lm, ResidualKVPress(codec_dir=str(codec_dir), mode="standalone", bits=32, ref_fp8=False), IDS, [30])
+    q4, c4 = _run(tiny_lm, ResidualKVPress(codec_dir=str(codec_dir), mode="standalone", bits=4), IDS, [30])
+    assert not torch.equal(exact, q4)
+    b4 = c4.layers[1].stored_bytes()
+    # 60 tokens: 11 refs FP8 (64 bytes each), 43 codes at 4 bits (32 bytes) + 2 groups x 2 fp16 (8 bytes)
+    assert b4.references == 11 * 64 and b4.codes == 43 * 32 and b4.scales == 43 * 8
+    assert b4.sinks == 2 * 64 * 2 and b4.raw_window == 4 * 64 * 2
+    assert b4.indices == 43 * 4 * 2       # int16 indices, k = 4
+
+
+def test_codec_of_another_model_is_refused(tiny_lm, tmp_path):
+    other = Qwen2ForCausalLM(Qwen2Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                         num_key_value_heads=2, head_dim=16, intermediate_size=128, vocab_size=256))
+    codec_dir = _identity_codec(other, tmp_path / "other")
+    with pytest.raises(ValueError, match="does not fit the model"):
+        ResidualKVPress(codec_dir=str(codec_dir), mode="standalone").new_cache(tiny_lm)
+
+
+@pytest.mark.parametrize("kw, match", [({"mode": "fast"}, "mode must be"), ({"keep": 0}, "keep must be"),
+                                       ({"mode": "omnikv"}, "needs full_layers"), ({"bits": 3}, "bits")])
+def test_bad_press_parameters(tiny_lm, tmp_path, kw, match):
+    codec_dir = _identity_codec(tiny_lm, tmp_path / "id")
+    with pytest.raises(ValueError, match=match):
+        ResidualKVPress(codec_dir=str(codec_dir), **{"mode": "standalone", **kw})
+
+
+def test_missing_codec_dir_is_named(tmp_path):
+    with pytest.raises(ValueError, match="holds no trained codec"):
+        ResidualKVPress(codec_dir=str(tmp_path / "nowhere"))
