@@ -52,6 +52,7 @@ include: "workflow/rules/eval.smk"
 include: "workflow/rules/report.smk"
 include: "workflow/rules/conduit.smk"
 include: "workflow/rules/conduit_latency.smk"
+include: "workflow/rules/residualkv.smk"
 include: "workflow/rules/targets.smk"
 
 

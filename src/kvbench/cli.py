@@ -56,6 +56,27 @@ def _train(a: argparse.Namespace) -> None:
     print(json.dumps(summary, indent=2, default=str))
 
 
+def _codec_train(a: argparse.Namespace) -> None:
+    import torch
+
+    from kvbench.compress.residualkv.codec import ResidualCodec
+    from kvbench.compress.residualkv.train import train_codec
+    from kvbench.models.loader import load_model
+
+    overrides = _json_object(a.overrides, "--overrides")
+    if a.budget_s is not None and a.budget_s <= 0:
+        raise ValueError(f"--budget-s must be a positive number of seconds, got {a.budget_s}")
+    torch.manual_seed(a.seed)
+    torch.set_num_threads(a.threads)
+    model, tok = load_model(a.model, dtype=torch.float32)
+    codec = ResidualCodec.for_model(model, seed=a.seed, **overrides)
+    if a.lr <= 0:
+        raise ValueError(f"--lr must be > 0, got {a.lr}")
+    summary = train_codec(model, tok, codec, out_dir=a.out, objective=a.objective, steps=a.steps, seq_len=a.seq_len,
+                          budget_s=a.budget_s, seed=a.seed, lr=a.lr, progress=True, save_unfinished=a.finish)
+    print(json.dumps(summary, indent=2, default=str))
+
+
 def _eval(a: argparse.Namespace) -> None:
     from kvbench.eval.runner import run_eval
 
@@ -85,9 +106,23 @@ def _replay(a: argparse.Namespace) -> int:
 def _report(a: argparse.Namespace) -> None:
     from kvbench.report import zoo
 
-    if a.what in ("zoo-figure", "conduit-fig3") and not str(a.out).endswith(".pdf"):
+    if (a.what in ("zoo-figure", "conduit-fig3") or a.what.startswith("residualkv-fig")) and not str(a.out).endswith(".pdf"):
         raise ValueError(f"--out of {a.what} must end in .pdf, got {a.out!r}")
-    if a.what == "zoo":
+    if a.what.startswith("residualkv-"):
+        from kvbench.report import residualkv, rkv_figures
+
+        what = a.what.removeprefix("residualkv-")
+        if what in ("fig8", "fig6"):
+            if not a.raw:
+                raise ValueError(f"{a.what} needs --raw (the profiling CSV)")
+            getattr(rkv_figures, what)(a.raw, a.out)
+            return
+        if not a.residualkv:
+            raise ValueError(f"{a.what} needs --residualkv (JSON: profile, residualkv config section)")
+        if what.startswith("fig") and not a.data_out:
+            raise ValueError(f"{a.what} needs --data-out (CSV of the plotted numbers)")
+        residualkv.report(what, _json_object(a.residualkv, "--residualkv"), a.out, out_csv=a.data_out)
+    elif a.what == "zoo":
         zoo.write_zoo_table(a.runs, a.train, a.out)
     elif a.what == "zoo-figure":
         zoo.plot_training_curves(a.train, a.out)
@@ -151,12 +186,31 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--overrides", default="", help="JSON object of training-recipe overrides")
     s.set_defaults(func=_train)
 
+    s = sub.add_parser("codec-train", help="train a ResidualKV codec on a frozen LM (resumable; ResidualKV §IV-D)")
+    s.add_argument("--model", required=True, help="HF checkpoint directory or zoo name (the frozen backbone)")
+    s.add_argument("--out", required=True, help="work directory: state/, curves.csv, codec/, summary.json")
+    s.add_argument("--overrides", default="", help="JSON object of CodecConfig fields, e.g. '{\"d_c\": 32, \"stride\": 10}'")
+    s.add_argument("--objective", default="joint", choices=["joint", "ntp", "mse"],
+                   help="joint = next-token CE + reconstruction MSE (paper); ntp / mse: Fig. 12 variants")
+    s.add_argument("--steps", type=_positive_int, required=True, help="optimiser steps (one packed window each)")
+    s.add_argument("--seq-len", type=_positive_int, default=512, help="tokens per packed training window")
+    s.add_argument("--budget-s", type=float, default=None, help="stop after this many seconds (rerun resumes)")
+    s.add_argument("--lr", type=float, default=2e-4, help="AdamW peak learning rate (paper §V-A: 2e-4)")
+    s.add_argument("--finish", action="store_true",
+                   help="save the codec also when --budget-s stops training early (summary.json says how many "
+                        "steps ran); without it only a finished run saves codec/")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--threads", type=_positive_int, default=1)
+    s.set_defaults(func=_codec_train)
+
     s = sub.add_parser("eval", help="run a method over a benchmark split")
     s.add_argument("--model", required=True, help="HF checkpoint directory or zoo name")
     s.add_argument("--split", required=True, help="JSONL split file")
     s.add_argument("--method", default="full",
-                   help="'full' (model.generate) or a CONDUIT spec such as reuse, conduit@0.1, conduit@0.1:lam=0.5, "
-                        "prophetkv@0.05, mpic-first@0.1 (default: full)")
+                   help="'full' (model.generate), a CONDUIT spec such as reuse, conduit@0.1, conduit@0.1:lam=0.5, "
+                        "prophetkv@0.05, mpic-first@0.1, or a compression press spec such as fullkv, snapkv:keep=0.3, "
+                        "kivi:bits=2, residualkv:mode=omnikv (needs --method-params '{\"codec_dir\": ...}') "
+                        "(default: full)")
     s.add_argument("--out", required=True, help="run directory: predictions.jsonl, metrics.json, run_info.json")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--limit", type=int, default=None, help="evaluate only the first N samples")
@@ -182,11 +236,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("report", help="tables and figures from finished runs")
     s.add_argument("what", choices=["zoo", "zoo-figure", "conduit-table1", "conduit-table2", "conduit-table4",
-                                    "conduit-table5", "conduit-fig3", "conduit-gap"])
+                                    "conduit-table5", "conduit-fig3", "conduit-gap", "residualkv-tableIII",
+                                    "residualkv-tableVI", "residualkv-tableVII", "residualkv-tableVIII", "residualkv-fig5",
+                                    "residualkv-fig6", "residualkv-fig8", "residualkv-fig10", "residualkv-fig11",
+                                    "residualkv-fig12"])
     s.add_argument("--runs", nargs="*", default=[], help="run directories (eval outputs)")
     s.add_argument("--train", nargs="*", default=[], help="training work directories (curves, summary)")
     s.add_argument("--conduit", default="", help="conduit-*: JSON {profile, conduit: config section, splits, zoo_models}")
-    s.add_argument("--data-out", default=None, help="conduit-fig3: CSV of the plotted numbers")
+    s.add_argument("--data-out", default=None, help="conduit-fig3, residualkv-fig{5,10,11,12}: CSV of the plotted numbers")
+    s.add_argument("--residualkv", default="", help="residualkv-*: JSON {profile, residualkv: config section}")
+    s.add_argument("--raw", default=None, help="residualkv-fig8 / -fig6: the profiling CSV to plot")
     s.add_argument("--allow-missing", action="store_true",
                    help="conduit-*: a missing run gives empty cells with a note naming it (default: error)")
     s.add_argument("--out", required=True)

@@ -6,6 +6,13 @@ full cache read through the same machinery (the "Full cache" row of ResidualKV's
 from __future__ import annotations
 
 from kvbench.compress.cache import Press
+from kvbench.compress.presses.kivi import KIVIPress
+from kvbench.compress.presses.kvzip import KVzipPress
+from kvbench.compress.presses.omnikv import OmniKVPress
+from kvbench.compress.presses.palu import PaluPress
+from kvbench.compress.presses.pyramidkv import PyramidKVPress
+from kvbench.compress.presses.quest import QuestPress
+from kvbench.compress.presses.snapkv import SnapKVPress
 from kvbench.compress.residualkv.cache import ResidualKVPress
 
 
@@ -15,7 +22,5 @@ class FullKV(Press):
     name = "fullkv"
 
 
-PRESSES: dict[str, type[Press]] = {
-    "fullkv": FullKV,
-    "residualkv": ResidualKVPress,
-}
+PRESSES: dict[str, type[Press]] = {cls.name: cls for cls in (
+    FullKV, SnapKVPress, PyramidKVPress, KVzipPress, QuestPress, OmniKVPress, KIVIPress, PaluPress, ResidualKVPress)}

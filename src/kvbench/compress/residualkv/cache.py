@@ -27,6 +27,7 @@ Modes (:class:`ResidualKVPress`):
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -109,7 +110,7 @@ class ResidualKVLayer(StoreLayer):
         super().__init__(ctx, cache)
         self.press = press
         self.codec = press.codec_model.layers[ctx.layer_idx]
-        self.cfg = press.codec_model.config
+        self.cfg = press.schedule()
         self.sink: KVView | None = None
         self.window: KVView | None = None
         self.ref_store = torch.zeros(0, self.cfg.d_kv, dtype=torch.float8_e4m3fn if press.ref_fp8 else torch.float32)
@@ -235,6 +236,8 @@ class ResidualKVPress(Press):
             32 = stored exactly in float32: for the identity-codec invariant only).
         ref_fp8: references stored FP8 e4m3 (paper §V-A deployment); False keeps them float32.
         use_codec: False = Table VIII "without f_c, f_d" (the raw residual, quantised).
+        alpha, stride: the reference schedule at inference (None: the codec's training values). Table VI
+            and Fig. 5 vary them at inference with one trained codec.
         audit_steps: OmniKV selections recorded per request (the audit record).
     """
 
@@ -247,6 +250,8 @@ class ResidualKVPress(Press):
     use_codec: bool = True
     ref_fp8: bool = True
     codec: str = "main"
+    alpha: float | None = None
+    stride: int | None = None
     audit_steps: int = 8
 
     def __post_init__(self):
@@ -257,10 +262,16 @@ class ResidualKVPress(Press):
         if not Path(self.codec_dir, "codec.json").is_file():
             raise ValueError(f"codec_dir {self.codec_dir!r} holds no trained codec (codec.json missing)")
         self.full_layers = tuple(int(x) for x in self.full_layers)
+        self.schedule()  # validates alpha / stride
         if self.mode == "omnikv" and not self.full_layers:
             raise ValueError("mode 'omnikv' needs full_layers (the filter layers are full layers followed by a sparse one)")
         if self.bits != 32:
             quant.check_quant_config(self.codec_model.config.d_c, self.bits, self.codec_model.config.group)
+
+    def schedule(self):
+        """The codec's config with this press's inference-time ``alpha`` / ``stride`` applied."""
+        over = {k: v for k, v in (("alpha", self.alpha), ("stride", self.stride)) if v is not None}
+        return dataclasses.replace(self.codec_model.config, **over)
 
     @property
     def codec_model(self) -> ResidualCodec:

@@ -1,0 +1,179 @@
+"""ResidualKV's tables and figures from compression runs, codec training curves and profiling CSVs.
+
+Tables (``results/residualkv/table{III,VI,VII,VIII}.csv``): one row per press spec, one column per task
+(mean per-record score x 100), ``avg`` (unweighted mean over tasks, the paper's average), ``KR %`` (bytes
+the cache held at the end of each request / the full FP16 cache, :func:`kvbench.compress.accounting.
+keep_ratio_measured`, mean over requests and tasks), ``CR %`` (keys attention could read / keys visible,
+mean over layers and over the steps that read the compressed cache), and for ResidualKV rows ``KR formula %``
+(§V-A: β q_full + (1−β)(ρ_ref/2 + q_b d_c/2d_k), with the measured reference density). A cell is computed
+or empty with its reason in ``notes``. Files start with ``#`` header lines (``pd.read_csv(path, comment="#")``).
+
+Figures: Fig. 5 (score vs number of references), Figs. 10-12 (codec training curves of the variants),
+Fig. 8 (decode tokens/s vs context, from the profiling CSV), Fig. 6 (codec cost, from its CSV).
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pandas as pd
+
+from kvbench.compress import accounting
+from kvbench.compress.residualkv import references
+from kvbench.eval.compress import parse_press_spec
+from kvbench.report.rkv_plan import RKVPlan
+from kvbench.utils.io import atomic_path, read_jsonl
+
+
+def _read_run(run_dir: str | Path) -> list[dict]:
+    path = Path(run_dir) / "predictions.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"run {run_dir} has no predictions.jsonl (run it first)")
+    return read_jsonl(path)
+
+
+def _mean(xs) -> float:
+    xs = [x for x in xs if x is not None and not (isinstance(x, float) and math.isnan(x))]
+    return sum(xs) / len(xs) if xs else math.nan
+
+
+def run_summary(run_dir: str | Path) -> dict:
+    """Score x 100, KR, CR (fractions), mean tokens and error count of one run."""
+    rows = _read_run(run_dir)
+    ok = [r for r in rows if r.get("status") == "ok"]
+    plans = [r["plan"] for r in ok if isinstance(r.get("plan"), dict)]
+    return {
+        "score": 100 * _mean([r["score"] for r in rows]),
+        "kr": _mean([p.get("kr") for p in plans]),
+        "cr": _mean([p.get("cr") for p in plans]),
+        "n_tokens": _mean([p.get("n_tokens") for p in plans]),
+        "n": len(rows),
+        "errors": len(rows) - len(ok),
+    }
+
+
+def kr_formula(plan: RKVPlan, spec: str, n_tokens: float, n_layers: int, d_kv: int) -> float | None:
+    """§V-A KR of a ResidualKV spec on this plan's model at ``n_tokens`` (None for other presses).
+
+    Full layers count as stored (FP16: q = 1 in this harness; the paper's deployment uses 4-bit),
+    references FP8 (or float32 when ``ref_fp8=false``), codes at the spec's bits with group 32.
+    """
+    name, params = parse_press_spec(spec)
+    if name != "residualkv" or not n_tokens or math.isnan(n_tokens):
+        return None
+    codec = plan.s["codec"]
+    n_full = len(params.get("full_layers", ())) if params.get("mode", "omnikv") != "standalone" else 0
+    stride = params.get("stride", codec.get("stride", 10))
+    alpha = params.get("alpha", codec.get("alpha", 0.0))
+    n_sink = codec.get("n_sink", 8)
+    n = int(round(n_tokens))
+    density = references.reference_count(n, n_sink=n_sink, stride=stride, alpha=alpha) / n
+    bits = params.get("bits", 4)
+    d_c = d_kv if params.get("use_codec", True) is False else codec["d_c"]
+    group = codec.get("group", 32) if bits != 16 else 32
+    return accounting.keep_ratio_formula(n_layers=n_layers, n_full=n_full, ref_density=density, d_c=d_c, d_kv=d_kv,
+                                         bits=min(bits, 16), full_bits=16, group=math.gcd(d_c, group),
+                                         ref_bits=8 if params.get("ref_fp8", True) else 16)
+
+
+def score_table(plan: RKVPlan, target: str, root: str | Path = ".", model_shape: tuple[int, int] | None = None) -> pd.DataFrame:
+    """Rows x tasks table of ``target`` (module docstring). ``model_shape``: ``(n_layers, d_kv)`` for the
+    KR formula (read from the zoo config when None)."""
+    n_layers, d_kv = model_shape or _model_shape(plan, root)
+    out = []
+    for row in plan.rows(target):
+        cells, notes, krs, crs, toks = {"method": row.label, "spec": row.spec}, [], [], [], []
+        for task in plan.tasks:
+            s = run_summary(Path(root) / plan.run_dir(task, row.spec))
+            cells[task] = round(s["score"], 2)
+            krs.append(s["kr"]), crs.append(s["cr"]), toks.append(s["n_tokens"])
+            if s["errors"]:
+                notes.append(f"{task}: {s['errors']}/{s['n']} samples failed (scored 0)")
+        cells["avg"] = round(_mean([cells[t] for t in plan.tasks]), 2)
+        cells["KR %"] = round(100 * _mean(krs), 1)
+        cr = _mean(crs)
+        cells["CR %"] = round(100 * cr, 1) if not math.isnan(cr) else None
+        f = kr_formula(plan, row.spec, _mean(toks), n_layers, d_kv)
+        cells["KR formula %"] = None if f is None else round(100 * f, 1)
+        if f is None:
+            notes.append("KR formula: ResidualKV's §V-A formula applies to ResidualKV rows only")
+        cells["notes"] = "; ".join(notes)
+        out.append(cells)
+    return pd.DataFrame(out)
+
+
+def _model_shape(plan: RKVPlan, root: str | Path) -> tuple[int, int]:
+    cfg = json.loads((Path(root) / "zoo" / plan.model / "config.json").read_text()) if (
+        Path(root) / "zoo" / plan.model / "config.json").is_file() else None
+    if cfg is None:
+        codec = json.loads((Path(root) / plan.codec_dir("main") / "codec" / "codec.json").read_text())
+        return codec["n_layers"], codec["d_kv"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    return cfg["num_hidden_layers"], 2 * cfg["num_key_value_heads"] * head_dim
+
+
+def table_vi(plan: RKVPlan, root: str | Path = ".") -> pd.DataFrame:
+    """Table VI: per α, reference count and share at the longest evaluated context and at the paper's
+    context (schedule of the main codec), then the scores."""
+    df = score_table(plan, "tableVI", root)
+    sweep, codec = plan.s["stride_sweep"], plan.s["codec"]
+    longest = int(max(run_summary(Path(root) / plan.run_dir(t, plan.rows("tableVI")[0].spec))["n_tokens"]
+                      for t in plan.tasks))
+    paper_t = int(sweep.get("paper_context", 262144))
+    cols = []
+    for alpha in sweep["alpha"]:
+        kw = dict(n_sink=codec.get("n_sink", 8), stride=codec.get("stride", 10), alpha=float(alpha))
+        n_long, n_paper = references.reference_count(longest, **kw), references.reference_count(paper_t, **kw)
+        cols.append({"alpha": alpha, f"refs @ {longest}": n_long, f"share @ {longest} %": round(100 * n_long / longest, 2),
+                     f"refs @ {paper_t}": n_paper, f"share @ {paper_t} %": round(100 * n_paper / paper_t, 2)})
+    return pd.concat([pd.DataFrame(cols), df.drop(columns=["method"])], axis=1)
+
+
+def write_csv(df: pd.DataFrame, header: list[str], out: str | Path) -> None:
+    """``header`` lines then the CSV, written atomically."""
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    with atomic_path(out) as tmp:
+        with open(tmp, "w") as f:
+            f.write("\n".join(header) + "\n")
+            df.to_csv(f, index=False)
+
+
+TITLES = {
+    "tableIII": "Table III (methods x tasks, KR/CR)",
+    "tableVI": "Table VI (dynamic stride alpha: references and score)",
+    "tableVII": "Table VII (standalone vs combined)",
+    "tableVIII": "Table VIII (ablation: without codec; codes unquantised)",
+}
+
+
+def write_table(plan: RKVPlan, target: str, out: str | Path, root: str | Path = ".") -> pd.DataFrame:
+    """Compute and write ``target`` (tableIII, tableVI, tableVII, tableVIII)."""
+    df = table_vi(plan, root) if target == "tableVI" else score_table(plan, target, root)
+    header = plan.header(TITLES[target]) + [
+        "# scores: mean per-record score x 100; KR %: bytes held / full FP16 cache (measured, incl. sinks, raw "
+        "window, indices); CR %: keys read / keys visible after the context chunk; KR formula %: paper §V-A"]
+    write_csv(df, header, out)
+    return df
+
+
+def report(target: str, spec: str | dict, out: str | Path, root: str | Path = ".", out_csv: str | Path | None = None) -> None:
+    """Entry point of ``kvbench report residualkv-<target>``.
+
+    Raises:
+        ValueError: ``spec`` is not the JSON the workflow passes, or ``target`` is unknown.
+    """
+    from kvbench.report import rkv_figures
+
+    if isinstance(spec, str):
+        try:
+            spec = json.loads(spec)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--residualkv must be JSON {{profile, residualkv}}, got {spec[:80]!r} ({e.msg})") from e
+    plan = RKVPlan(spec["residualkv"], spec["profile"])
+    if target in TITLES:
+        write_table(plan, target, out, root)
+    elif target in rkv_figures.FIGURES:
+        rkv_figures.FIGURES[target](plan, out, out_csv, root)
+    else:
+        raise ValueError(f"unknown ResidualKV report target {target!r}; known: {sorted([*TITLES, *rkv_figures.FIGURES])}")

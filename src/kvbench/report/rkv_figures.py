@@ -1,0 +1,165 @@
+"""ResidualKV figures: each writes its plotted numbers to a CSV first, then the PDF from that CSV.
+
+- Fig. 5: score vs number of references (α sweep and fixed strides at inference, main codec);
+- Fig. 10: joint vs separate K/V codec at matched parameters, validation NTP loss and reconstruction vs step;
+- Fig. 11: codec hyper-parameters (d_c, d_ff, k, s) vs final validation NTP loss (equal training steps);
+- Fig. 12: training objective (NTP-only, MSE-only, joint): validation NTP and reconstruction vs step;
+- Fig. 8: decode tokens/s vs context (from ``kvbench bench rkv-throughput``'s CSV);
+- Fig. 6: codec cost, SwiGLU encoder + linear decoder vs the reverse (from ``kvbench bench codec-cost``).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import pandas as pd  # noqa: E402
+
+from kvbench.compress.residualkv import references  # noqa: E402
+from kvbench.report.residualkv import run_summary, write_csv  # noqa: E402
+from kvbench.report.rkv_plan import RKVPlan  # noqa: E402
+from kvbench.utils.io import atomic_path  # noqa: E402
+
+SMOKE_NOTE = "tiny zoo LM trained here; not the paper's numbers"
+
+
+def _save(fig, out: str | Path) -> None:
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    with atomic_path(out) as tmp:
+        fig.savefig(tmp, format="pdf", bbox_inches="tight")
+    plt.close(fig)
+
+
+def fig5(plan: RKVPlan, out: str | Path, out_csv: str | Path, root: str | Path = ".") -> pd.DataFrame:
+    """Score (avg over tasks) vs references held at the mean evaluated context, one point per schedule."""
+    codec = plan.s["codec"]
+    rows = []
+    for row in plan.rows("fig5"):
+        summaries = [run_summary(Path(root) / plan.run_dir(t, row.spec)) for t in plan.tasks]
+        n_tok = int(round(sum(s["n_tokens"] for s in summaries) / len(summaries)))
+        params = dict(p.split("=") for p in row.spec.partition(":")[2].split(",") if "=" in p)
+        kw = dict(n_sink=codec.get("n_sink", 8), stride=int(params.get("stride", codec.get("stride", 10))),
+                  alpha=float(params.get("alpha", codec.get("alpha", 0.0))))
+        rows.append({"schedule": row.label, "family": "alpha" if row.label.startswith("alpha") else "stride",
+                     "context": n_tok, "references": references.reference_count(n_tok, **kw),
+                     "score": round(sum(s["score"] for s in summaries) / len(summaries), 2)})
+    df = pd.DataFrame(rows)
+    write_csv(df, plan.header("Fig. 5 (score vs number of references)"), out_csv)
+    fig, ax = plt.subplots(figsize=(4.5, 3.2))
+    for fam, d in df.groupby("family"):
+        ax.plot(d["references"], d["score"], "o-", label="dynamic stride (α)" if fam == "alpha" else "fixed stride s")
+        for _, r in d.iterrows():
+            ax.annotate(r["schedule"].split("= ")[1], (r["references"], r["score"]), fontsize=7)
+    ax.set_xlabel(f"references at {int(df['context'].mean())} tokens")
+    ax.set_ylabel("score (avg over tasks)")
+    ax.set_title(f"Fig. 5 (smoke): {SMOKE_NOTE}", fontsize=7)
+    ax.legend(fontsize=7)
+    _save(fig, out)
+    return df
+
+
+def _curves(plan: RKVPlan, variant: str, root: str | Path) -> pd.DataFrame:
+    d = pd.read_csv(Path(root) / plan.codec_dir(variant) / "curves.csv")
+    d["variant"] = variant
+    summary = json.loads((Path(root) / plan.codec_dir(variant) / "summary.json").read_text())
+    d["params"] = summary.get("codec_params")
+    return d
+
+
+def _curve_figure(plan, variants, labels, title, out, out_csv, root) -> pd.DataFrame:
+    df = pd.concat([_curves(plan, v, root) for v in variants], ignore_index=True)
+    ev = df.dropna(subset=["eval_ntp"])
+    write_csv(ev[["variant", "params", "step", "eval_ntp", "eval_rec", "ntp", "rec"]],
+              plan.header(title) + ["# eval_*: 4 held-out windows of the corpus 'test' split"], out_csv)
+    fig, axes = plt.subplots(1, 2, figsize=(8, 3.2))
+    for v in variants:
+        d = ev[ev["variant"] == v]
+        label = f"{labels.get(v, v)} ({int(d['params'].iloc[0]):,} params)" if len(d) else v
+        axes[0].plot(d["step"], d["eval_ntp"], "o-", label=label)
+        axes[1].plot(d["step"], d["eval_rec"], "o-", label=label)
+    axes[0].set_ylabel("validation NTP loss")
+    axes[1].set_ylabel("validation reconstruction (sum of layer MSE)")
+    for ax in axes:
+        ax.set_xlabel("training step")
+        ax.legend(fontsize=7)
+    fig.suptitle(f"{title}: {SMOKE_NOTE}", fontsize=8)
+    _save(fig, out)
+    return ev
+
+
+def fig10(plan: RKVPlan, out, out_csv, root=".") -> pd.DataFrame:
+    return _curve_figure(plan, ["joint200", "separate"], {"joint200": "joint K‖V", "separate": "separate K, V"},
+                         "Fig. 10 (joint vs separate K/V codec, matched parameters)", out, out_csv, root)
+
+
+def fig12(plan: RKVPlan, out, out_csv, root=".") -> pd.DataFrame:
+    return _curve_figure(plan, ["ntp", "mse", "joint200"], {"ntp": "NTP only", "mse": "MSE only", "joint200": "joint"},
+                         "Fig. 12 (training objective)", out, out_csv, root)
+
+
+#: Fig. 11 panels: hyper-parameter -> variants in increasing order (joint200 is the default point).
+FIG11 = {"d_c": ["dc16", "joint200", "dc64"], "d_ff": ["dff96", "joint200", "dff384"], "k": ["k1", "joint200", "k8"],
+         "s": ["s5", "joint200", "s20"]}
+
+
+def fig11(plan: RKVPlan, out, out_csv, root=".") -> pd.DataFrame:
+    rows = []
+    for param, variants in FIG11.items():
+        for v in variants:
+            summary = json.loads((Path(root) / plan.codec_dir(v) / "summary.json").read_text())
+            value = plan.codec_overrides(v).get({"s": "stride"}.get(param, param))
+            final = summary.get("eval_final") or {}
+            rows.append({"parameter": param, "value": value, "variant": v, "params": summary.get("codec_params"),
+                         "steps": summary.get("steps_done"), "eval_ntp": final.get("eval_ntp"),
+                         "eval_rec": final.get("eval_rec"), "default": v == "joint200"})
+    df = pd.DataFrame(rows)
+    write_csv(df, plan.header("Fig. 11 (codec hyper-parameters vs validation NTP loss)") + [
+        "# relative decode throughput per setting: not measured here (see results/residualkv/fig8.csv for the "
+        "main setting's throughput)"], out_csv)
+    fig, axes = plt.subplots(1, 4, figsize=(12, 3))
+    for ax, (param, d) in zip(axes, df.groupby("parameter", sort=False)):
+        ax.plot(d["value"], d["eval_ntp"], "o-", color="tab:blue")
+        dd = d[d["default"]]
+        ax.plot(dd["value"], dd["eval_ntp"], "o", color="red")
+        ax.set_xlabel(param)
+        ax.set_ylabel("validation NTP loss")
+    fig.suptitle(f"Fig. 11 (smoke; red = default): {SMOKE_NOTE}", fontsize=8)
+    _save(fig, out)
+    return df
+
+
+def fig8(raw_csv: str | Path, out: str | Path) -> pd.DataFrame:
+    """Decode tokens/s vs context length per method, from the profiling CSV (its header lines kept as title)."""
+    df = pd.read_csv(raw_csv, comment="#")
+    fig, ax = plt.subplots(figsize=(5, 3.4))
+    for method, d in df.groupby("method"):
+        d = d.sort_values("context")
+        ax.errorbar(d["context"], d["tokens_per_s"], yerr=[d["tokens_per_s"] - d["q1"], d["q3"] - d["tokens_per_s"]],
+                    fmt="o-", capsize=2, label=method)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("context length (tokens)")
+    ax.set_ylabel("decode tokens/s (batch 1)")
+    dev = ", ".join(sorted(set(df["device"].astype(str))))
+    ax.set_title(f"Fig. 8 (timing LM, random weights, {dev}); not the paper's numbers", fontsize=7)
+    ax.legend(fontsize=7)
+    _save(fig, out)
+    return df
+
+
+def fig6(raw_csv: str | Path, out: str | Path) -> pd.DataFrame:
+    """Codec cost bars (prefill path, per-step restore, total) of the two codec forms."""
+    df = pd.read_csv(raw_csv, comment="#")
+    fig, axes = plt.subplots(1, 3, figsize=(9, 3))
+    for ax, col in zip(axes, ["prefill_ms", "restore_ms", "total_ms"]):
+        ax.bar(df["codec"], df[col], color=["tab:blue", "tab:orange"][: len(df)])
+        ax.set_ylabel(col.replace("_ms", " (ms)"))
+        ax.tick_params(axis="x", labelsize=6, rotation=15)
+    fig.suptitle("Fig. 6 (codec cost at matched parameters; this machine); not the paper's numbers", fontsize=8)
+    _save(fig, out)
+    return df
+
+
+FIGURES = {"fig5": fig5, "fig10": fig10, "fig11": fig11, "fig12": fig12}

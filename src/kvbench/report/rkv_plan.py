@@ -1,0 +1,136 @@
+"""Which codecs and runs each ResidualKV target needs, from the config's ``residualkv:`` section.
+
+The Snakemake rules (workflow/rules/residualkv.smk) and the report (:mod:`kvbench.report.residualkv`) ask
+the same :class:`RKVPlan`, so paths cannot drift apart.
+
+Layout:
+
+- codec variants: ``codecs/<profile>/<model>/<variant>/`` (``codec/``, ``curves.csv``, ``summary.json``);
+  ``main`` is the codec of the tables; the others feed Figs. 10-12 (and Table VIII);
+- runs: ``results/runs/<profile>/<model>/<task>/residualkv/<slug>/`` (``kvbench eval`` of a press spec,
+  :mod:`kvbench.eval.compress`).
+
+A press spec that takes a codec names its variant with ``codec=<variant>`` (default ``main``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass
+
+from kvbench.eval.compress import canonical_press_spec, parse_press_spec
+
+TARGETS = ("tableIII", "tableVI", "tableVII", "tableVIII", "fig5")
+FIGURE_VARIANTS = ("fig10", "fig11", "fig12")
+
+
+@dataclass(frozen=True)
+class Row:
+    """One table row: the paper's label and a canonical press spec."""
+
+    label: str
+    spec: str
+
+
+def slug(spec: str) -> str:
+    """Path component of a press spec's run directory: ``residualkv:keep=0.2,mode=omnikv`` ->
+    ``residualkv_keep-0.2_mode-omnikv``.
+
+    Raises:
+        ValueError: characters outside ``[A-Za-z0-9._-]`` remain.
+    """
+    out = canonical_press_spec(spec).replace(":", "_").replace(",", "_").replace("=", "-").replace("+", ".")
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", out):
+        raise ValueError(f"press spec {spec!r} gives the path component {out!r} (characters outside [A-Za-z0-9._-])")
+    return out
+
+
+def with_params(spec: str, **params) -> str:
+    """``spec`` with ``params`` set (replacing equal keys), canonical."""
+    name, old = parse_press_spec(spec)
+    merged = {**old, **params}
+    text = ",".join(f"{k}={'+'.join(map(str, v)) if isinstance(v, (list, tuple)) else v}" for k, v in merged.items())
+    return canonical_press_spec(name + (":" + text if text else ""))
+
+
+class RKVPlan:
+    """The ResidualKV side of a config (see ``config/config.yaml``, ``residualkv:``).
+
+    Raises:
+        ValueError: a row's spec is invalid, or names a codec variant that is not configured.
+    """
+
+    def __init__(self, section: dict, profile: str):
+        self.s = section
+        self.profile = profile
+        self.model: str = section["model"]
+        self.tasks: list[str] = list(section["tasks"])
+        self.variants: dict[str, dict] = {"main": {}, **(section.get("variants") or {})}
+        for target in ("tableIII", "tableVII", "tableVIII"):
+            for row in self.rows(target):
+                self.codec_of(row.spec)  # fail while the DAG is built
+
+    # -- codecs -------------------------------------------------------------------------------------
+    def codec_dir(self, variant: str) -> str:
+        return f"codecs/{self.profile}/{self.model}/{variant}"
+
+    def codec_overrides(self, variant: str) -> dict:
+        """CodecConfig fields of ``variant``: the main codec's, updated by the variant's ``overrides``."""
+        return {**self.s["codec"], **self.variants[variant].get("overrides", {})}
+
+    def codec_training(self, variant: str) -> dict:
+        """``{objective, steps, seq_len, budget_s}`` of ``variant`` (the ``train`` section, then its own keys)."""
+        v = self.variants[variant]
+        return {**self.s["train"], **{k: v[k] for k in ("objective", "steps", "seq_len", "budget_s", "lr") if k in v}}
+
+    def codec_of(self, spec: str) -> str | None:
+        """The codec variant a press spec reads (None for presses without a codec)."""
+        from kvbench.compress.registry import PRESSES
+
+        name, params = parse_press_spec(spec)
+        if "codec_dir" not in {f.name for f in dataclasses.fields(PRESSES[name])}:
+            return None
+        variant = params.get("codec", "main")
+        if variant not in self.variants:
+            raise ValueError(f"press spec {spec!r} names codec variant {variant!r}; configured: {sorted(self.variants)}")
+        return variant
+
+    # -- rows ----------------------------------------------------------------------------------------
+    def rows(self, target: str) -> list[Row]:
+        """Rows of ``target`` (Table VI and Fig. 5 generate theirs from ``stride_sweep``)."""
+        if target in ("tableIII", "tableVII", "tableVIII"):
+            return [Row(e["label"], canonical_press_spec(e["method"])) for e in self.s.get(target, [])]
+        sweep = self.s["stride_sweep"]
+        rows = [Row(f"alpha = {a:g}", with_params(sweep["method"], alpha=float(a))) for a in sweep["alpha"]]
+        if target == "fig5":
+            rows += [Row(f"stride = {s}", with_params(sweep["method"], stride=int(s))) for s in sweep.get("stride", [])]
+        return rows
+
+    def run_dir(self, task: str, spec: str) -> str:
+        return f"results/runs/{self.profile}/{self.model}/{task}/residualkv/{slug(spec)}"
+
+    def runs(self, target: str) -> list[tuple[str, str]]:
+        """``(task, spec)`` of every run ``target`` reads."""
+        return [(t, r.spec) for r in self.rows(target) for t in self.tasks]
+
+    def run_slugs(self) -> dict[str, str]:
+        """``{slug: canonical spec}`` over every target.
+
+        Raises:
+            ValueError: two specs map to one directory.
+        """
+        out: dict[str, str] = {}
+        for target in TARGETS:
+            for row in self.rows(target):
+                k = slug(row.spec)
+                if out.get(k, row.spec) != row.spec:
+                    raise ValueError(f"press specs {out[k]!r} and {row.spec!r} map to one run directory {k!r}")
+                out[k] = row.spec
+        return out
+
+    def header(self, title: str) -> list[str]:
+        return [f"# kvbench ResidualKV {title}, profile {self.profile!r}: model {self.model} (tiny zoo LM trained "
+                f"here, not the paper's models); tasks {', '.join(self.tasks)} (RULER/SCBench/LongBench-style smoke "
+                "tasks in place of LongBench); not the paper's numbers",
+                "# protocol: context prefilled as one chunk and compressed, then the question chunk and greedy "
+                "decoding read the compressed cache (kvbench.compress.generate)"]

@@ -1,0 +1,299 @@
+# ResidualKV (issue #4): codec training, compression runs, tables and figures.
+#
+#   rkv_codec       one per codec variant: `kvbench codec-train` on the frozen zoo LM
+#                   -> codecs/<profile>/<model>/<variant>/{codec/,curves.csv,summary.json} (state/ resumes)
+#   rkv_eval        one per task x press spec: `kvbench eval` -> results/runs/<profile>/<model>/<task>/residualkv/<slug>/
+#   rkv_table       results/residualkv/table{III,VI,VII,VIII}.csv
+#   rkv_fig5, rkv_codec_figures (fig10, fig11, fig12)   figures/residualkv/fig<N>.pdf (+ results/residualkv/fig<N>.csv)
+#   rkv_throughput  results/residualkv/fig8.csv (decode tokens/s vs context) -> rkv_fig8 figures/residualkv/fig8.pdf
+#   rkv_codec_cost  results/residualkv/fig6.csv (codec cost) -> rkv_fig6 figures/residualkv/fig6.pdf
+# Which runs and codecs a target reads is decided by kvbench.report.rkv_plan.RKVPlan, for the rules and
+# the report alike. A config without a `residualkv:` section has no ResidualKV targets.
+
+
+def _rkv_plan():
+    from kvbench.report.rkv_plan import RKVPlan
+
+    if "residualkv" not in config:
+        return None
+    section = config["residualkv"]
+    if section["model"] not in MODELS or MODELS[section["model"]]["kind"] != "lm":
+        raise ValueError(f"config residualkv.model: {section['model']!r} must be an `lm` model defined under `models`")
+    for task in section["tasks"]:
+        if task not in DATASETS:
+            raise ValueError(f"config residualkv.tasks: {task!r} is not defined under `datasets`")
+    try:
+        return RKVPlan(section, PROFILE)
+    except ValueError as e:
+        raise ValueError(f"config residualkv: {e}") from e
+
+
+RKV = _rkv_plan()
+RKV_RUNS = RKV.run_slugs() if RKV else {}
+RKV_TABLES = ["tableIII", "tableVI", "tableVII", "tableVIII"]
+
+
+def rkv_plan():
+    if RKV is None:
+        raise ValueError("this config has no `residualkv:` section, so it has no ResidualKV targets "
+                         "(config/config.yaml shows one)")
+    return RKV
+
+
+def rkv_codec_variant(wc):
+    return rkv_plan().codec_of(RKV_RUNS[wc.run])
+
+
+def rkv_eval_inputs(wc):
+    inputs = eval_inputs(wc)
+    variant = rkv_codec_variant(wc)
+    if variant is not None:
+        inputs["codec"] = f"{rkv_plan().codec_dir(variant)}/codec/codec.json"
+    return inputs
+
+
+def rkv_method_params(wc):
+    variant = rkv_codec_variant(wc)
+    if variant is None:
+        return "{}"
+    return json.dumps({"codec_dir": f"{rkv_plan().codec_dir(variant)}/codec"})
+
+
+def rkv_limit():
+    n = config.get("residualkv", {}).get("n_test")
+    return "" if n is None else f"--limit {n}"
+
+
+def rkv_run_inputs(target):
+    def inputs(wc):
+        plan = rkv_plan()
+        return [f"{plan.run_dir(t, s)}/predictions.jsonl" for t, s in plan.runs(target)]
+    return inputs
+
+
+def rkv_report_spec():
+    return json.dumps({"profile": PROFILE, "residualkv": config["residualkv"]}, sort_keys=True)
+
+
+def rkv_variant_summaries(variants):
+    return lambda wc: [f"{rkv_plan().codec_dir(v)}/summary.json" for v in variants]
+
+
+RKV_FIGURE_VARIANTS = {
+    "fig10": ["joint200", "separate"],
+    "fig11": ["joint200", "dc16", "dc64", "dff96", "dff384", "k1", "k8", "s5", "s20"],
+    "fig12": ["joint200", "ntp", "mse"],
+}
+
+
+rule rkv_codec:
+    input:
+        model=lambda wc: os.path.join(model_dir(wc.model), "config.json"),
+    output:
+        codec="codecs/{profile}/{model}/{variant}/codec/codec.json",
+        summary="codecs/{profile}/{model}/{variant}/summary.json",
+    params:
+        model=lambda wc: model_dir(wc.model),
+        out=lambda wc: rkv_plan().codec_dir(wc.variant),
+        overrides=lambda wc: json.dumps(rkv_plan().codec_overrides(wc.variant), sort_keys=True),
+        train=lambda wc: rkv_plan().codec_training(wc.variant),
+        seed=SEED,
+    log:
+        "logs/residualkv/codec/{profile}/{model}/{variant}.log",
+    benchmark:
+        "benchmarks/residualkv/codec/{profile}/{model}/{variant}.tsv"
+    threads: 2
+    resources:
+        mem_mb=8000,
+        runtime=60,
+        gpu=0,
+    conda:
+        "../../envs/kvbench.yaml"
+    shell:
+        "kvbench codec-train --model {params.model:q} --out {params.out:q} --overrides {params.overrides:q}"
+        " --objective {params.train[objective]} --steps {params.train[steps]} --seq-len {params.train[seq_len]}"
+        " --budget-s {params.train[budget_s]} --lr {params.train[lr]} --seed {params.seed} --threads {threads}"
+        " --finish > {log} 2>&1"
+
+
+rule rkv_eval:
+    input:
+        unpack(rkv_eval_inputs),
+    output:
+        metrics="results/runs/{profile}/{model}/{task}/residualkv/{run}/metrics.json",
+        predictions="results/runs/{profile}/{model}/{task}/residualkv/{run}/predictions.jsonl",
+        run_info="results/runs/{profile}/{model}/{task}/residualkv/{run}/run_info.json",
+    wildcard_constraints:
+        run=alternation(RKV_RUNS),
+    params:
+        model=lambda wc: model_dir(wc.model),
+        spec=lambda wc: RKV_RUNS[wc.run],
+        method_params=rkv_method_params,
+        out=lambda wc, output: os.path.dirname(output.metrics),
+        seed=SEED,
+        limit=lambda wc: rkv_limit(),
+    log:
+        "logs/residualkv/eval/{profile}/{model}/{task}/{run}.log",
+    benchmark:
+        "benchmarks/residualkv/eval/{profile}/{model}/{task}/{run}.tsv"
+    threads: config.get("residualkv", {}).get("threads", 1)
+    resources:
+        mem_mb=model_resource("mem_mb", 8000, 64000),
+        runtime=lambda wc: 60 if is_zoo(wc.model) else 720,
+        gpu=model_resource("gpus", 0, 1),
+    conda:
+        "../../envs/kvbench.yaml"
+    shell:
+        "kvbench eval --model {params.model:q} --split {input.split:q} --method {params.spec:q}"
+        " --method-params {params.method_params:q} --out {params.out} --seed {params.seed}"
+        " --threads {threads} {params.limit} > {log} 2>&1"
+
+
+rule rkv_table:
+    input:
+        lambda wc: rkv_run_inputs(wc.table)(wc),
+    output:
+        "results/residualkv/{table}.csv",
+    wildcard_constraints:
+        table=alternation(RKV_TABLES),
+    params:
+        spec=lambda wc: rkv_report_spec(),
+    log:
+        "logs/residualkv/{table}.log",
+    benchmark:
+        "benchmarks/residualkv/{table}.tsv"
+    threads: 1
+    resources:
+        mem_mb=2000,
+        runtime=10,
+        gpu=0,
+    conda:
+        "../../envs/kvbench.yaml"
+    shell:
+        "kvbench report residualkv-{wildcards.table} --residualkv {params.spec:q} --out {output} > {log} 2>&1"
+
+
+rule rkv_fig5:
+    input:
+        rkv_run_inputs("fig5"),
+    output:
+        pdf="figures/residualkv/fig5.pdf",
+        csv="results/residualkv/fig5.csv",
+    params:
+        spec=lambda wc: rkv_report_spec(),
+    log:
+        "logs/residualkv/fig5.log",
+    benchmark:
+        "benchmarks/residualkv/fig5.tsv"
+    threads: 1
+    resources:
+        mem_mb=2000,
+        runtime=10,
+        gpu=0,
+    conda:
+        "../../envs/kvbench.yaml"
+    shell:
+        "kvbench report residualkv-fig5 --residualkv {params.spec:q} --out {output.pdf} --data-out {output.csv} > {log} 2>&1"
+
+
+rule rkv_codec_figures:
+    input:
+        lambda wc: rkv_variant_summaries(RKV_FIGURE_VARIANTS[wc.fig])(wc),
+    output:
+        pdf="figures/residualkv/{fig}.pdf",
+        csv="results/residualkv/{fig}.csv",
+    wildcard_constraints:
+        fig="fig10|fig11|fig12",
+    params:
+        spec=lambda wc: rkv_report_spec(),
+    log:
+        "logs/residualkv/{fig}.log",
+    benchmark:
+        "benchmarks/residualkv/{fig}.tsv"
+    threads: 1
+    resources:
+        mem_mb=2000,
+        runtime=10,
+        gpu=0,
+    conda:
+        "../../envs/kvbench.yaml"
+    shell:
+        "kvbench report residualkv-{wildcards.fig} --residualkv {params.spec:q} --out {output.pdf}"
+        " --data-out {output.csv} > {log} 2>&1"
+
+
+localrules:
+    residualkv,
+
+
+rule residualkv:
+    """Every ResidualKV target of the config (Tables III, VI, VII, VIII; Figures 5, 6, 8, 10, 11, 12)."""
+    input:
+        lambda wc: rkv_plan() and [f"results/residualkv/{t}.csv" for t in RKV_TABLES]
+        + [f"figures/residualkv/fig{n}.pdf" for n in (5, 6, 8, 10, 11, 12)],
+
+
+rule rkv_throughput:
+    """Fig. 8's measurements: decode tokens/s vs context on a random-weight timing LM (CPU here; GPU when lent)."""
+    output:
+        "results/residualkv/fig8.csv",
+    params:
+        args=lambda wc: " ".join(f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
+                                 for k, v in config.get("residualkv", {}).get("fig8", {}).items()),
+    log:
+        "logs/residualkv/fig8_bench.log",
+    benchmark:
+        "benchmarks/residualkv/fig8_bench.tsv"
+    threads: 2
+    resources:
+        mem_mb=16000,
+        runtime=60,
+        gpu=0,
+    conda:
+        "../../envs/kvbench.yaml"
+    shell:
+        "kvbench bench rkv-throughput --out {output} --threads {threads} {params.args} > {log} 2>&1"
+
+
+rule rkv_codec_cost:
+    """Fig. 6's measurements: codec cost, SwiGLU encoder + linear decoder vs the reverse, matched parameters."""
+    output:
+        "results/residualkv/fig6.csv",
+    params:
+        args=lambda wc: " ".join(f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
+                                 for k, v in config.get("residualkv", {}).get("fig6", {}).items()),
+    log:
+        "logs/residualkv/fig6_bench.log",
+    benchmark:
+        "benchmarks/residualkv/fig6_bench.tsv"
+    threads: 2
+    resources:
+        mem_mb=8000,
+        runtime=30,
+        gpu=0,
+    conda:
+        "../../envs/kvbench.yaml"
+    shell:
+        "kvbench bench codec-cost --out {output} --threads {threads} {params.args} > {log} 2>&1"
+
+
+rule rkv_profile_figure:
+    input:
+        "results/residualkv/{fig}.csv",
+    output:
+        "figures/residualkv/{fig}.pdf",
+    wildcard_constraints:
+        fig="fig8|fig6",
+    log:
+        "logs/residualkv/{fig}.log",
+    benchmark:
+        "benchmarks/residualkv/{fig}.tsv"
+    threads: 1
+    resources:
+        mem_mb=2000,
+        runtime=10,
+        gpu=0,
+    conda:
+        "../../envs/kvbench.yaml"
+    shell:
+        "kvbench report residualkv-{wildcards.fig} --raw {input} --out {output} > {log} 2>&1"
