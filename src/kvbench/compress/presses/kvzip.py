@@ -46,11 +46,12 @@ def reconstruction_scores(query: torch.Tensor, chunk_keys: torch.Tensor, repeat_
         raise ValueError(f"shapes do not fit: query {tuple(query.shape)}, chunk keys {tuple(chunk_keys.shape)}, "
                          f"repeat keys {tuple(repeat_keys.shape)}")
     keys = torch.cat([chunk_keys, repeat_keys], -2).float()
-    q = query.float().view(1, h_kv, h_q // h_kv, r, d)
-    logits = q @ keys.unsqueeze(2).transpose(-1, -2) / math.sqrt(d)                 # [1, H_kv, g, r, c + r]
+    # One batched matmul per KV head over its (group x position) query rows: no broadcast copies.
+    q = query.float().reshape(1, h_kv, (h_q // h_kv) * r, d)
+    logits = (q @ keys.transpose(-1, -2)).mul_(1 / math.sqrt(d))                   # [1, H_kv, g·r, c + r]
     future = torch.arange(r, device=q.device).view(1, -1) > torch.arange(r, device=q.device).view(-1, 1)
-    logits[..., c:] = logits[..., c:].masked_fill(future, float("-inf"))
-    return logits.softmax(-1)[..., :c].amax(dim=(2, 3))
+    logits.view(1, h_kv, -1, r, c + r)[..., c:].masked_fill_(future, float("-inf"))
+    return logits.softmax(-1)[..., :c].amax(dim=2)
 
 
 class KVzipLayer(EvictingLayer):
