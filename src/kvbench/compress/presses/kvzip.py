@@ -149,7 +149,8 @@ class KVzipPress(Press):
             from transformers import AutoTokenizer
             tok = AutoTokenizer.from_pretrained(model.config.name_or_path)
         for layer in layers:
-            layer.score = torch.zeros(layer._stored.positions.shape, dtype=torch.float32, device=context_ids.device)
+            layer.score = torch.zeros(layer._stored.positions.shape, dtype=torch.float32,
+                                      device=layer._stored.keys.device)
         n_steps = len(cache.attended)
         try:
             for start, end, ids in self.repeat_inputs(tok, context_ids):
