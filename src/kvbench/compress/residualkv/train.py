@@ -1,0 +1,407 @@
+"""Training the ResidualKV codec on a frozen backbone (paper §IV-D, notes §2.9; authors' ``train_compressor.py``).
+
+Each step takes one packed window of real text and runs two passes of the frozen model:
+
+1. teacher (no grad): forward hooks on every layer's ``self_attn.k_proj`` / ``v_proj`` record the
+   pre-RoPE K and V; the target of layer l is ``kv = cat(k, v)``, ``[B, T, d_kv]``;
+2. compressed: hooks on the same projections replace their outputs. Sinks and reference tokens keep
+   their own kv; every other token gets ``kv_hat = restore(residual_code(kv, mean_ref), mean_ref)``
+   with the mean of its k nearest *earlier* references (``references.py``), all on this pass's kv.
+   The hooks sit before RoPE, so the model rotates ``kv_hat`` at the token's own position.
+
+No quantisation and no FP8 in training (as the authors' code). References are NOT detached: the
+gradient of both losses also flows through ``mean_ref`` (it depends on earlier layers' codecs via the
+hidden states), since the paper freezes the backbone without cutting its gradient (notes §2.9).
+
+Loss (``objective``): ``"joint"`` = next-token CE of the compressed pass + Σ_layers MSE(kv_hat, kv),
+``"ntp"`` = CE only, ``"mse"`` = reconstruction only. The paper writes the reconstruction term as a
+plain sum of squared errors over layers and tokens; here each layer's term is the *mean* over tokens
+and dims (as the authors' code's MSE) and the layers are *summed*, so the two terms keep comparable
+scales at any sequence length. Both terms are logged every step whatever the objective.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import random
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from kvbench.compress.residualkv.codec import CodecConfig, ResidualCodec, model_kv_shape
+from kvbench.compress.residualkv.references import (
+    mean_reference,
+    nearest_references,
+    reference_mask,
+)
+from kvbench.train.loop import Interrupted, _Stop
+from kvbench.train.state import load_state, save_state
+from kvbench.utils.io import atomic_path, write_json
+
+OBJECTIVES = ("joint", "ntp", "mse")
+#: Share of steps spent warming the learning rate up (paper §V-A: 2%).
+WARMUP_SHARE = 0.02
+#: Held-out windows for the eval NTP / rec losses (from the corpus's 'test' split, fixed order).
+N_VAL_WINDOWS = 4
+#: Seed of the validation windows' document order: fixed, so every run evaluates the same text.
+VAL_SEED = 0
+#: Seconds between state saves (also saved at the end, at a budget stop and on SIGTERM/SIGINT).
+SAVE_EVERY_S = 60.0
+
+
+def decoder_layers(model: Any) -> Any:
+    """The text decoder layers of a HF causal LM or VLM (``get_decoder().layers``)."""
+    inner = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+    return inner.layers
+
+
+@contextlib.contextmanager
+def _record_kv(model: Any, store: list[dict]) -> Iterator[None]:
+    """Hooks that record each layer's k_proj / v_proj outputs into ``store[l]['k'|'v']``."""
+    handles = []
+    try:
+        for i, layer in enumerate(decoder_layers(model)):
+            for name in ("k", "v"):
+                def hook(mod, inp, out, i=i, name=name):
+                    store[i][name] = out.detach()
+                handles.append(getattr(layer.self_attn, f"{name}_proj").register_forward_hook(hook))
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def compress_kv(codec_layer: Any, kv: torch.Tensor, positions: torch.Tensor, cfg: CodecConfig,
+                detach_refs: bool = False) -> torch.Tensor:
+    """Replace non-sink, non-reference tokens' kv by their codec reconstruction (no quantisation).
+
+    Args:
+        codec_layer: the :class:`~kvbench.compress.residualkv.codec.LayerCodec` of this layer.
+        kv: float ``[B, T, d_kv]`` pre-RoPE K‖V.
+        positions: int64 ``[T]`` token positions (0-based).
+        cfg: supplies ``n_sink``, ``stride``, ``alpha``, ``grid``, ``k``.
+        detach_refs: stop the gradient through ``mean_ref`` (off by default, see module doc).
+
+    Returns:
+        float ``[B, T, d_kv]`` in ``kv``'s dtype: raw kv at sinks and references, ``kv_hat`` elsewhere.
+    """
+    ref = reference_mask(positions, n_sink=cfg.n_sink, stride=cfg.stride, alpha=cfg.alpha, grid=cfg.grid,
+                         block=max(1, cfg.window))
+    coded = ~(ref | (positions < cfg.n_sink))
+    if not coded.any():  # e.g. stride 1: every token is kept raw
+        return kv
+    out = []
+    for row in kv:  # batch rows are independent sequences
+        ref_kv = row[ref].detach() if detach_refs else row[ref]
+        x = row[coded]
+        # Only the ranking is taken from here (indices carry no gradient).
+        idx, valid = nearest_references(x.detach(), positions[coded], ref_kv.detach(), positions[ref], cfg.k)
+        mean = mean_reference(ref_kv, idx, valid)
+        new = row.clone()
+        new[coded] = codec_layer.restore(codec_layer.residual_code(x, mean), mean).to(row.dtype)
+        out.append(new)
+    return torch.stack(out)
+
+
+@contextlib.contextmanager
+def _compress_hooks(model: Any, codec: ResidualCodec, kv_hat_store: list, detach_refs: bool) -> Iterator[None]:
+    """Hooks that make every layer attend to codec-reconstructed kv (see module doc, pass 2).
+
+    The k_proj hook computes v itself through the sibling ``v_proj`` (K and V are coded jointly),
+    replaces k and stashes ``v_hat``; the v_proj hook then returns the stash. The nested v_proj call
+    made from inside the k_proj hook is let through unchanged.
+    """
+    cfg = codec.config
+    handles = []
+    try:
+        for i, layer in enumerate(decoder_layers(model)):
+            attn = layer.self_attn
+            state: dict = {"inner": False, "v_hat": None}
+
+            def k_hook(mod, inp, out, i=i, attn=attn, state=state):
+                state["inner"] = True
+                try:
+                    v = attn.v_proj(inp[0])
+                finally:
+                    state["inner"] = False
+                d_k = out.shape[-1]
+                positions = torch.arange(out.shape[1], device=out.device)
+                kv_hat = compress_kv(codec.layers[i], torch.cat([out, v], -1), positions, cfg, detach_refs)
+                kv_hat_store[i] = kv_hat
+                state["v_hat"] = kv_hat[..., d_k:]
+                return kv_hat[..., :d_k]
+
+            def v_hook(mod, inp, out, state=state):
+                if state["inner"]:
+                    return None
+                v_hat, state["v_hat"] = state["v_hat"], None
+                if v_hat is None:
+                    raise RuntimeError("v_proj ran without a preceding k_proj in the compressed pass")
+                return v_hat
+
+            handles.append(attn.k_proj.register_forward_hook(k_hook))
+            handles.append(attn.v_proj.register_forward_hook(v_hook))
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def compressed_forward(model: Any, codec: ResidualCodec, input_ids: torch.Tensor, *,
+                       detach_refs: bool = False) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+    """Teacher pass, then the compressed pass of ``model`` on ``input_ids`` (paper §IV-D).
+
+    Args:
+        model: HF causal LM (Qwen2/Llama layout, or a VLM's text model); not modified.
+        codec: one layer codec per decoder layer; its config gives sinks, stride and k.
+        input_ids: int64 ``[B, T]``, no padding, positions 0..T-1.
+        detach_refs: see :func:`compress_kv`.
+
+    Returns:
+        ``(logits, kv_hat, kv_teacher)``: float ``[B, T, V]`` logits of the compressed pass (with a
+        graph to the codec when grad is enabled), and per layer float ``[B, T, d_kv]`` the kv the
+        compressed pass attended to and the teacher's pre-RoPE kv (no grad).
+
+    Raises:
+        ValueError: the codec does not fit the model (n_layers / d_kv).
+    """
+    n_layers, d_kv = model_kv_shape(model)
+    if (n_layers, d_kv) != (codec.config.n_layers, codec.config.d_kv):
+        raise ValueError(f"codec (n_layers={codec.config.n_layers}, d_kv={codec.config.d_kv}) does not fit the "
+                         f"model (n_layers={n_layers}, d_kv={d_kv})")
+    rec: list[dict] = [{} for _ in range(n_layers)]
+    with torch.no_grad(), _record_kv(model, rec):
+        model(input_ids=input_ids, use_cache=False)
+    teacher = [torch.cat([r["k"], r["v"]], -1) for r in rec]
+    kv_hat: list = [None] * n_layers
+    with _compress_hooks(model, codec, kv_hat, detach_refs):
+        logits = model(input_ids=input_ids, use_cache=False).logits
+    return logits, kv_hat, teacher
+
+
+def ntp_loss(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy (nats/token) over the T-1 predicted tokens of ``[B, T]``."""
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), input_ids[:, 1:].flatten())
+
+
+def rec_loss(kv_hat: list[torch.Tensor], teacher: list[torch.Tensor]) -> torch.Tensor:
+    """Σ_layers mean over tokens and dims of ``(kv_hat - kv)²`` (see module doc on the normalisation)."""
+    return sum(F.mse_loss(h.float(), t.float()) for h, t in zip(kv_hat, teacher))
+
+
+def lr_at(step: int, steps: int, lr: float) -> float:
+    """Learning rate at 0-based ``step`` of ``steps``: 2% linear warm-up, then linear decay to 0 (§V-A)."""
+    warmup = max(1, round(WARMUP_SHARE * steps))
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    return lr * max(0.0, (steps - step) / max(1, steps - warmup))
+
+
+class TokenStream:
+    """Packed windows of a corpus split: documents in a seeded order, EOS between them, cut into windows.
+
+    Documents are the stdlib source files of the split (:func:`kvbench.data.corpus.stdlib_files`;
+    code with its comments and docstrings, whose prose lines are ``prose_lines``). They are tokenised
+    lazily in order, so window ``i`` is the same whatever number of windows is asked for; when the
+    split is exhausted, the next epoch reshuffles with ``(seed, epoch)``.
+    """
+
+    def __init__(self, tokenizer: Any, split: str, seq_len: int, seed: int) -> None:
+        from kvbench.data.corpus import stdlib_files
+
+        self.docs = [text for _, text in stdlib_files(split)]
+        if not self.docs:
+            raise ValueError(f"corpus split {split!r} has no documents")
+        self.tok, self.seq_len, self.seed = tokenizer, seq_len, seed
+        self.eos = tokenizer.eos_token_id
+        if self.eos is None:
+            raise ValueError("the tokenizer has no eos_token_id to separate packed documents")
+        self.ids: list[int] = []
+        self._order: list[int] = []
+        self._epoch, self._next = -1, 0
+
+    def _more(self) -> None:
+        if self._next >= len(self._order):
+            self._epoch += 1
+            self._order = list(range(len(self.docs)))
+            random.Random(f"{self.seed}:{self._epoch}").shuffle(self._order)
+            self._next = 0
+        text = self.docs[self._order[self._next]]
+        self._next += 1
+        self.ids.extend(self.tok(text, add_special_tokens=False)["input_ids"] + [self.eos])
+
+    def window(self, i: int) -> torch.Tensor:
+        """int64 ``[1, seq_len]``: the ``i``-th window (0-based)."""
+        end = (i + 1) * self.seq_len
+        while len(self.ids) < end:
+            self._more()
+        return torch.tensor([self.ids[end - self.seq_len:end]], dtype=torch.long)
+
+
+@torch.no_grad()
+def evaluate(model: Any, codec: ResidualCodec, windows: list[torch.Tensor]) -> dict:
+    """Mean compressed-pass NTP loss and rec loss over ``windows`` (each int64 ``[1, T]``)."""
+    ntp = rec = 0.0
+    for ids in windows:
+        logits, hat, teacher = compressed_forward(model, codec, ids)
+        ntp += ntp_loss(logits, ids).item()
+        rec += rec_loss(hat, teacher).item()
+    return {"eval_ntp": ntp / len(windows), "eval_rec": rec / len(windows)}
+
+
+@torch.no_grad()
+def baseline_ntp(model: Any, windows: list[torch.Tensor]) -> float:
+    """Mean NTP loss of the uncompressed model over ``windows``."""
+    return sum(ntp_loss(model(input_ids=w, use_cache=False).logits, w).item() for w in windows) / len(windows)
+
+
+def _model_signature(model: Any) -> dict:
+    n_layers, d_kv = model_kv_shape(model)
+    return {"n_layers": n_layers, "d_kv": d_kv, "name_or_path": str(getattr(model.config, "_name_or_path", ""))}
+
+
+def train_codec(model: Any, tokenizer: Any, codec: ResidualCodec, *, out_dir: str | Path, objective: str = "joint",
+                steps: int, seq_len: int = 512, budget_s: float | None = None, seed: int = 0, lr: float = 2e-4,
+                log_every: int = 10, eval_every: int = 50, progress: bool = True) -> dict:
+    """Train ``codec`` on the frozen ``model`` (paper §IV-D, §V-A), resuming from ``out_dir/state``.
+
+    AdamW (lr ``lr``, 2% warm-up then linear decay), gradient clipping at 1.0, batch 1, one packed
+    ``seq_len`` window of the 'train' corpus split per step (:class:`TokenStream`, order from ``seed``).
+    The backbone's parameters are frozen for the call (flags restored after) and never updated;
+    hooks are removed on exit even after an exception.
+
+    Writes under ``out_dir``: ``state/`` (codec + AdamW tensors in safetensors, step/config/eval in
+    JSON; nothing pickled), ``curves.csv`` (step, loss, ntp, rec, lr, elapsed_s every ``log_every``
+    steps, plus eval_ntp / eval_rec every ``eval_every`` steps on :data:`N_VAL_WINDOWS` fixed
+    windows of the 'test' split), ``codec/`` (:meth:`ResidualCodec.save`, when all steps are done)
+    and ``summary.json``.
+
+    Args:
+        budget_s: stop (state saved) once this many seconds of training have elapsed, summed over
+            resumes; a rerun continues. ``None``: no limit.
+
+    Returns:
+        the summary dict: steps_done, steps, finished, wall_s, steps_per_s, final_loss/ntp/rec,
+        baseline_ntp (uncompressed model, validation windows), eval_before (fresh codec) and
+        eval_final (the weights at return, finished or stopped by the budget).
+
+    Raises:
+        ValueError: unknown ``objective``, non-positive ``steps``/``seq_len``, codec not fitting the
+            model, or ``out_dir/state`` written with another configuration.
+        Interrupted: SIGTERM/SIGINT arrived (state saved first; rerun to resume).
+    """
+    if objective not in OBJECTIVES:
+        raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
+    if steps <= 0 or seq_len <= 1:
+        raise ValueError(f"steps must be > 0 and seq_len > 1, got steps={steps}, seq_len={seq_len}")
+    out_dir = Path(out_dir)
+    run_cfg = {"codec": json.loads(codec.config.to_json()), "objective": objective, "steps": steps,
+               "seq_len": seq_len, "seed": seed, "lr": lr, "model": _model_signature(model)}
+    opt = torch.optim.AdamW(codec.parameters(), lr=lr)
+    modules = {"codec": codec}
+    meta = load_state(out_dir / "state", modules, opt)
+    if meta is not None and meta["run"] != run_cfg:
+        diff = sorted(k for k in run_cfg if meta["run"].get(k) != run_cfg[k])
+        raise ValueError(f"{out_dir / 'state'} was written by another configuration (differs in {diff}); "
+                         "use a new out_dir or delete it to start over")
+    stream = TokenStream(tokenizer, "train", seq_len, seed)
+    val_stream = TokenStream(tokenizer, "test", seq_len, VAL_SEED)
+    val = [val_stream.window(i) for i in range(N_VAL_WINDOWS)]
+
+    frozen = {n: p.requires_grad for n, p in model.named_parameters()}
+    was_training = model.training
+    for p in model.parameters():
+        p.requires_grad_(False)
+    model.eval()  # no dropout: the teacher and compressed passes must see the same backbone
+    try:
+        if meta is None:
+            meta = {"run": run_cfg, "step": 0, "elapsed_s": 0.0, "baseline_ntp": baseline_ntp(model, val),
+                    "eval_before": evaluate(model, codec, val), "rng": torch.get_rng_state().tolist()}
+        else:
+            torch.set_rng_state(torch.tensor(meta["rng"], dtype=torch.uint8))
+        summary = _loop(model, codec, opt, stream, val, meta, out_dir, objective, steps, lr, budget_s,
+                        log_every, eval_every, progress)
+    finally:
+        for n, p in model.named_parameters():
+            p.requires_grad_(frozen[n])
+        model.train(was_training)
+    return summary
+
+
+def _loop(model, codec, opt, stream, val, meta, out_dir, objective, steps, lr, budget_s,
+          log_every, eval_every, progress) -> dict:
+    """The step loop of :func:`train_codec` (state in ``meta``)."""
+    curves_path = out_dir / "curves.csv"
+    rows = []
+    done = meta["step"]
+    if done and curves_path.exists():
+        rows = pd.read_csv(curves_path).query(f"step <= {done}").to_dict("records")
+    t0, elapsed0 = time.monotonic(), meta["elapsed_s"]
+    last_save = t0
+    step, last = done, meta.get("last", {})
+    evals: dict[int, dict] = {}  # step -> eval result, so the final eval is not run twice
+
+    def save() -> None:
+        meta.update(step=step, last=last, elapsed_s=elapsed0 + time.monotonic() - t0, rng=torch.get_rng_state().tolist())
+        save_state(out_dir / "state", {"codec": codec}, opt, meta)
+        with atomic_path(curves_path) as tmp:
+            pd.DataFrame(rows).to_csv(tmp, index=False)
+
+    codec.train()
+    with _Stop() as stop, tqdm(total=steps, initial=done, desc=f"codec {out_dir.name}", unit="step",
+                               disable=not progress) as bar:
+        while step < steps:
+            for group in opt.param_groups:
+                group["lr"] = lr_at(step, steps, lr)
+            ids = stream.window(step)
+            logits, hat, teacher = compressed_forward(model, codec, ids)
+            ntp, rec = ntp_loss(logits, ids), rec_loss(hat, teacher)
+            loss = {"joint": ntp + rec, "ntp": ntp, "mse": rec}[objective]
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(codec.parameters(), 1.0)
+            opt.step()
+            step += 1
+            last = {"loss": loss.item(), "ntp": ntp.item(), "rec": rec.item()}
+            bar.update(1)
+            bar.set_postfix(ntp=f"{last['ntp']:.3f}", rec=f"{last['rec']:.4f}")
+            elapsed = elapsed0 + time.monotonic() - t0
+            is_eval = eval_every > 0 and (step % eval_every == 0 or step == steps)
+            if step % log_every == 0 or step == steps or is_eval or step == 1:
+                row = {"step": step, **last, "lr": opt.param_groups[0]["lr"], "elapsed_s": round(elapsed, 3),
+                       "eval_ntp": math.nan, "eval_rec": math.nan}
+                if is_eval:
+                    codec.eval()
+                    evals[step] = evaluate(model, codec, val)
+                    row.update(evals[step])
+                    codec.train()
+                rows.append(row)
+            if stop.requested:
+                save()
+                raise Interrupted(f"codec training interrupted at step {step}; state saved in {out_dir / 'state'}")
+            if budget_s is not None and elapsed >= budget_s and step < steps:
+                break
+            if time.monotonic() - last_save >= SAVE_EVERY_S:
+                save()
+                last_save = time.monotonic()
+    save()
+    codec.eval()
+    finished = step >= steps
+    wall = meta["elapsed_s"]
+    summary = {"steps_done": step, "steps": steps, "finished": finished, "objective": objective,
+               "wall_s": round(wall, 2), "steps_per_s": round(step / wall, 3) if wall > 0 else None,
+               "final_loss": last.get("loss"), "final_ntp": last.get("ntp"), "final_rec": last.get("rec"),
+               "baseline_ntp": meta["baseline_ntp"], "eval_before": meta["eval_before"],
+               "eval_final": evals.get(step) or evaluate(model, codec, val),
+               "n_val_windows": len(val), "codec_params": codec.n_params()}
+    if finished:
+        codec.save(out_dir / "codec")
+    write_json(out_dir / "summary.json", summary)
+    return summary
