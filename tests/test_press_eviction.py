@@ -203,3 +203,11 @@ def test_tiny_context_through_greedy_generate(model, press):
 def test_bad_settings_raise(make, match):
     with pytest.raises(ValueError, match=match):
         make()
+
+
+def test_snapkv_scores_when_the_window_is_the_whole_context():
+    """Bug: a context no longer than the window (no prefix) crashed in the pooling reshape."""
+    from kvbench.compress.presses.snapkv import snapkv_scores
+
+    q, k = torch.randn(1, 4, 4, 8), torch.randn(1, 2, 4, 8)
+    assert torch.isinf(snapkv_scores(q, k)).all()

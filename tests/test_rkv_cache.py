@@ -101,3 +101,17 @@ def test_bad_press_parameters(tiny_lm, tmp_path, kw, match):
 def test_missing_codec_dir_is_named(tmp_path):
     with pytest.raises(ValueError, match="holds no trained codec"):
         ResidualKVPress(codec_dir=str(tmp_path / "nowhere"))
+
+
+def test_snapkv_mode_keeps_the_keep_share_of_codes_and_every_reference(tiny_lm, tmp_path):
+    codec_dir = _identity_codec(tiny_lm, tmp_path / "id", n_sink=2, window=4, stride=5)
+    press = ResidualKVPress(codec_dir=str(codec_dir), mode="snapkv", keep=0.5)
+    _, cache = _run(tiny_lm, press, IDS, [50])
+    layer = cache.layers[1]
+    # context chunk of 50: 2 sinks, 4 raw, 44 flushed = 9 refs (2, 7, ..., 42) + 35 codes -> ceil(17.5) = 18 kept,
+    # all from the observation window (positions 18..49 score +inf); the next chunk's 10 tokens flush
+    # 46..55 uncut: refs 47, 52 and 8 codes
+    assert layer.ref_pos.tolist() == list(range(2, 56, 5))
+    codes = layer.codes.positions()
+    assert (codes < 46).sum().item() == 18 and (codes[codes < 46] >= 18).all()
+    assert (codes >= 46).sum().item() == 8

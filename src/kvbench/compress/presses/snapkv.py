@@ -66,7 +66,7 @@ def snapkv_scores(query_window: torch.Tensor, keys: torch.Tensor, kernel: int = 
         logits = logits.masked_fill(key_pos.view(1, -1) > query_pos.view(-1, 1), float("-inf"))
     n_prefix = n - w if window_in_keys else n
     mass = logits.softmax(-1).sum(-2)[..., :n_prefix]                               # [1, H_kv, g, n_prefix]
-    flat = mass.reshape(-1, 1, n_prefix)
+    flat = mass.flatten(0, 2).unsqueeze(1)                                          # [H_kv * g, 1, n_prefix]
     pool = F.avg_pool1d if pooling == "avg" else F.max_pool1d
     pooled = pool(flat, kernel_size=kernel, stride=1, padding=kernel // 2) if n_prefix else flat
     scores = pooled.view(1, h_kv, h_q // h_kv, n_prefix).mean(2)

@@ -38,10 +38,12 @@ import torch
 from kvbench.compress.accounting import StoredBytes
 from kvbench.compress.cache import KVView, LayerContext, PressCache, Press, StoreLayer
 from kvbench.compress.presses.omnikv import FilterLayer
+from kvbench.compress.presses.snapkv import snapkv_scores
 from kvbench.compress.residualkv import quant, references
 from kvbench.compress.residualkv.codec import ResidualCodec, model_kv_shape
 
 MODES = ("standalone", "omnikv", "snapkv")
+SNAP_WINDOW = 32
 
 
 @functools.lru_cache(maxsize=8)
@@ -143,6 +145,28 @@ class ResidualKVLayer(StoreLayer):
         return quant.from_fp8(self.ref_store) if self.press.ref_fp8 else self.ref_store
 
     def commit(self, chunk: KVView, query: torch.Tensor) -> None:
+        first_chunk = self.sink is None and len(chunk) > 1
+        view = self._view
+        self._store(chunk)
+        if self.press.mode == "snapkv" and first_chunk:
+            self._snap(query, view)
+
+    def _snap(self, query: torch.Tensor, view: KVView) -> None:
+        """ResidualKV + SnapKV (§IV-C): keep the ``keep`` share of coded tokens that the context's
+        observation window attends most (SnapKV scores, the authors' baseline config: window 32, max-pool 7,
+        averaged over KV heads since a token's K‖V is coded across heads); references stay."""
+        code_pos = self.codes.positions()
+        if not len(code_pos):
+            return
+        w = min(SNAP_WINDOW, query.shape[-2])
+        scores = snapkv_scores(query[..., -w:, :], view.keys, kernel=7, pooling="max").mean(dim=(0, 1))  # [n]
+        by_pos = torch.full((int(view.positions.max()) + 1,), float("-inf"))
+        by_pos[view.positions[0, 0]] = scores
+        s = by_pos[code_pos]
+        n_keep = max(1, math.ceil(self.press.keep * len(code_pos)))
+        self.drop_unselected(code_pos[s.topk(n_keep).indices])
+
+    def _store(self, chunk: KVView) -> None:
         n_sink_left = self.cfg.n_sink - (0 if self.sink is None else len(self.sink))
         if n_sink_left > 0:
             take = min(n_sink_left, len(chunk))
