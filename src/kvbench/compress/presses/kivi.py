@@ -1,0 +1,177 @@
+"""KIVI: asymmetric 2/4-bit KV quantisation, keys per channel and values per token.
+
+Liu et al., "KIVI: A Tuning-Free Asymmetric 2bit Quantization for KV Cache", ICML 2024 (arXiv 2402.02750,
+`jy-yuan/KIVI`). Keys (post-RoPE, as KIVI's code caches them) are quantised per channel: each channel
+over a group of ``group`` consecutive tokens shares one min/scale. Values are quantised per token in
+groups of ``group`` consecutive channels of one head. Min/max asymmetric quantisation
+(:func:`kvbench.compress.residualkv.quant.quantize`: zmin, scale in fp16).
+
+Full-precision residual, as KIVI's code does it:
+
+- keys: tokens stay raw until ``residual`` of them accumulate, then that block is quantised (groups of
+  ``group`` tokens); after a chunk of T tokens, ``T mod residual`` raw keys remain. Decode tokens are
+  therefore quantised too once the residual fills (a known bug in some ports: never quantised);
+- values: the latest ``residual`` tokens stay raw; older tokens are quantised as they leave.
+
+Every token is attended (CR 100%); KR ≈ bits/16 + 2/group plus the raw residual.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvbench.compress.accounting import StoredBytes
+from kvbench.compress.cache import KVView, LayerContext, PressCache, Press, StoreLayer
+from kvbench.compress.residualkv import quant
+
+BITS = (2, 4, 8, 16)
+FP16_BYTES = 2   # raw tensors are counted as FP16, the full cache's precision (accounting.py)
+
+
+class _Quantized:
+    """Quantised rows of one tensor: the codes as stored (for bytes) and their dequantised rows
+    ``[n, C]`` float32, read by attention (quantisation only appends, so they are decoded once)."""
+
+    def __init__(self):
+        self.codes: list[quant.QuantizedCodes | torch.Tensor] = []
+        self.rows: list[torch.Tensor] = []
+
+    def add(self, codes: quant.QuantizedCodes | torch.Tensor, rows: torch.Tensor) -> None:
+        self.codes.append(codes)
+        self.rows.append(rows)
+
+    def __len__(self) -> int:
+        return sum(r.shape[0] for r in self.rows)
+
+    def bytes(self) -> tuple[int, int]:
+        """``(payload, scales)``: packed ``ceil(numel · bits / 8)`` per code tensor, 2 fp16 values per
+        group; unquantised (bits 16) rows count FP16 payload."""
+        payload = scales = 0
+        for c in self.codes:
+            if isinstance(c, torch.Tensor):
+                payload += c.numel() * FP16_BYTES
+            else:
+                side = FP16_BYTES * (c.zmin.numel() + c.scale.numel())
+                scales += side
+                payload += c.nbytes() - side
+        return payload, scales
+
+
+class KIVILayer(StoreLayer):
+    """One decoder layer of a KIVI cache (module docstring); usable on its own, e.g. as the 4-bit
+    full-layer store of ResidualKV (paper §V-A: full layers KIVI-style 4-bit).
+
+    Args:
+        bits: 2, 4, 8 or 16 (16 = unquantised, stored exactly in the model dtype).
+        group: tokens per key group (per channel) and channels per value group (per token; ``min(group,
+            head_dim)`` when the head is narrower, so a group never spans two heads).
+        residual: the full-precision residual length R (a multiple of ``group``).
+
+    Raises ValueError for bits not in {2, 4, 8, 16}, group < 1, residual not a positive multiple of group,
+    or (at the first commit) a head_dim not a multiple of the value group.
+    """
+
+    def __init__(self, ctx: LayerContext, cache: PressCache, bits: int = 4, group: int = 32, residual: int = 32):
+        super().__init__(ctx, cache)
+        check_config(bits, group, residual)
+        self.bits, self.group, self.residual = bits, group, residual
+        self.kq, self.vq = _Quantized(), _Quantized()
+        self.k_raw: torch.Tensor | None = None   # [n, C] raw keys not yet quantised (C = H_kv · D)
+        self.v_raw: torch.Tensor | None = None   # [n, C] latest raw values
+        self.heads = self.head_dim = 0
+
+    def commit(self, chunk: KVView, query: torch.Tensor) -> None:
+        _, h, _, d = chunk.keys.shape
+        self.heads, self.head_dim = h, d
+        flat = lambda x: x[0].transpose(0, 1).reshape(x.shape[-2], h * d)  # noqa: E731  [1,H,n,D] -> [n, H·D]
+        self.k_raw = _cat(self.k_raw, flat(chunk.keys))
+        self.v_raw = _cat(self.v_raw, flat(chunk.values))
+        n_k = (self.k_raw.shape[0] // self.residual) * self.residual
+        if n_k:
+            for start in range(0, n_k, self.group):
+                self._quantize_keys(self.k_raw[start:start + self.group])
+            self.k_raw = self.k_raw[n_k:]
+        n_v = self.v_raw.shape[0] - self.residual
+        if n_v > 0:
+            self._quantize_values(self.v_raw[:n_v])
+            self.v_raw = self.v_raw[n_v:]
+
+    def _quantize_keys(self, block: torch.Tensor) -> None:
+        """Per-channel: one group = one channel over ``group`` tokens (``block`` ``[group, C]``)."""
+        if self.bits == 16:
+            self.kq.add(block.clone(), block.float())
+            return
+        codes = quant.quantize(block.float().T.contiguous(), self.bits, block.shape[0])   # rows = channels
+        self.kq.add(codes, quant.dequantize(codes).T)
+
+    def _quantize_values(self, rows: torch.Tensor) -> None:
+        """Per-token: groups of ``min(group, head_dim)`` consecutive channels of one head."""
+        if self.bits == 16:
+            self.vq.add(rows.clone(), rows.float())
+            return
+        vg = min(self.group, self.head_dim)
+        if self.head_dim % vg:
+            raise ValueError(f"head_dim {self.head_dim} must be a multiple of the value group {vg}")
+        codes = quant.quantize(rows.float(), self.bits, vg)
+        self.vq.add(codes, quant.dequantize(codes))
+
+    def history(self) -> KVView | None:
+        if self.k_raw is None:
+            return None
+        k = torch.cat(self.kq.rows + [self.k_raw.float()]).to(self.ctx.dtype)
+        v = torch.cat(self.vq.rows + [self.v_raw.float()]).to(self.ctx.dtype)
+        heads = lambda x: x.view(x.shape[0], self.heads, self.head_dim).transpose(0, 1).unsqueeze(0)  # noqa: E731
+        return KVView.dense(heads(k), heads(v), torch.arange(k.shape[0], device=k.device))
+
+    def stored_bytes(self) -> StoredBytes:
+        """Packed codes, fp16 min/scale per group, and the raw residual keys and values at FP16."""
+        kp, ks = self.kq.bytes()
+        vp, vs = self.vq.bytes()
+        raw = sum(0 if x is None else x.numel() * FP16_BYTES for x in (self.k_raw, self.v_raw))
+        return StoredBytes(layer=self.ctx.layer_idx, codes=kp + vp, scales=ks + vs, raw_window=raw)
+
+
+def _cat(a: torch.Tensor | None, b: torch.Tensor) -> torch.Tensor:
+    return b if a is None else torch.cat([a, b])
+
+
+def check_config(bits: int, group: int, residual: int) -> None:
+    """Raise ValueError for bits not in {2, 4, 8, 16}, group < 1, or residual not a positive multiple
+    of group (KIVI quantises the residual in whole key groups)."""
+    if bits not in BITS:
+        raise ValueError(f"bits must be one of {BITS}, got {bits}")
+    if group < 1:
+        raise ValueError(f"group must be >= 1, got {group}")
+    if residual < 1 or residual % group:
+        raise ValueError(f"residual must be a positive multiple of group = {group}, got {residual}")
+
+
+@dataclass
+class KIVIPress(Press):
+    """KIVI (Liu et al., ICML 2024): per-channel keys, per-token values, full-precision residual.
+
+    Parameters
+    ----------
+    bits : int, 2 — 2 (KIVI-2, the paper's headline) or 4 (KIVI-4); 8 and 16 (exact) for checks.
+    group : int, 32 — G, quantisation group (tokens for keys, channels for values).
+    residual : int, 32 — R, the full-precision residual (ResidualKV authors' KIVI config; the KIVI
+        paper uses 128).
+
+    Raises ValueError as :func:`check_config`.
+    """
+
+    name = "kivi"
+    bits: int = 2
+    group: int = 32
+    residual: int = 32
+
+    def __post_init__(self):
+        check_config(self.bits, self.group, self.residual)
+
+    def make_layer(self, ctx: LayerContext, cache: PressCache) -> StoreLayer:
+        return KIVILayer(ctx, cache, self.bits, self.group, self.residual)
+
+    def compute_ratio(self, n_layers: int) -> float | None:
+        """1.0: every token is attended (dequantised)."""
+        return 1.0

@@ -1,0 +1,167 @@
+"""OmniKV: token selection at a few full "filter" layers, shared by the sparse layers that follow.
+
+Hao et al., "OmniKV: Dynamic Context Selection for Efficient Long-Context LLMs", ICLR 2025
+(`antgroup/OmniKV`; the same mechanism inside ResidualKV's code, `CURRENTF/Sparse-vLLM` b5169d6).
+Every layer keeps its full KV (KR 100%). A filter layer attends densely; after its attention it scores
+the candidate tokens (neither sinks nor in the recent raw window) by raw q·k logits of the current
+queries, max over query heads and query rows, and keeps the top ``ceil(keep · n_candidates)``. The
+sparse layers up to the next filter layer read sinks + selected + window, one set shared by all heads.
+Layers before the first filter layer are dense.
+
+:class:`FilterLayer` is the one implementation of the filter step; ResidualKV's ``omnikv`` mode
+(:mod:`kvbench.compress.residualkv.cache`) uses it too, with its own sinks and window.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from kvbench.compress.cache import KVView, LayerContext, PressCache, Press, StoreLayer
+
+# The authors' filter layers for the models they released (sources.md, "OmniKV inside it").
+AUTHORS_FILTER_LAYERS = {32: (2, 8, 18), 28: (2, 4, 7, 14)}
+
+
+class Selector(Protocol):
+    """What a :class:`FilterLayer` needs from its press."""
+
+    n_sink: int
+    window: int
+    audit_steps: int
+
+    def n_keep(self, n_candidates: int) -> int: ...
+
+
+def keep_count(keep: float, n_candidates: int) -> int:
+    """``ceil(keep · n)`` clamped to ``[1, n]`` (0 when there is no candidate): OmniKV's budget as a
+    ratio (``num_of_selected_tokens`` given as a float), at least one token kept."""
+    if n_candidates <= 0:
+        return 0
+    return max(1, min(n_candidates, math.ceil(keep * n_candidates)))
+
+
+class FilterLayer(StoreLayer):
+    """A full-attention layer whose queries select the tokens of the following sparse layers.
+
+    After this layer's attention (in :meth:`commit`), with ``query`` ``[1, H_q, t, D]`` the chunk's
+    post-RoPE queries: candidates are the stored positions ``p`` with ``n_sink <= p < boundary``,
+    ``boundary = (tokens before the chunk) − window``; score(p) = max over query heads and rows of
+    q·k_p (raw logits, no softmax, no scaling, GQA by repeating KV heads); the top
+    ``selector.n_keep(n_candidates)`` positions, sorted, int64 ``[m]``, go to ``cache.step.selected``
+    and the first ``selector.audit_steps`` non-empty selections to ``cache.selections``. With no
+    candidate, ``selected`` is an empty int64 tensor. The candidate index is the absolute token
+    position, the same index the sparse layers' stores use.
+    """
+
+    def __init__(self, ctx: LayerContext, cache: PressCache, selector: Selector):
+        super().__init__(ctx, cache)
+        self.selector = selector
+
+    def commit(self, chunk: KVView, query: torch.Tensor) -> None:
+        view = self._view
+        super().commit(chunk, query)
+        boundary = self.seen - len(chunk) - self.selector.window
+        pos = view.positions[0, 0]
+        cand = (pos >= self.selector.n_sink) & (pos < boundary)
+        if not cand.any():
+            self.cache.step.selected = torch.zeros(0, dtype=torch.long, device=pos.device)
+            return
+        keys = view.keys[..., cand, :].repeat_interleave(query.shape[1] // view.keys.shape[1], 1)
+        scores = (query.float() @ keys.float().transpose(-1, -2)).amax(dim=(0, 1, 2))   # [n_cand]
+        top = scores.topk(self.selector.n_keep(int(cand.sum()))).indices
+        selected = pos[cand][top].sort().values
+        self.cache.step.selected = selected
+        if len(self.cache.selections) < self.selector.audit_steps:
+            self.cache.selections.append(selected.tolist())
+
+
+class SparseLayer(StoreLayer):
+    """A layer after a filter layer: stores every token exactly, reads sinks + selected + window.
+
+    ``history()`` returns the stored tokens whose position is a sink (``< n_sink``), in
+    ``cache.step.selected``, or in the recent window (``>= seen − window``), in position order.
+    """
+
+    def __init__(self, ctx: LayerContext, cache: PressCache, selector: Selector):
+        super().__init__(ctx, cache)
+        self.selector = selector
+
+    def history(self) -> KVView | None:
+        stored = self._stored
+        selected = self.cache.step.selected
+        if stored is None or selected is None:
+            return stored
+        pos = stored.positions[0, 0]
+        keep = (pos < self.selector.n_sink) | (pos >= self.seen - self.selector.window) | torch.isin(pos, selected)
+        return KVView(stored.keys[..., keep, :], stored.values[..., keep, :], stored.positions[..., keep])
+
+
+@dataclass
+class OmniKVPress(Press):
+    """OmniKV (Hao et al., ICLR 2025): full KV everywhere, token selection at filter layers.
+
+    Parameters
+    ----------
+    keep : float, 0.17 — share of the candidate tokens the sparse layers read (ResidualKV authors'
+        OmniKV baseline config; OmniKV's ``num_of_selected_tokens`` as a ratio).
+    filter_layers : tuple of int, () — filter layers; () = the authors' choice for 32-layer
+        (Llama-3.1-8B: 2, 8, 18) and 28-layer (Qwen2.5-7B: 2, 4, 7, 14) models, otherwise
+        ``(2, round(18/32 · L))`` (8 layers: 2, 4): layers 0-1 dense as in every authors' config, the last
+        filter at the same depth share as Llama's layer 18. Layers before the first filter are dense.
+    n_sink : int, 8 — leading tokens always read; window : int, 128 — latest tokens always read
+        (ResidualKV's cache defaults, so that OmniKV and ResidualKV+OmniKV differ only in storage).
+    audit_steps : int, 8 — selections recorded in ``cache.selections``.
+
+    Raises ValueError for keep outside (0, 1], negative n_sink/window/audit_steps, or (in
+    :meth:`new_cache`) a filter layer outside the model.
+    """
+
+    name = "omnikv"
+    keep: float = 0.17
+    filter_layers: tuple[int, ...] = ()
+    n_sink: int = 8
+    window: int = 128
+    audit_steps: int = 8
+
+    def __post_init__(self):
+        if not 0 < self.keep <= 1:
+            raise ValueError(f"keep must be in (0, 1], got {self.keep}")
+        for name in ("n_sink", "window", "audit_steps"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        self.filter_layers = tuple(sorted(int(i) for i in self.filter_layers))
+
+    def n_keep(self, n_candidates: int) -> int:
+        """Selected tokens for ``n_candidates`` candidates (:func:`keep_count`)."""
+        return keep_count(self.keep, n_candidates)
+
+    def layers_for(self, n_layers: int) -> tuple[int, ...]:
+        """The filter layers used on an ``n_layers`` model (the default rule in the class docstring)."""
+        if self.filter_layers:
+            bad = [i for i in self.filter_layers if not 0 <= i < n_layers]
+            if bad:
+                raise ValueError(f"filter_layers {bad} outside the model's {n_layers} layers")
+            return self.filter_layers
+        if n_layers in AUTHORS_FILTER_LAYERS:
+            return AUTHORS_FILTER_LAYERS[n_layers]
+        return tuple(sorted({i for i in (2, round(18 * n_layers / 32)) if i < n_layers}))
+
+    def new_cache(self, model: Any) -> PressCache:
+        self.layers_for(model.config.get_text_config().num_hidden_layers)   # validates before building
+        return super().new_cache(model)
+
+    def make_layer(self, ctx: LayerContext, cache: PressCache) -> StoreLayer:
+        filters = self.layers_for(ctx.n_layers)
+        if ctx.layer_idx in filters:
+            return FilterLayer(ctx, cache, self)
+        if not filters or ctx.layer_idx < filters[0]:
+            return StoreLayer(ctx, cache)
+        return SparseLayer(ctx, cache, self)
+
+    def compute_ratio(self, n_layers: int) -> float | None:
+        """None (measured only): the sparse layers read sinks + ``keep`` of the candidates + window,
+        so CR ≈ (n_dense + n_filter + n_sparse · keep) / L on contexts much longer than the window."""
+        return None
