@@ -201,3 +201,14 @@ def test_resume_is_bit_identical(model, tok, tmp_path):
 def test_bad_objective(model, tok, tmp_path):
     with pytest.raises(ValueError, match="objective must be one of"):
         _train(model, tok, tmp_path, objective="kl")
+
+
+def test_task_stream_gives_answer_labels_and_is_deterministic(tokenizer):
+    from kvbench.compress.residualkv.train import TaskStream
+
+    a, b = TaskStream(tokenizer, "train", 128, 0), TaskStream(tokenizer, "train", 128, 0)
+    ids, labels = a.batch(3)
+    ids2, labels2 = b.batch(3)
+    assert torch.equal(ids, ids2) and torch.equal(labels, labels2)
+    assert ids.shape == labels.shape and (labels != -100).any()
+    assert not torch.equal(a.batch(4)[0][:, :10], ids[:, :10]) or a.batch(4)[0].shape != ids.shape

@@ -73,7 +73,8 @@ def _codec_train(a: argparse.Namespace) -> None:
     if a.lr <= 0:
         raise ValueError(f"--lr must be > 0, got {a.lr}")
     summary = train_codec(model, tok, codec, out_dir=a.out, objective=a.objective, steps=a.steps, seq_len=a.seq_len,
-                          budget_s=a.budget_s, seed=a.seed, lr=a.lr, progress=True, save_unfinished=a.finish)
+                          budget_s=a.budget_s, seed=a.seed, lr=a.lr, progress=True, save_unfinished=a.finish,
+                          data=a.data)
     print(json.dumps(summary, indent=2, default=str))
 
 
@@ -196,6 +197,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seq-len", type=_positive_int, default=512, help="tokens per packed training window")
     s.add_argument("--budget-s", type=float, default=None, help="stop after this many seconds (rerun resumes)")
     s.add_argument("--lr", type=float, default=2e-4, help="AdamW peak learning rate (paper §V-A: 2e-4)")
+    s.add_argument("--data", default="text", choices=["text", "tasks"],
+                   help="text: packed corpus windows (the paper's kind of data); tasks: the zoo LM's own task mixture")
     s.add_argument("--finish", action="store_true",
                    help="save the codec also when --budget-s stops training early (summary.json says how many "
                         "steps ran); without it only a finished run saves codec/")

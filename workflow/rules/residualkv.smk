@@ -112,7 +112,8 @@ rule rkv_codec:
     shell:
         "kvbench codec-train --model {params.model:q} --out {params.out:q} --overrides {params.overrides:q}"
         " --objective {params.train[objective]} --steps {params.train[steps]} --seq-len {params.train[seq_len]}"
-        " --budget-s {params.train[budget_s]} --lr {params.train[lr]} --seed {params.seed} --threads {threads}"
+        " --budget-s {params.train[budget_s]} --lr {params.train[lr]} --data {params.train[data]} --seed {params.seed}"
+        " --threads {threads}"
         " --finish > {log} 2>&1"
 
 

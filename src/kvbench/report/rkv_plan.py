@@ -79,9 +79,9 @@ class RKVPlan:
         return {**self.s["codec"], **self.variants[variant].get("overrides", {})}
 
     def codec_training(self, variant: str) -> dict:
-        """``{objective, steps, seq_len, budget_s}`` of ``variant`` (the ``train`` section, then its own keys)."""
+        """``{objective, steps, seq_len, budget_s, lr, data}`` of ``variant`` (the ``train`` section, then its own keys)."""
         v = self.variants[variant]
-        return {**self.s["train"], **{k: v[k] for k in ("objective", "steps", "seq_len", "budget_s", "lr") if k in v}}
+        return {**self.s["train"], **{k: v[k] for k in ("objective", "steps", "seq_len", "budget_s", "lr", "data") if k in v}}
 
     def codec_of(self, spec: str) -> str | None:
         """The codec variant a press spec reads (None for presses without a codec)."""

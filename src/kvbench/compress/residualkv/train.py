@@ -186,9 +186,10 @@ def compressed_forward(model: Any, codec: ResidualCodec, input_ids: torch.Tensor
     return logits, kv_hat, teacher
 
 
-def ntp_loss(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy (nats/token) over the T-1 predicted tokens of ``[B, T]``."""
-    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), input_ids[:, 1:].flatten())
+def ntp_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy (nats/token) over the predicted tokens of ``labels`` ``[B, T]``
+    (the input ids for plain text; -100 marks positions without a target, e.g. task prompts)."""
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100)
 
 
 def rec_loss(kv_hat: list[torch.Tensor], teacher: list[torch.Tensor]) -> torch.Tensor:
@@ -237,6 +238,11 @@ class TokenStream:
         self._next += 1
         self.ids.extend(self.tok(text, add_special_tokens=False)["input_ids"] + [self.eos])
 
+    def batch(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(ids, labels)`` of window ``i``: every token is a next-token target."""
+        ids = self.window(i)
+        return ids, ids
+
     def window(self, i: int) -> torch.Tensor:
         """int64 ``[1, seq_len]``: the ``i``-th window (0-based)."""
         end = (i + 1) * self.seq_len
@@ -245,13 +251,46 @@ class TokenStream:
         return torch.tensor([self.ids[end - self.seq_len:end]], dtype=torch.long)
 
 
+class TaskStream:
+    """Sequences of the zoo LM's own task mixture (``kvbench.train.recipes``: needle, key-value and
+    variable-tracking retrieval over real prose, code completion), one record per step, labels on the
+    answers (code: every token), from the smoke generators' ``split`` pools in a seeded order.
+
+    Why: the zoo LM was trained on these tasks, not on plain text (its NTP loss on stdlib text is ~7.9
+    nats, near uniform), so plain text gives the codec's NTP term no signal; the paper trains on the kind
+    of text its backbones model (FineWeb-Edu). ``docs/decisions.md``, "ResidualKV", codec training data.
+    """
+
+    def __init__(self, tokenizer: Any, split: str, seq_len: int, seed: int) -> None:
+        from kvbench.train.recipes import _lm_tasks
+
+        self.tok, self.split, self.seq_len, self.seed = tokenizer, split, seq_len, seed
+        self.mixture = _lm_tasks(seq_len)
+
+    def batch(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(ids, labels)`` int64 ``[1, T]`` of record ``i`` (T ≈ ``seq_len`` plus its answers)."""
+        from kvbench.data import smoke
+        from kvbench.models.prompting import encode_record
+
+        rng = random.Random(f"{self.seed}:{self.split}:{i}")
+        fam, _, params = rng.choices(self.mixture, [m[1] for m in self.mixture])[0]
+        params = dict(params)
+        full_loss = params.pop("full_loss", False)
+        enc = encode_record(smoke.sample(fam, rng, self.split, tokenizer=self.tok, **params), self.tok, with_answer=True)
+        return enc["input_ids"], enc["input_ids"].clone() if full_loss else enc["labels"]
+
+
+#: Training data of the codec: plain text (the paper's kind) or the zoo LM's task mixture.
+DATA = {"text": TokenStream, "tasks": TaskStream}
+
+
 @torch.no_grad()
 def evaluate(model: Any, codec: ResidualCodec, windows: list[torch.Tensor]) -> dict:
-    """Mean compressed-pass NTP loss and rec loss over ``windows`` (each int64 ``[1, T]``)."""
+    """Mean compressed-pass NTP loss and rec loss over ``windows`` (``(ids, labels)``, int64 ``[1, T]`` each)."""
     ntp = rec = 0.0
-    for ids in windows:
+    for ids, labels in windows:
         logits, hat, teacher = compressed_forward(model, codec, ids)
-        ntp += ntp_loss(logits, ids).item()
+        ntp += ntp_loss(logits, labels).item()
         rec += rec_loss(hat, teacher).item()
     return {"eval_ntp": ntp / len(windows), "eval_rec": rec / len(windows)}
 
@@ -259,7 +298,7 @@ def evaluate(model: Any, codec: ResidualCodec, windows: list[torch.Tensor]) -> d
 @torch.no_grad()
 def baseline_ntp(model: Any, windows: list[torch.Tensor]) -> float:
     """Mean NTP loss of the uncompressed model over ``windows``."""
-    return sum(ntp_loss(model(input_ids=w, use_cache=False).logits, w).item() for w in windows) / len(windows)
+    return sum(ntp_loss(model(input_ids=w, use_cache=False).logits, lab).item() for w, lab in windows) / len(windows)
 
 
 def _model_signature(model: Any) -> dict:
@@ -269,7 +308,8 @@ def _model_signature(model: Any) -> dict:
 
 def train_codec(model: Any, tokenizer: Any, codec: ResidualCodec, *, out_dir: str | Path, objective: str = "joint",
                 steps: int, seq_len: int = 512, budget_s: float | None = None, seed: int = 0, lr: float = 2e-4,
-                log_every: int = 10, eval_every: int = 50, progress: bool = True) -> dict:
+                log_every: int = 10, eval_every: int = 50, progress: bool = True, data: str = "text",
+                save_unfinished: bool = False) -> dict:
     """Train ``codec`` on the frozen ``model`` (paper §IV-D, §V-A), resuming from ``out_dir/state``.
 
     AdamW (lr ``lr``, 2% warm-up then linear decay), gradient clipping at 1.0, batch 1, one packed
@@ -286,6 +326,9 @@ def train_codec(model: Any, tokenizer: Any, codec: ResidualCodec, *, out_dir: st
     Args:
         budget_s: stop (state saved) once this many seconds of training have elapsed, summed over
             resumes; a rerun continues. ``None``: no limit.
+        data: ``"text"`` (packed corpus windows, :class:`TokenStream`) or ``"tasks"`` (:class:`TaskStream`).
+        save_unfinished: also save ``codec/`` when the budget stopped training early (``summary.json``
+            records ``finished: false`` and the steps done).
 
     Returns:
         the summary dict: steps_done, steps, finished, wall_s, steps_per_s, final_loss/ntp/rec,
@@ -302,7 +345,7 @@ def train_codec(model: Any, tokenizer: Any, codec: ResidualCodec, *, out_dir: st
     if steps <= 0 or seq_len <= 1:
         raise ValueError(f"steps must be > 0 and seq_len > 1, got steps={steps}, seq_len={seq_len}")
     out_dir = Path(out_dir)
-    run_cfg = {"codec": json.loads(codec.config.to_json()), "objective": objective, "steps": steps,
+    run_cfg = {"codec": json.loads(codec.config.to_json()), "objective": objective, "steps": steps, "data": data,
                "seq_len": seq_len, "seed": seed, "lr": lr, "model": _model_signature(model)}
     opt = torch.optim.AdamW(codec.parameters(), lr=lr)
     modules = {"codec": codec}
@@ -311,9 +354,11 @@ def train_codec(model: Any, tokenizer: Any, codec: ResidualCodec, *, out_dir: st
         diff = sorted(k for k in run_cfg if meta["run"].get(k) != run_cfg[k])
         raise ValueError(f"{out_dir / 'state'} was written by another configuration (differs in {diff}); "
                          "use a new out_dir or delete it to start over")
-    stream = TokenStream(tokenizer, "train", seq_len, seed)
-    val_stream = TokenStream(tokenizer, "test", seq_len, VAL_SEED)
-    val = [val_stream.window(i) for i in range(N_VAL_WINDOWS)]
+    if data not in DATA:
+        raise ValueError(f"data must be one of {sorted(DATA)}, got {data!r}")
+    stream = DATA[data](tokenizer, "train", seq_len, seed)
+    val_stream = DATA[data](tokenizer, "test", seq_len, VAL_SEED)
+    val = [val_stream.batch(i) for i in range(N_VAL_WINDOWS)]
 
     frozen = {n: p.requires_grad for n, p in model.named_parameters()}
     was_training = model.training
@@ -327,7 +372,7 @@ def train_codec(model: Any, tokenizer: Any, codec: ResidualCodec, *, out_dir: st
         else:
             torch.set_rng_state(torch.tensor(meta["rng"], dtype=torch.uint8))
         summary = _loop(model, codec, opt, stream, val, meta, out_dir, objective, steps, lr, budget_s,
-                        log_every, eval_every, progress)
+                        log_every, eval_every, progress, save_unfinished)
     finally:
         for n, p in model.named_parameters():
             p.requires_grad_(frozen[n])
@@ -336,7 +381,7 @@ def train_codec(model: Any, tokenizer: Any, codec: ResidualCodec, *, out_dir: st
 
 
 def _loop(model, codec, opt, stream, val, meta, out_dir, objective, steps, lr, budget_s,
-          log_every, eval_every, progress) -> dict:
+          log_every, eval_every, progress, save_unfinished=False) -> dict:
     """The step loop of :func:`train_codec` (state in ``meta``)."""
     curves_path = out_dir / "curves.csv"
     rows = []
@@ -360,9 +405,9 @@ def _loop(model, codec, opt, stream, val, meta, out_dir, objective, steps, lr, b
         while step < steps:
             for group in opt.param_groups:
                 group["lr"] = lr_at(step, steps, lr)
-            ids = stream.window(step)
+            ids, labels = stream.batch(step)
             logits, hat, teacher = compressed_forward(model, codec, ids)
-            ntp, rec = ntp_loss(logits, ids), rec_loss(hat, teacher)
+            ntp, rec = ntp_loss(logits, labels), rec_loss(hat, teacher)
             loss = {"joint": ntp + rec, "ntp": ntp, "mse": rec}[objective]
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -396,12 +441,13 @@ def _loop(model, codec, opt, stream, val, meta, out_dir, objective, steps, lr, b
     finished = step >= steps
     wall = meta["elapsed_s"]
     summary = {"steps_done": step, "steps": steps, "finished": finished, "objective": objective,
+               "data": meta["run"].get("data", "text"),
                "wall_s": round(wall, 2), "steps_per_s": round(step / wall, 3) if wall > 0 else None,
                "final_loss": last.get("loss"), "final_ntp": last.get("ntp"), "final_rec": last.get("rec"),
                "baseline_ntp": meta["baseline_ntp"], "eval_before": meta["eval_before"],
                "eval_final": evals.get(step) or evaluate(model, codec, val),
                "n_val_windows": len(val), "codec_params": codec.n_params()}
-    if finished:
+    if finished or save_unfinished:
         codec.save(out_dir / "codec")
     write_json(out_dir / "summary.json", summary)
     return summary
