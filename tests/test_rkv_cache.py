@@ -115,3 +115,13 @@ def test_snapkv_mode_keeps_the_keep_share_of_codes_and_every_reference(tiny_lm, 
     codes = layer.codes.positions()
     assert (codes < 46).sum().item() == 18 and (codes[codes < 46] >= 18).all()
     assert (codes >= 46).sum().item() == 8
+
+
+def test_without_references_every_token_is_coded_and_identity_stays_exact(tiny_lm, tmp_path):
+    codec_dir = _identity_codec(tiny_lm, tmp_path / "noref", n_sink=2, window=4, references=False)
+    press = ResidualKVPress(codec_dir=str(codec_dir), mode="standalone", bits=32, ref_fp8=False)
+    got, cache = _run(tiny_lm, press, IDS, CUTS)
+    want, _ = _run(tiny_lm, Press(), IDS, CUTS)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+    layer = cache.layers[0]
+    assert len(layer.ref_pos) == 0 and len(layer.codes.positions()) == 54 and layer.stored_bytes().indices == 0

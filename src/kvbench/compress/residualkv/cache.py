@@ -187,6 +187,8 @@ class ResidualKVLayer(StoreLayer):
         kv, pos = self._kv_pre(old), old.positions[0, 0]
         is_ref = references.reference_mask(pos, n_sink=self.cfg.n_sink, stride=self.cfg.stride,
                                            alpha=self.cfg.alpha, grid=self.cfg.grid)
+        if not self.cfg.references:
+            is_ref = torch.zeros_like(is_ref)
         if is_ref.any():
             if self.press.ref_fp8:
                 stored, sat = quant.to_fp8(kv[is_ref])
@@ -199,8 +201,11 @@ class ResidualKVLayer(StoreLayer):
         if not tok.any():
             return
         refs = self.refs()
-        nbr, valid = references.nearest_references(kv[tok], pos[tok], refs, self.ref_pos, self.cfg.k)
-        mean = references.mean_reference(refs, nbr, valid)
+        if self.cfg.references:
+            nbr, valid = references.nearest_references(kv[tok], pos[tok], refs, self.ref_pos, self.cfg.k)
+        else:  # no references: a zero mean, no indices stored
+            nbr, valid = torch.zeros(int(tok.sum()), 0, dtype=torch.long), torch.zeros(int(tok.sum()), 0, dtype=torch.bool)
+        mean = self._mean(refs, nbr, valid)
         with torch.no_grad():
             if self.press.use_codec:
                 z = self.codec.residual_code(kv[tok], mean)
@@ -209,6 +214,12 @@ class ResidualKVLayer(StoreLayer):
         # bits 32: the payload stored exactly in float32 (the identity-codec invariant; not a paper setting)
         codes = z.float().clone() if self.press.bits == 32 else quant.quantize(z, self.press.bits, self.cfg.group)
         self.codes.add(codes, nbr, valid, pos[tok], len(self.ref_pos))
+
+    def _mean(self, refs: torch.Tensor, nbr: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """Mean of each token's references ``[n, d_kv]`` (zeros without references)."""
+        if nbr.shape[-1] == 0:
+            return torch.zeros(nbr.shape[0], self.cfg.d_kv)
+        return references.mean_reference(refs, nbr, valid)
 
     # -- reading ---------------------------------------------------------------------------------------
     def history(self) -> KVView | None:
@@ -225,7 +236,7 @@ class ResidualKVLayer(StoreLayer):
             keep = torch.ones_like(code_pos, dtype=torch.bool) if selected is None else torch.isin(code_pos, selected)
             if keep.any():
                 z, nbr, valid = self.codes.dequantized()
-                mean = references.mean_reference(self.refs(), nbr[keep], valid[keep])
+                mean = self._mean(self.refs(), nbr[keep], valid[keep])
                 with torch.no_grad():
                     kv = self.codec.restore(z[keep], mean) if self.press.use_codec else z[keep] + mean
                 parts.append(self._to_view(kv, code_pos[keep]))

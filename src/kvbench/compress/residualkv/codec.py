@@ -60,6 +60,8 @@ class CodecConfig:
         :func:`separate_d_ff` for their sizing.
     encoder, decoder : str, "swiglu" / "linear" — kinds of f_c and f_d; ("linear", "swiglu") is
         the reversed codec of Fig. 6.
+    references : bool, True — False: no reference tokens; every non-sink token is coded against a zero
+        mean (z = f_c(kv) − f_c(0), kv̂ = f_d(z)): Table VIII's "without references" ablation.
 
     Raises:
         ValueError: non-positive sizes, ``k < 1``, ``n_sink``/``window`` negative, ``bits`` not in
@@ -83,6 +85,7 @@ class CodecConfig:
     joint: bool = True
     encoder: str = "swiglu"
     decoder: str = "linear"
+    references: bool = True
 
     def __post_init__(self) -> None:
         for name in ("n_layers", "d_kv", "d_c", "d_ff", "stride", "group"):

@@ -94,6 +94,8 @@ def compress_kv(codec_layer: Any, kv: torch.Tensor, positions: torch.Tensor, cfg
     """
     ref = reference_mask(positions, n_sink=cfg.n_sink, stride=cfg.stride, alpha=cfg.alpha, grid=cfg.grid,
                          block=max(1, cfg.window))
+    if not cfg.references:  # Table VIII "without references": code every token against a zero mean
+        ref = torch.zeros_like(ref)
     coded = ~(ref | (positions < cfg.n_sink))
     if not coded.any():  # e.g. stride 1: every token is kept raw
         return kv
@@ -101,9 +103,12 @@ def compress_kv(codec_layer: Any, kv: torch.Tensor, positions: torch.Tensor, cfg
     for row in kv:  # batch rows are independent sequences
         ref_kv = row[ref].detach() if detach_refs else row[ref]
         x = row[coded]
-        # Only the ranking is taken from here (indices carry no gradient).
-        idx, valid = nearest_references(x.detach(), positions[coded], ref_kv.detach(), positions[ref], cfg.k)
-        mean = mean_reference(ref_kv, idx, valid)
+        if cfg.references:
+            # Only the ranking is taken from here (indices carry no gradient).
+            idx, valid = nearest_references(x.detach(), positions[coded], ref_kv.detach(), positions[ref], cfg.k)
+            mean = mean_reference(ref_kv, idx, valid)
+        else:
+            mean = torch.zeros_like(x)
         new = row.clone()
         new[coded] = codec_layer.restore(codec_layer.residual_code(x, mean), mean).to(row.dtype)
         out.append(new)
