@@ -1,0 +1,99 @@
+"""ResidualKV press specs, the run plan and the tables computed from run directories (exact values)."""
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+import pytest
+
+from kvbench.eval.compress import CompressMethod, canonical_press_spec, parse_press_spec
+from kvbench.eval.methods import get_method
+from kvbench.report import residualkv
+from kvbench.report.rkv_plan import RKVPlan, slug
+from kvbench.utils.io import write_jsonl
+
+SECTION = {
+    "model": "tiny-qwen2-lm", "tasks": ["kv_1k", "niah_1k"], "n_test": 2,
+    "codec": {"d_c": 32, "d_ff": 192, "n_sink": 8, "stride": 10, "window": 32},
+    "train": {"objective": "joint", "steps": 10, "seq_len": 64, "budget_s": 10, "lr": 0.001, "data": "tasks"},
+    "variants": {"norefs": {"overrides": {"references": False}}},
+    "full_layers": [0, 1],
+    "tableIII": [{"label": "Full cache", "method": "fullkv"},
+                 {"label": "ResidualKV", "method": "residualkv:mode=omnikv,full_layers=0+1,keep=0.2"}],
+    "stride_sweep": {"method": "residualkv:mode=omnikv,full_layers=0+1", "alpha": [0, 0.1], "stride": [5]},
+}
+
+
+def test_press_specs_parse_and_canonicalise():
+    assert canonical_press_spec("snapkv:window=16,keep=0.3") == "snapkv:keep=0.3,window=16"
+    assert parse_press_spec("residualkv:full_layers=0+1,use_codec=false")[1] == {"full_layers": [0, 1], "use_codec": False}
+    assert slug("residualkv:mode=omnikv,full_layers=0+1") == "residualkv_full_layers-0.1_mode-omnikv"
+
+
+@pytest.mark.parametrize("spec, match", [
+    ("zip:keep=1", "unknown compression method 'zip'"),
+    ("snapkv:kep=0.3", "unknown parameter 'kep'"),
+    ("snapkv:keep", "is not key=value"),
+    ("residualkv:use_codec=no", "must be true or false"),
+    ("residualkv:codec_dir=/x", "unknown parameter 'codec_dir'"),
+])
+def test_bad_press_specs_are_named(spec, match):
+    with pytest.raises(ValueError, match=match):
+        parse_press_spec(spec)
+
+
+def test_get_method_routes_press_specs():
+    m = get_method("snapkv:keep=0.5")
+    assert isinstance(m, CompressMethod) and m.press().keep == 0.5
+    with pytest.raises(ValueError, match="needs codec_dir"):
+        get_method("residualkv:mode=standalone").press()
+
+
+def test_compress_method_refuses_vlm_records():
+    with pytest.raises(ValueError, match="text records"):
+        get_method("fullkv").check_records([{"id": "a", "kind": "vlm"}])
+
+
+def test_plan_maps_specs_to_runs_and_codecs():
+    plan = RKVPlan(SECTION, "smoke")
+    assert plan.codec_of("fullkv") is None and plan.codec_of("residualkv") == "main"
+    assert plan.run_dir("kv_1k", "fullkv") == "results/runs/smoke/tiny-qwen2-lm/kv_1k/residualkv/fullkv"
+    assert [r.label for r in plan.rows("fig5")] == ["alpha = 0", "alpha = 0.1", "stride = 5"]
+    assert plan.codec_overrides("norefs")["references"] is False and plan.codec_training("norefs")["data"] == "tasks"
+    with pytest.raises(ValueError, match="codec variant 'other'"):
+        RKVPlan({**SECTION, "tableIII": [{"label": "x", "method": "residualkv:codec=other"}]}, "smoke")
+
+
+def _fake_run(root, plan, task, spec, scores, kr, cr, n_tokens=1000):
+    rows = [{"id": str(i), "score": s, "status": "ok", "plan": {"kr": kr, "cr": cr, "n_tokens": n_tokens}}
+            for i, s in enumerate(scores)]
+    write_jsonl(root / plan.run_dir(task, spec) / "predictions.jsonl", rows)
+
+
+def test_table_iii_cells_kr_and_cr(tmp_path):
+    plan = RKVPlan(SECTION, "smoke")
+    full, rkv = (r.spec for r in plan.rows("tableIII"))
+    _fake_run(tmp_path, plan, "kv_1k", full, [1, 1], 1.0, 1.0)
+    _fake_run(tmp_path, plan, "niah_1k", full, [1, 0], 1.0, 1.0)
+    _fake_run(tmp_path, plan, "kv_1k", rkv, [1, 0], 0.4, 0.5)
+    _fake_run(tmp_path, plan, "niah_1k", rkv, [0, 0], 0.2, 0.3)
+    df = residualkv.score_table(plan, "tableIII", tmp_path, model_shape=(8, 128))
+    assert df["kv_1k"].tolist() == [100.0, 50.0] and df["niah_1k"].tolist() == [50.0, 0.0]
+    assert df["avg"].tolist() == [75.0, 25.0]
+    assert df["KR %"].tolist() == [100.0, 30.0] and df["CR %"].tolist() == [100.0, 40.0]
+    # formula: 2 of 8 layers full (q = 1), 99 refs in 1000 tokens (sinks 8, stride 10) FP8, d_c/d_kv = 1/4 at INT4
+    want = 0.25 * 1 + 0.75 * (99 / 1000 * 0.5 + 0.3125 * 0.25)
+    assert df["KR formula %"].tolist()[1] == round(100 * want, 1) and pd.isna(df["KR formula %"].tolist()[0])
+
+
+def test_missing_run_is_named(tmp_path):
+    plan = RKVPlan(SECTION, "smoke")
+    with pytest.raises(FileNotFoundError, match="fullkv has no predictions.jsonl"):
+        residualkv.score_table(plan, "tableIII", tmp_path, model_shape=(8, 128))
+
+
+def test_report_rejects_bad_json(tmp_path):
+    with pytest.raises(ValueError, match="--residualkv must be JSON"):
+        residualkv.report("tableIII", "{bad", tmp_path / "t.csv")
+    with pytest.raises(ValueError, match="unknown ResidualKV report target"):
+        residualkv.report("tableIX", json.dumps({"profile": "smoke", "residualkv": SECTION}), tmp_path / "t.csv")
