@@ -85,11 +85,23 @@ class _Codes:
     def positions(self) -> torch.Tensor:
         return torch.cat(self.pos) if self.pos else torch.zeros(0, dtype=torch.long)
 
-    def dequantized(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(z̃ [C, d_c] float32, nbr [C, k] int64, valid [C, k])``."""
-        exact = lambda c: isinstance(c, torch.Tensor) and c.dtype == torch.float32  # noqa: E731  bits 32
-        z = torch.cat([c if exact(c) else quant.dequantize(c) for c in self.chunks])
-        return z, torch.cat([n.long() for n in self.nbr]), torch.cat(self.valid)
+    def dequantized(self, selected: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(z̃ [C, d_c] float32, nbr [C, k] int64, valid [C, k], positions [C])`` of the coded tokens at
+        ``selected`` positions (all when None). Only the selected tokens' codes are dequantised: the point of
+        restoring where sparse attention reads (§IV-C)."""
+        zs, ns, vs, ps = [], [], [], []
+        for c, n, v, p in zip(self.chunks, self.nbr, self.valid, self.pos):
+            if selected is not None:
+                m = torch.isin(p, selected)
+                if not m.any():
+                    continue
+                c, n, v, p = (c[m] if isinstance(c, torch.Tensor) else c.take(m)), n[m], v[m], p[m]
+            exact = isinstance(c, torch.Tensor) and c.dtype == torch.float32  # bits 32
+            zs.append(c if exact else quant.dequantize(c))
+            ns.append(n.long()), vs.append(v), ps.append(p)
+        if not zs:
+            return None, None, None, None
+        return torch.cat(zs), torch.cat(ns), torch.cat(vs), torch.cat(ps)
 
     def nbytes(self) -> tuple[int, int, int]:
         """``(payload, scales, indices)`` bytes as held."""
@@ -231,15 +243,12 @@ class ResidualKVLayer(StoreLayer):
             keep = torch.ones_like(self.ref_pos, dtype=torch.bool) if selected is None else torch.isin(self.ref_pos, selected)
             if keep.any():
                 parts.append(self._to_view(self.refs()[keep], self.ref_pos[keep]))
-        code_pos = self.codes.positions()
-        if len(code_pos):
-            keep = torch.ones_like(code_pos, dtype=torch.bool) if selected is None else torch.isin(code_pos, selected)
-            if keep.any():
-                z, nbr, valid = self.codes.dequantized()
-                mean = self._mean(self.refs(), nbr[keep], valid[keep])
-                with torch.no_grad():
-                    kv = self.codec.restore(z[keep], mean) if self.press.use_codec else z[keep] + mean
-                parts.append(self._to_view(kv, code_pos[keep]))
+        z, nbr, valid, code_pos = self.codes.dequantized(selected)
+        if z is not None:
+            mean = self._mean(self.refs(), nbr, valid)
+            with torch.no_grad():
+                kv = self.codec.restore(z, mean) if self.press.use_codec else z + mean
+            parts.append(self._to_view(kv, code_pos))
         parts.append(self.window)
         return KVView.cat(parts)
 
