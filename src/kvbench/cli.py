@@ -136,7 +136,36 @@ def _report(a: argparse.Namespace) -> None:
                        allow_missing=a.allow_missing)
 
 
+def _bench_rkv(a: argparse.Namespace) -> None:
+    from kvbench.bench import codec_cost, decode
+
+    if a.what == "codec-cost":
+        d_kv, d_c, d_ff = a.codec_shape
+        rows, header = codec_cost.measure_codec_cost(
+            d_kv, d_c, d_ff, tokens=a.tokens, restore_tokens=a.restore_tokens, decode_steps=a.decode_steps or 512,
+            repeats=5 if a.repeats is None else a.repeats, warmup=1 if a.warmup is None else a.warmup, threads=a.threads, device=a.device,
+            dtype=a.dtype, seed=a.seed)
+        columns = codec_cost.COLUMNS
+    else:
+        rows, header = decode.measure_decode_throughput(
+            a.model or "timing-qwen2-lm-wide", a.contexts or decode.CPU_CONTEXTS, a.methods or decode.METHODS,
+            decode_steps=a.decode_steps or 32, warmup_steps=4 if a.warmup is None else a.warmup,
+            repeats=3 if a.repeats is None else a.repeats, threads=a.threads, device=a.device, dtype=a.dtype, seed=a.seed,
+            codec_dir=a.codec_dir, tokenizer=a.tokenizer or "tiny-qwen2-lm", log=print)
+        columns = decode.COLUMNS
+    decode.write_csv(rows, header, columns, a.out)
+    print(header)
+
+
 def _bench(a: argparse.Namespace) -> None:
+    if a.what in ("rkv-throughput", "codec-cost"):
+        _bench_rkv(a)
+        return
+    from kvbench.bench import BENCH_DEFAULTS as d
+
+    for name in ("model", "methods", "repeats", "warmup"):   # None: the verb's own default
+        if getattr(a, name) is None:
+            setattr(a, name, d[name])
     if a.what == "conduit-table3":
         from kvbench.bench.table3 import write_table3
 
@@ -256,23 +285,41 @@ def build_parser() -> argparse.ArgumentParser:
 
     from kvbench.bench import BENCH_DEFAULTS as d  # light module: defaults only
 
-    s = sub.add_parser("bench", help="latency benchmarks: conduit-latency (raw TTFT/FLOPs CSV), conduit-table3")
-    s.add_argument("what", choices=["conduit-latency", "conduit-table3"])
+    s = sub.add_parser("bench", help="latency benchmarks: conduit-latency (raw TTFT/FLOPs CSV), conduit-table3, "
+                                      "rkv-throughput (ResidualKV Fig. 8), codec-cost (ResidualKV Fig. 6)")
+    s.add_argument("what", choices=["conduit-latency", "conduit-table3", "rkv-throughput", "codec-cost"])
     s.add_argument("--out", required=True, help="raw measurements CSV (conduit-latency) or table CSV (conduit-table3)")
-    s.add_argument("--model", default=d["model"], help="timing model name (random weights) or checkpoint dir")
-    s.add_argument("--tokenizer", default=None, help="tokenizer directory (timing models)")
+    s.add_argument("--model", default=None, help=f"timing model name (random weights) or checkpoint dir "
+                   f"(default: {d['model']}; rkv-throughput: timing-qwen2-lm-wide)")
+    s.add_argument("--tokenizer", default=None, help="tokenizer directory (timing models; rkv-throughput: the zoo's "
+                   "tiny-qwen2-lm, for its vocabulary size)")
     s.add_argument("--sizes", type=int, nargs="+", default=d["sizes"], help="pages per request, one context each")
     s.add_argument("--page-px", type=int, default=d["page_px"], help="page side in px (multiple of 28, <= 448)")
     s.add_argument("--r", type=float, default=d["r"], help="refresh ratio of the budgeted methods")
-    s.add_argument("--methods", nargs="+", default=d["methods"], help="refresh policies (full is always added)")
-    s.add_argument("--repeats", type=int, default=d["repeats"], help="timed runs per (size, method)")
-    s.add_argument("--warmup", type=int, default=d["warmup"], help="untimed runs first")
+    s.add_argument("--methods", nargs="+", default=None, help="refresh policies (full is always added); "
+                   "rkv-throughput: full, residualkv-omnikv, residualkv-omnikv-unquantised (default: all)")
+    s.add_argument("--repeats", type=int, default=None,
+                   help=f"timed runs per (size, method) (default: {d['repeats']}; rkv-throughput 3, codec-cost 5)")
+    s.add_argument("--warmup", type=int, default=None,
+                   help=f"untimed runs first (default: {d['warmup']}; rkv-throughput: 4 decode steps, codec-cost 1)")
     s.add_argument("--threads", type=_positive_int, default=None, help="torch threads (default: torch's)")
     s.add_argument("--device", default="auto", help="auto (CUDA if available), cpu or cuda[:i]")
     s.add_argument("--dtype", default="auto", help="auto (bfloat16 on CUDA, float32 on CPU) or a torch dtype")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--raw", default=None, help="conduit-table3: the raw CSV")
     s.add_argument("--profile", default="smoke", help="conduit-table3: profile named in the header line")
+    s.add_argument("--contexts", type=_positive_int, nargs="+", default=None,
+                   help="rkv-throughput: context lengths in tokens (default 1024 2048 4096 8192, for a CPU; "
+                        "the paper's range on a GPU: 65536 131072 262144 524288)")
+    s.add_argument("--decode-steps", type=_positive_int, default=None,
+                   help="rkv-throughput: timed greedy steps per run (default 32); codec-cost: restores in the total "
+                        "(default 512)")
+    s.add_argument("--codec-dir", default=None, help="rkv-throughput: a trained codec (default: a random one)")
+    s.add_argument("--codec-shape", type=_positive_int, nargs=3, default=[2048, 512, 3072],
+                   metavar=("D_KV", "D_C", "D_FF"), help="codec-cost: ResidualKV codec shape (default: Table I Llama)")
+    s.add_argument("--tokens", type=_positive_int, default=4096, help="codec-cost: tokens coded on the prefill path")
+    s.add_argument("--restore-tokens", type=_positive_int, default=None,
+                   help="codec-cost: tokens restored per decode step (default: ceil(0.17 x tokens))")
     s.set_defaults(func=_bench)
     return p
 

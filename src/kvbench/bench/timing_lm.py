@@ -1,0 +1,106 @@
+"""Random-weight text LMs for timing only (ResidualKV Fig. 8, decode throughput vs context length).
+
+The trained zoo LM (``tiny-qwen2-lm``, d=128, 8 layers, d_kv 128) is so small that a decode step is
+dominated by Python and kernel-launch overhead, not by the KV reads and restores a compressed cache
+saves. Decode throughput is therefore measured on a *wider* model of the same class,
+``Qwen2ForCausalLM``, built in memory with **random weights** (never trained, never saved): the time of
+a decode step depends on the shapes and on how many keys each layer reads and restores, not on the
+weights, while the tokens it generates are meaningless. CSVs that use it say so in their header.
+This mirrors :mod:`kvbench.bench.timing_model`, which does the same for the CONDUIT VLM.
+
+:func:`full_layers_for` picks ResidualKV+OmniKV's full-attention layers in the pattern of the paper's
+Table I (the first layers plus a few spread ones; Llama-3.1-8B: 0, 1, 2, 8, 18 of 32, 15.6%).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import transformers
+
+#: Shapes of the timing LMs (Llama-3.1-8B for comparison: d=4096, 32 layers, 32 query / 8 KV heads of
+#: 128, MLP 14336, d_kv 2048).
+TIMING_LMS: dict[str, dict[str, Any]] = {
+    # KV-bound by design: d_kv = 2 * 2 * 128 = 512 per layer (Qwen2.5-7B: 1,024) on small weights
+    # (2.9M per layer), so that CPU contexts of 1K-8K tokens hold 0.2-1.4x the weights in KV, the regime
+    # of Llama-3.1-8B at the paper's 64K-900K tokens (0.6-8.5x); 12 layers and 4 query heads keep the
+    # untimed prefill of 8K tokens under a minute on 2 CPU cores; positions up to 1M for a GPU.
+    "timing-qwen2-lm-wide": {
+        "hidden_size": 512, "intermediate_size": 1408, "num_hidden_layers": 12,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 128,
+        "max_position_embeddings": 1 << 20, "initializer_range": 0.02,
+    },
+    # A small variant for unit tests of the benchmark code (fast, still the real class); d_kv = 64.
+    "timing-qwen2-lm-test": {
+        "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+        "max_position_embeddings": 1 << 16, "initializer_range": 0.02,
+    },
+}
+
+#: The zoo tokenizer whose vocabulary the timing LMs use (only its size matters: the LM head's width).
+ZOO_TOKENIZER = "tiny-qwen2-lm"
+
+
+def zoo_vocab_size(tokenizer: str = ZOO_TOKENIZER) -> int:
+    """Vocabulary size of ``tokenizer`` (a directory or zoo name, :func:`kvbench.models.loader.resolve_spec`).
+
+    Raises:
+        kvbench.models.loader.CheckpointError: the directory does not exist.
+    """
+    from kvbench.models.loader import resolve_spec
+
+    tok = transformers.AutoTokenizer.from_pretrained(resolve_spec(tokenizer), local_files_only=True)
+    return len(tok)
+
+
+def full_layers_for(n_layers: int) -> tuple[int, ...]:
+    """ResidualKV+OmniKV full-attention layers of an ``n_layers`` model: 0, 1 and ``n_layers // 4``.
+
+    The paper's Table I pattern (Llama-3.1-8B: 0, 1, 2, 8, 18 of 32; Qwen2.5-7B: 0, 1, 2, 4, 7, 14 of 28):
+    the first layers dense, then few spread ones; (0, 1, 3) of 12 (25%) for the wide timing LM, (0, 1, 2) for
+    the 8-layer zoo LM, (0, 1) for the 4-layer test LM, (0,) for 2 layers. Layer 1 and ``n_layers // 4`` are filter layers
+    (a full layer followed by a sparse one).
+
+    Raises:
+        ValueError: ``n_layers < 2`` (no sparse layer would remain after a filter layer).
+    """
+    if n_layers < 2:
+        raise ValueError(f"n_layers must be >= 2 for a filter layer followed by a sparse one, got {n_layers}")
+    return (0,) if n_layers == 2 else tuple(sorted({0, 1, n_layers // 4}))
+
+
+def timing_lm_config(name: str, vocab_size: int) -> transformers.Qwen2Config:
+    """The ``Qwen2Config`` of timing LM ``name`` with a ``vocab_size``-token head (sdpa attention).
+
+    Raises:
+        KeyError: unknown name (the message lists :data:`TIMING_LMS`).
+        ValueError: ``vocab_size < 2``.
+    """
+    if vocab_size < 2:
+        raise ValueError(f"vocab_size must be >= 2, got {vocab_size}")
+    spec = _spec(name)
+    cfg = transformers.Qwen2Config(**spec, vocab_size=vocab_size, tie_word_embeddings=True,
+                                   rope_theta=10000.0, attn_implementation="sdpa")
+    cfg.architectures = ["Qwen2ForCausalLM"]
+    return cfg
+
+
+def build_timing_lm(name: str, vocab_size: int, device: str | torch.device = "cpu",
+                    dtype: torch.dtype = torch.float32, seed: int = 0) -> Any:
+    """Timing LM ``name`` (``Qwen2ForCausalLM``) with random weights (seeded), in eval mode on ``device``.
+
+    Raises:
+        KeyError: unknown name; ValueError: ``vocab_size < 2``.
+    """
+    cfg = timing_lm_config(name, vocab_size)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = transformers.Qwen2ForCausalLM(cfg)
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def _spec(name: str) -> dict[str, Any]:
+    if name not in TIMING_LMS:
+        raise KeyError(f"unknown timing LM {name!r}; expected one of {sorted(TIMING_LMS)}")
+    return TIMING_LMS[name]

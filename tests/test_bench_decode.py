@@ -1,0 +1,119 @@
+"""ResidualKV Fig. 8 (decode throughput) and Fig. 6 (codec cost) benchmark code on tiny shapes (seconds).
+
+The real runs are pipeline targets (``kvbench bench rkv-throughput`` / ``codec-cost``), not tests."""
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+import torch
+
+from kvbench.bench import codec_cost, decode
+from kvbench.bench.timing_lm import build_timing_lm, full_layers_for, timing_lm_config
+from kvbench.compress.cache import Press
+from kvbench.compress.residualkv.cache import ResidualKVPress
+from kvbench.compress.residualkv.codec import ResidualCodec
+
+torch.set_num_threads(1)
+TEST_LM = "timing-qwen2-lm-test"
+#: Every method on two contexts: 40 (one ResidualKV window of 128 is not exceeded: all raw) and 300
+#: (coded tokens exist, so the sparse layers restore).
+CONTEXTS = [40, 300]
+
+
+@pytest.fixture(scope="module")
+def run():
+    return decode.measure_decode_throughput(TEST_LM, CONTEXTS, decode_steps=2, warmup_steps=1, repeats=2,
+                                            vocab_size=256, seed=0)
+
+
+def test_timing_lm_shapes():
+    cfg = timing_lm_config("timing-qwen2-lm-wide", 4096)
+    assert cfg.architectures == ["Qwen2ForCausalLM"]
+    assert 2 * cfg.num_key_value_heads * cfg.head_dim == 512            # d_kv
+    assert cfg.num_hidden_layers == 12 and cfg.max_position_embeddings >= 524288 + 200
+    assert full_layers_for(12) == (0, 1, 3) and full_layers_for(16) == (0, 1, 4) and full_layers_for(4) == (0, 1) and full_layers_for(2) == (0,)
+    with pytest.raises(KeyError, match="timing-qwen2-lm-wide"):
+        timing_lm_config("nope", 4096)
+    with pytest.raises(ValueError, match="n_layers"):
+        full_layers_for(1)
+
+
+def test_rows_columns_and_header(run, tmp_path):
+    rows, header = run
+    out = tmp_path / "fig8.csv"
+    decode.write_csv(rows, header, decode.COLUMNS, out)
+    first = out.read_text().splitlines()[0]
+    assert first.startswith("# kvbench ResidualKV Fig. 8") and "RANDOM weights" in first
+    assert "not the paper's numbers" in first
+    df = pd.read_csv(out, skiprows=1)
+    assert list(df.columns) == decode.COLUMNS
+    assert len(df) == len(CONTEXTS) * len(decode.METHODS)
+    assert df[["context", "method"]].values.tolist() == [[c, m] for c in CONTEXTS for m in decode.METHODS]
+    assert (df["weights"] == "random").all() and (df["decode_steps"] == 2).all()
+    assert (df["tokens_per_s"] > 0).all() and (df["q1"] <= df["tokens_per_s"]).all()
+    assert (df["tokens_per_s"] <= df["q3"]).all()
+    assert ((df["ms_per_token"] * df["tokens_per_s"] - 1000.0).abs() < 1e-6).all()
+
+
+def test_full_cache_ratios_are_one_and_residualkv_compresses(run):
+    rows, _ = run
+    by = {(r["context"], r["method"]): r for r in rows}
+    for c in CONTEXTS:
+        assert by[c, "full"]["kr_measured"] == 1.0 and by[c, "full"]["cr_measured"] == 1.0
+    # 40 tokens + 5 decoded < sink 8 + window 128: nothing is coded, every layer reads every token
+    assert by[40, "residualkv-omnikv"]["cr_measured"] == 1.0
+    q, u = by[300, "residualkv-omnikv"], by[300, "residualkv-omnikv-unquantised"]
+    assert q["cr_measured"] < 1.0 and q["cr_measured"] == u["cr_measured"]   # same selection budget
+    assert q["kr_measured"] < u["kr_measured"] < 1.0      # 4-bit codes + FP8 refs < fp16 codes + fp32 refs
+
+
+def test_methods_build_their_presses(tmp_path):
+    model = build_timing_lm(TEST_LM, 256)
+    ResidualCodec.for_model(model).save(tmp_path)
+    assert type(decode.make_press("full", tmp_path, (0, 1))) is Press
+    q = decode.make_press("residualkv-omnikv", tmp_path, (0, 1))
+    u = decode.make_press("residualkv-omnikv-unquantised", tmp_path, (0, 1))
+    assert isinstance(q, ResidualKVPress) and (q.mode, q.bits, q.ref_fp8, q.keep) == ("omnikv", 4, True, 0.17)
+    assert (u.bits, u.ref_fp8, u.full_layers) == (16, False, (0, 1))
+    with pytest.raises(ValueError, match="'h2o'"):
+        decode.make_press("h2o", tmp_path, (0, 1))
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"contexts": [4]}, r"\[4\] shorter than n_sink = 8"),
+    ({"methods": []}, "methods is empty"),
+    ({"methods": ["full", "quest"]}, r"unknown method\(s\) \['quest'\]"),
+    ({"contexts": []}, "contexts is empty"),
+    ({"contexts": [64, 64]}, "repeat a length"),
+    ({"repeats": 0}, "repeats=0"),
+    ({"contexts": [70000]}, "max_position_embeddings = 65536"),
+])
+def test_bad_input_names_the_value(kw, match):
+    args = {"contexts": [64], "methods": ["full"], "decode_steps": 1, "warmup_steps": 0, "repeats": 1, "vocab_size": 256}
+    with pytest.raises(ValueError, match=match):
+        decode.measure_decode_throughput(TEST_LM, **{**args, **kw})
+
+
+def test_codec_pair_matches_parameters_within_one_percent():
+    assert codec_cost.reverse_d_ff(2048, 512, 3072) == 4608           # Table I Llama shape: exact match
+    for d_kv, d_c, d_ff in [(2048, 512, 3072), (1024, 256, 3072), (512, 128, 768), (64, 16, 96)]:
+        n = {k: sum(p.numel() for p in c.parameters()) for k, c in codec_cost.codec_pair(d_kv, d_c, d_ff).items()}
+        assert abs(n["reverse"] / n["residualkv"] - 1) < 0.01, (d_kv, d_c, d_ff, n)
+    # the released Qwen2.5-7B-1M codec shape gives the paper's 7.34M
+    assert 2 * 1024 * 3072 + 3072 * 256 + 256 * 1024 == 7_340_032
+
+
+def test_codec_cost_rows(tmp_path):
+    rows, header = codec_cost.measure_codec_cost(d_kv=64, d_c=16, d_ff=96, tokens=100, decode_steps=7, repeats=2)
+    decode.write_csv(rows, header, codec_cost.COLUMNS, tmp_path / "fig6.csv")
+    df = pd.read_csv(tmp_path / "fig6.csv", skiprows=1)
+    assert list(df.columns) == codec_cost.COLUMNS and df["codec"].tolist() == ["residualkv", "reverse"]
+    assert df[["encoder", "decoder"]].values.tolist() == [["swiglu", "linear"], ["linear", "swiglu"]]
+    assert df["params"].tolist() == [2 * 64 * 96 + 96 * 16 + 16 * 64, 64 * 16 + 2 * 16 * 144 + 144 * 64]
+    assert (df["restore_tokens"] == 17).all()                           # ceil(0.17 * 100)
+    assert ((df["total_ms"] - df["prefill_ms"] - 7 * df["restore_ms"]).abs() < 1e-9).all()
+    assert header.startswith("# kvbench ResidualKV Fig. 6") and "RANDOM weights" in header
+    with pytest.raises(ValueError, match="restore_tokens = 200 exceeds tokens = 100"):
+        codec_cost.measure_codec_cost(d_kv=64, d_c=16, d_ff=96, tokens=100, restore_tokens=200)
+    with pytest.raises(ValueError, match="d_c must be >= 1, got 0"):
+        codec_cost.measure_codec_cost(d_kv=64, d_c=0, d_ff=96)
