@@ -252,3 +252,80 @@ def conduit_targets():
 def model_resource(key, zoo_default, checkpoint_default):
     """Resource function: the model entry's `key` (mem_mb, gpus), else the zoo or checkpoint default."""
     return lambda wc: MODELS[wc.model].get(key, zoo_default if is_zoo(wc.model) else checkpoint_default)
+
+
+# --- ResidualKV targets (residualkv.smk) ------------------------------------------------------
+
+def _rkv_plan():
+    from kvbench.report.rkv_plan import RKVPlan
+
+    if "residualkv" not in config:
+        return None
+    section = config["residualkv"]
+    if section["model"] not in MODELS or MODELS[section["model"]]["kind"] != "lm":
+        raise ValueError(f"config residualkv.model: {section['model']!r} must be an `lm` model defined under `models`")
+    for task in section["tasks"]:
+        if task not in DATASETS:
+            raise ValueError(f"config residualkv.tasks: {task!r} is not defined under `datasets`")
+    try:
+        return RKVPlan(section, PROFILE)
+    except ValueError as e:
+        raise ValueError(f"config residualkv: {e}") from e
+
+
+RKV = _rkv_plan()
+RKV_RUNS = RKV.run_slugs() if RKV else {}
+RKV_TABLES = ["tableIII", "tableVI", "tableVII", "tableVIII"]
+
+
+def rkv_plan():
+    if RKV is None:
+        raise ValueError("this config has no `residualkv:` section, so it has no ResidualKV targets "
+                         "(config/config.yaml shows one)")
+    return RKV
+
+
+def rkv_codec_variant(wc):
+    return rkv_plan().codec_of(RKV_RUNS[wc.run])
+
+
+def rkv_eval_inputs(wc):
+    inputs = eval_inputs(wc)
+    variant = rkv_codec_variant(wc)
+    if variant is not None:
+        inputs["codec"] = f"{rkv_plan().codec_dir(variant)}/codec/codec.json"
+    return inputs
+
+
+def rkv_method_params(wc):
+    variant = rkv_codec_variant(wc)
+    if variant is None:
+        return "{}"
+    return json.dumps({"codec_dir": f"{rkv_plan().codec_dir(variant)}/codec"})
+
+
+def rkv_limit():
+    n = config.get("residualkv", {}).get("n_test")
+    return "" if n is None else f"--limit {n}"
+
+
+def rkv_run_inputs(target):
+    def inputs(wc):
+        plan = rkv_plan()
+        return [f"{plan.run_dir(t, s)}/predictions.jsonl" for t, s in plan.runs(target)]
+    return inputs
+
+
+def rkv_report_spec():
+    return json.dumps({"profile": PROFILE, "residualkv": config["residualkv"]}, sort_keys=True)
+
+
+def rkv_variant_summaries(variants):
+    return lambda wc: [f"{rkv_plan().codec_dir(v)}/summary.json" for v in variants]
+
+
+RKV_FIGURE_VARIANTS = {
+    "fig10": ["joint200", "separate"],
+    "fig11": ["joint200", "dc16", "dc64", "dff96", "dff384", "k1", "k8", "s5", "s20"],
+    "fig12": ["joint200", "ntp", "mse"],
+}
