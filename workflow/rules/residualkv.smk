@@ -161,6 +161,8 @@ rule residualkv:
 
 rule rkv_throughput:
     """Fig. 8's measurements: decode tokens/s vs context on a random-weight timing LM (CPU here; GPU when lent)."""
+    input:
+        tokenizer=f"{TOKENIZER_DIR}/tokenizer.json",
     output:
         "results/residualkv/fig8.csv",
     params:
@@ -178,7 +180,8 @@ rule rkv_throughput:
     conda:
         "../../envs/kvbench.yaml"
     shell:
-        "kvbench bench rkv-throughput --out {output} --threads {threads} {params.args} > {log} 2>&1"
+        "kvbench bench rkv-throughput --out {output} --tokenizer {TOKENIZER_DIR} --threads {threads} {params.args}"
+        " > {log} 2>&1"
 
 
 rule rkv_codec_cost:

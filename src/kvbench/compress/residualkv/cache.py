@@ -59,13 +59,15 @@ def _index_dtype(n_refs: int) -> torch.dtype:
 class _Codes:
     """Coded tokens of one layer: quantised residual codes, neighbour indices and positions."""
 
-    def __init__(self):
+    def __init__(self, device: torch.device | str = "cpu"):
+        self.device = device
         self.chunks: list[quant.QuantizedCodes | torch.Tensor] = []
         self.nbr: list[torch.Tensor] = []       # [c, k] indices into the layer's reference list
         self.valid: list[torch.Tensor] = []     # [c, k] bool
         self.pos: list[torch.Tensor] = []       # [c]
 
     def add(self, codes, nbr, valid, pos, n_refs: int) -> None:
+        self.device = pos.device
         self.chunks.append(codes)
         self.nbr.append(nbr.to(_index_dtype(n_refs)))
         self.valid.append(valid)
@@ -73,7 +75,7 @@ class _Codes:
 
     def keep(self, mask: torch.Tensor) -> None:
         """Drop coded tokens where ``mask`` (over all coded tokens, in order) is False (SnapKV mode)."""
-        out, start = _Codes(), 0
+        out, start = _Codes(self.device), 0
         for c, n, v, p in zip(self.chunks, self.nbr, self.valid, self.pos):
             m = mask[start:start + len(p)]
             start += len(p)
@@ -83,7 +85,7 @@ class _Codes:
         self.__dict__.update(out.__dict__)
 
     def positions(self) -> torch.Tensor:
-        return torch.cat(self.pos) if self.pos else torch.zeros(0, dtype=torch.long)
+        return torch.cat(self.pos) if self.pos else torch.zeros(0, dtype=torch.long, device=self.device)
 
     def dequantized(self, selected: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(z̃ [C, d_c] float32, nbr [C, k] int64, valid [C, k], positions [C])`` of the coded tokens at
@@ -172,7 +174,7 @@ class ResidualKVLayer(StoreLayer):
             return
         w = min(SNAP_WINDOW, query.shape[-2])
         scores = snapkv_scores(query[..., -w:, :], view.keys, kernel=7, pooling="max").mean(dim=(0, 1))  # [n]
-        by_pos = torch.full((int(view.positions.max()) + 1,), float("-inf"))
+        by_pos = torch.full((int(view.positions.max()) + 1,), float("-inf"), device=scores.device)
         by_pos[view.positions[0, 0]] = scores
         s = by_pos[code_pos]
         n_keep = max(1, math.ceil(self.press.keep * len(code_pos)))
@@ -197,6 +199,8 @@ class ResidualKVLayer(StoreLayer):
     def _compress(self, old: KVView) -> None:
         """Code the tokens leaving the raw window (§IV-A)."""
         kv, pos = self._kv_pre(old), old.positions[0, 0]
+        if self.ref_store.device != kv.device:  # stores live where the model's K/V do (CPU or GPU)
+            self.ref_store, self.ref_pos = self.ref_store.to(kv.device), self.ref_pos.to(kv.device)
         is_ref = references.reference_mask(pos, n_sink=self.cfg.n_sink, stride=self.cfg.stride,
                                            alpha=self.cfg.alpha, grid=self.cfg.grid)
         if not self.cfg.references:
@@ -216,7 +220,9 @@ class ResidualKVLayer(StoreLayer):
         if self.cfg.references:
             nbr, valid = references.nearest_references(kv[tok], pos[tok], refs, self.ref_pos, self.cfg.k)
         else:  # no references: a zero mean, no indices stored
-            nbr, valid = torch.zeros(int(tok.sum()), 0, dtype=torch.long), torch.zeros(int(tok.sum()), 0, dtype=torch.bool)
+            n = int(tok.sum())
+            nbr = torch.zeros(n, 0, dtype=torch.long, device=kv.device)
+            valid = torch.zeros(n, 0, dtype=torch.bool, device=kv.device)
         mean = self._mean(refs, nbr, valid)
         with torch.no_grad():
             if self.press.use_codec:
@@ -230,7 +236,7 @@ class ResidualKVLayer(StoreLayer):
     def _mean(self, refs: torch.Tensor, nbr: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         """Mean of each token's references ``[n, d_kv]`` (zeros without references)."""
         if nbr.shape[-1] == 0:
-            return torch.zeros(nbr.shape[0], self.cfg.d_kv)
+            return torch.zeros(nbr.shape[0], self.cfg.d_kv, device=nbr.device)
         return references.mean_reference(refs, nbr, valid)
 
     # -- reading ---------------------------------------------------------------------------------------
@@ -345,6 +351,7 @@ class ResidualKVPress(Press):
         bad = [i for i in self.full_layers if not 0 <= i < cfg.num_hidden_layers]
         if bad:
             raise ValueError(f"full_layers {bad} outside the model's {cfg.num_hidden_layers} layers")
+        self.codec_model.to(model.device)
         return super().new_cache(model)
 
     def make_layer(self, ctx: LayerContext, cache: PressCache) -> StoreLayer:
