@@ -42,3 +42,23 @@ def lm_dir(tokenizer, tmp_path_factory):
 def vlm_dir(tokenizer, tmp_path_factory):
     """A random-weight ``tiny-qwen2.5-vl`` checkpoint directory."""
     return _random_zoo_checkpoint("tiny-qwen2.5-vl", tokenizer, tmp_path_factory.mktemp("zoo") / "tiny-qwen2.5-vl")
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for a module (``pytestmark = pytest.mark.usefixtures("one_thread")``): the machine's
+    2 cores are shared and tiny tensors gain nothing from more threads."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+@pytest.fixture(scope="session")
+def tiny_lm():
+    """A tiny random ``Qwen2ForCausalLM`` (3 layers, 4 query / 2 KV heads of 16, vocab 256), float32, eval:
+    the compressed-cache tests' model."""
+    torch.manual_seed(0)
+    cfg = transformers.Qwen2Config(hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                                   head_dim=16, intermediate_size=128, vocab_size=256, attn_implementation="sdpa")
+    return transformers.Qwen2ForCausalLM(cfg).eval()

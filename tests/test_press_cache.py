@@ -3,18 +3,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import DynamicCache, Qwen2Config, Qwen2ForCausalLM
+from transformers import DynamicCache
 
 from kvbench.compress.cache import Press, press_attention
 from kvbench.compress.generate import greedy_generate, split_prompt
-
-
-@pytest.fixture(scope="module")
-def tiny_lm():
-    torch.manual_seed(0)
-    cfg = Qwen2Config(hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                      intermediate_size=128, vocab_size=256, attn_implementation="sdpa")
-    return Qwen2ForCausalLM(cfg).eval()
 
 
 def _chunked_logits(model, cache, ids, cuts):

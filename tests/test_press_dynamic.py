@@ -6,14 +6,13 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from test_rkv_cache import _run as chunked_run
 
 from kvbench.compress.cache import Press, StepState, StoreLayer
 from kvbench.compress.generate import greedy_generate
 from kvbench.compress.presses import omnikv
 from kvbench.compress.presses.omnikv import FilterLayer, OmniKVPress
 from kvbench.compress.presses.quest import QuestPress, page_bounds, page_scores
-from test_press_cache import tiny_lm  # noqa: F401  (the shared tiny Qwen2 fixture)
-from test_rkv_cache import _run as chunked_run
 
 CUTS = (100, 110, 111, 112)   # context, question chunk, three decode-like single tokens, a last chunk
 

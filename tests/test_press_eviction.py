@@ -5,7 +5,12 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from kvbench.compress.cache import KVView, Press, press_attention
 from kvbench.compress.generate import greedy_generate
-from kvbench.compress.presses.eviction import PAD_POSITION, EvictingLayer, budget, topk_mask
+from kvbench.compress.presses.eviction import (
+    PAD_POSITION,
+    EvictingLayer,
+    budget,
+    topk_mask,
+)
 from kvbench.compress.presses.kvzip import KVzipPress, reconstruction_scores
 from kvbench.compress.presses.pyramidkv import PyramidKVPress, pyramid_budget
 from kvbench.compress.presses.snapkv import SnapKVPress, snapkv_scores
@@ -20,13 +25,7 @@ class CharTok:
         return [ord(c) % 256 for c in text]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One intra-op thread: the 2 shared cores are oversubscribed otherwise (tiny tensors, seconds per test)."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -3,12 +3,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_press_dynamic import chunked_logits, ids_of
 
 from kvbench.compress.cache import Press
 from kvbench.compress.generate import greedy_generate
 from kvbench.compress.presses.kivi import KIVIPress
 from kvbench.compress.presses.palu import PaluPress, low_rank_basis
-from test_press_dynamic import chunked_logits, ids_of, tiny_lm  # noqa: F401  (fixture)
 
 
 # -- KIVI ------------------------------------------------------------------------------------------------

@@ -10,14 +10,6 @@ from kvbench.compress.residualkv.cache import ResidualKVLayer, ResidualKVPress
 from kvbench.compress.residualkv.codec import ResidualCodec
 
 
-@pytest.fixture(scope="module")
-def tiny_lm():
-    torch.manual_seed(0)
-    cfg = Qwen2Config(hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                      intermediate_size=128, vocab_size=256, attn_implementation="sdpa")
-    return Qwen2ForCausalLM(cfg).eval()
-
-
 def _identity_codec(model, path, **overrides):
     """Linear f_c and f_d set to the identity (d_c = d_kv): z = kv - mean_ref, restore = z + mean_ref."""
     codec = ResidualCodec.for_model(model, d_c=64, d_ff=64, encoder="linear", decoder="linear", bits=16, **overrides)
@@ -72,7 +64,7 @@ def test_restored_keys_get_rope_at_their_own_positions(tiny_lm, tmp_path):
 
 def test_quantised_codes_change_little_and_store_fewer_bytes(tiny_lm, tmp_path):
     codec_dir = _identity_codec(tiny_lm, tmp_path / "id", n_sink=2, window=4, stride=5)
-    exact, c_exact = _run(tiny_lm, ResidualKVPress(codec_dir=str(codec_dir), mode="standalone", bits=32, ref_fp8=False), IDS, [30])
+    exact, _ = _run(tiny_lm, ResidualKVPress(codec_dir=str(codec_dir), mode="standalone", bits=32, ref_fp8=False), IDS, [30])
     q4, c4 = _run(tiny_lm, ResidualKVPress(codec_dir=str(codec_dir), mode="standalone", bits=4), IDS, [30])
     assert not torch.equal(exact, q4)
     b4 = c4.layers[1].stored_bytes()

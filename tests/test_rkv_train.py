@@ -1,8 +1,6 @@
 """ResidualKV codec training (paper §IV-D) on a tiny random Qwen2: the compressed pass, losses, resume."""
 from __future__ import annotations
 
-from pathlib import Path
-
 import pandas as pd
 import pytest
 import torch
@@ -21,23 +19,12 @@ from kvbench.compress.residualkv.train import (
     train_codec,
 )
 
-ZOO_LM = Path("/work/devzoo/tiny-qwen2-lm")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One intra-op thread: the machine's 2 cores are shared, and tiny ops gain nothing from more."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
 def tok(request):
-    """The zoo LM's tokenizer (from the dev zoo when present, else built offline by conftest)."""
-    if ZOO_LM.is_dir():
-        return transformers.AutoTokenizer.from_pretrained(ZOO_LM)
+    """The zoo tokenizer (built offline by conftest)."""
     return request.getfixturevalue("tokenizer")
 
 
