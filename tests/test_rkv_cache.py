@@ -92,7 +92,7 @@ def test_bad_press_parameters(tiny_lm, tmp_path, kw, match):
 
 def test_missing_codec_dir_is_named(tmp_path):
     with pytest.raises(ValueError, match="holds no trained codec"):
-        ResidualKVPress(codec_dir=str(tmp_path / "nowhere"))
+        ResidualKVPress(codec_dir=str(tmp_path / "nowhere"), mode="standalone")
 
 
 def test_snapkv_mode_keeps_the_keep_share_of_codes_and_every_reference(tiny_lm, tmp_path):

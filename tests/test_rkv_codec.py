@@ -151,3 +151,32 @@ def test_separate_codec_codes_k_and_v_apart():
     assert torch.equal(z[:, :16], z2[:, :16]) and not torch.allclose(z[:, 16:], z2[:, 16:])
     out, out2 = layer.decode(z), layer.decode(z2)
     assert torch.equal(out[:, :32], out2[:, :32])
+
+
+def test_corrupt_codec_files_are_named(tmp_path):
+    from kvbench.compress.residualkv.codec import CodecConfig, ResidualCodec
+
+    codec = ResidualCodec(CodecConfig(n_layers=1, d_kv=64, d_c=32, d_ff=48))
+    codec.save(tmp_path / "c")
+    blob = (tmp_path / "c" / "codec.safetensors").read_bytes()
+    (tmp_path / "c" / "codec.safetensors").write_bytes(blob[:100])
+    with pytest.raises(ValueError, match="codec.safetensors is corrupt or truncated"):
+        ResidualCodec.load(tmp_path / "c")
+    codec.save(tmp_path / "c")
+    (tmp_path / "c" / "codec.json").write_text('{"d_c": 32,')
+    with pytest.raises(ValueError, match="codec.json is not valid JSON"):
+        ResidualCodec.load(tmp_path / "c")
+    codec.save(tmp_path / "c")
+    cfg = (tmp_path / "c" / "codec.json").read_text().replace('"d_ff": 48', '"d_ff": 40')
+    (tmp_path / "c" / "codec.json").write_text(cfg)
+    with pytest.raises(ValueError, match="does not match"):
+        ResidualCodec.load(tmp_path / "c")
+
+
+def test_non_integer_d_c_is_a_clear_error():
+    from kvbench.compress.residualkv.codec import ResidualCodec
+
+    cfg = transformers.Qwen2Config(hidden_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                                   intermediate_size=64, vocab_size=32)
+    with pytest.raises(ValueError, match="d_c must be a positive int"):
+        ResidualCodec.for_model(cfg, d_c=32.5)

@@ -97,3 +97,44 @@ def test_report_rejects_bad_json(tmp_path):
         residualkv.report("tableIII", "{bad", tmp_path / "t.csv")
     with pytest.raises(ValueError, match="unknown ResidualKV report target"):
         residualkv.report("tableIX", json.dumps({"profile": "smoke", "residualkv": SECTION}), tmp_path / "t.csv")
+
+
+def test_a_single_layer_index_is_one_layer():
+    """Bug: `omnikv:filter_layers=1` (a spec's single value) crashed with 'int' object is not iterable."""
+    assert get_method("omnikv:filter_layers=1").press().filter_layers == (1,)
+    with pytest.raises(ValueError, match="layer indices >= 0"):
+        get_method("omnikv:filter_layers=-2").press()
+
+
+def test_press_that_does_not_fit_the_model_stops_the_run(tiny_lm):
+    from kvbench.eval.methods import FatalRunError
+
+    m = get_method("omnikv:filter_layers=0+99")
+    rec = {"id": "a", "kind": "text", "context": "x y z", "question": " q", "max_new_tokens": 1}
+    with pytest.raises(FatalRunError, match="does not fit the model"):
+        m.predict(tiny_lm, _ByteTok(), rec, None)
+
+
+class _ByteTok:
+    """A stand-in tokenizer with offsets (one id per character)."""
+
+    eos_token_id = 0
+
+    def __call__(self, text, add_special_tokens=False, return_offsets_mapping=False):
+        return {"input_ids": [ord(c) % 256 for c in text], "offset_mapping": [(i, i + 1) for i in range(len(text))]}
+
+
+@pytest.mark.parametrize("section, match", [
+    ({"codec": {"dc": 48}}, "unknown CodecConfig field"),
+    ({"variants": {"x": {"overrides": {"dc": 16}}}}, "variant 'x': unknown CodecConfig field"),
+    ({"tableIII": [{"label": "r", "method": "residualkv:mode=fast"}]}, "mode must be one of"),
+    ({"tableIII": [{"label": "k", "method": "kivi:bits=3"}]}, "kivi:bits=3"),
+])
+def test_plan_refuses_bad_sections_before_any_job(section, match):
+    with pytest.raises(ValueError, match=match):
+        RKVPlan({**SECTION, **section}, "smoke")
+
+
+def test_plan_names_missing_keys():
+    with pytest.raises(ValueError, match=r"misses key\(s\) \['model'"):
+        RKVPlan({k: v for k, v in SECTION.items() if k != "model"}, "smoke")

@@ -199,3 +199,12 @@ def test_task_stream_gives_answer_labels_and_is_deterministic(tokenizer):
     assert torch.equal(ids, ids2) and torch.equal(labels, labels2)
     assert ids.shape == labels.shape and (labels != -100).any()
     assert not torch.equal(a.batch(4)[0][:, :10], ids[:, :10]) or a.batch(4)[0].shape != ids.shape
+
+
+def test_resume_with_another_codec_shape_is_refused_before_loading(model, tok, tmp_path):
+    """Bug: a changed d_c crashed in load_state_dict with a size mismatch instead of naming the change."""
+    _train(model, tok, tmp_path / "w", budget_s=0.0)
+    codec = ResidualCodec.for_model(model, seed=0, n_sink=4, stride=5, d_c=8)
+    with pytest.raises(ValueError, match=r"differs in \['codec', 'codec.d_c', 'codec.group'\]"):
+        train_codec(model, tok, codec, out_dir=tmp_path / "w", objective="mse", steps=4, seq_len=48, lr=5e-3,
+                    log_every=1, eval_every=2, progress=False)

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from kvbench.compress import accounting
-from kvbench.eval.methods import METHODS, EvalMethod
+from kvbench.eval.methods import METHODS, EvalMethod, FatalRunError
 from kvbench.eval.specs import _fmt, _typed, _value
 
 
@@ -91,6 +91,7 @@ class CompressMethod(EvalMethod):
         self._press = None
         self._audit: dict | None = None
         self._n = 0
+        self._fits = False
 
     def press(self) -> Any:
         """The press instance (built once; a ResidualKV press loads and checks its codec here)."""
@@ -119,6 +120,12 @@ class CompressMethod(EvalMethod):
         from kvbench.eval.refresh import eos_ids
 
         tok = getattr(proc, "tokenizer", proc)
+        if not self._fits:
+            try:  # a press that cannot serve this model (layers out of range, a codec of another shape) stops the run
+                self.press().new_cache(model)
+            except ValueError as e:
+                raise FatalRunError(f"method {self.spec!r} does not fit the model: {e}") from e
+            self._fits = True
         ids, split = split_prompt(tok, record)
         new, cache = greedy_generate(model, self.press(), ids, split, int(record["max_new_tokens"]), eos_ids(model, proc))
         self._audit = self._audit_row(model, cache, ids.shape[1])

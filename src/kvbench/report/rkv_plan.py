@@ -61,14 +61,48 @@ class RKVPlan:
     """
 
     def __init__(self, section: dict, profile: str):
+        missing = [k for k in ("model", "tasks", "codec", "train", "tableIII") if k not in section]
+        if missing:
+            raise ValueError(f"the residualkv section misses key(s) {missing}")
         self.s = section
         self.profile = profile
         self.model: str = section["model"]
         self.tasks: list[str] = list(section["tasks"])
         self.variants: dict[str, dict] = {"main": {}, **(section.get("variants") or {})}
-        for target in ("tableIII", "tableVII", "tableVIII"):
+        self._check_codecs()
+        for target in TARGETS:
+            if target in ("tableVI", "fig5") and "stride_sweep" not in section:
+                continue
             for row in self.rows(target):
-                self.codec_of(row.spec)  # fail while the DAG is built
+                self._check_spec(row.spec)  # fail while the DAG is built
+
+    def _check_codecs(self) -> None:
+        """Every codec variant's fields are CodecConfig fields (checked before any training)."""
+        from kvbench.compress.residualkv.codec import CodecConfig
+
+        fields = {f.name for f in dataclasses.fields(CodecConfig)} - {"n_layers", "d_kv"}
+        for variant in self.variants:
+            unknown = sorted(set(self.codec_overrides(variant)) - fields)
+            if unknown:
+                raise ValueError(f"codec variant {variant!r}: unknown CodecConfig field(s) {unknown}; known: {sorted(fields)}")
+
+    def _check_spec(self, spec: str) -> None:
+        from kvbench.compress.registry import PRESSES
+        from kvbench.compress.residualkv.cache import ResidualKVPress
+
+        self.codec_of(spec)
+        name, params = parse_press_spec(spec)
+        if name == "residualkv":
+            try:
+                ResidualKVPress.check_params(params.get("mode", "omnikv"), params.get("keep", 0.2),
+                                             params.get("bits", 4), params.get("full_layers", ()))
+            except ValueError as e:
+                raise ValueError(f"press spec {spec!r}: {e}") from None
+        elif "codec_dir" not in {f.name for f in dataclasses.fields(PRESSES[name])}:
+            try:
+                PRESSES[name](**params)
+            except (ValueError, TypeError) as e:
+                raise ValueError(f"press spec {spec!r}: {e}") from None
 
     # -- codecs -------------------------------------------------------------------------------------
     def codec_dir(self, variant: str) -> str:

@@ -99,6 +99,18 @@ class SparseLayer(StoreLayer):
         return KVView(stored.keys[..., keep, :], stored.values[..., keep, :], stored.positions[..., keep])
 
 
+def _layer_list(name: str, value) -> tuple:
+    """``value`` as a tuple of layer indices >= 0 (a single int is one layer: a spec's ``filter_layers=1``).
+
+    Raises:
+        ValueError: a negative or non-integer index, naming ``name``.
+    """
+    items = (value,) if isinstance(value, int) and not isinstance(value, bool) else tuple(value)
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in items):
+        raise ValueError(f"{name} must be layer indices >= 0 (e.g. {name}=0+1), got {value!r}")
+    return items
+
+
 @dataclass
 class OmniKVPress(Press):
     """OmniKV (Hao et al., ICLR 2025): full KV everywhere, token selection at filter layers.
@@ -132,7 +144,7 @@ class OmniKVPress(Press):
         for name in ("n_sink", "window", "audit_steps"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        self.filter_layers = tuple(sorted(int(i) for i in self.filter_layers))
+        self.filter_layers = tuple(sorted(int(i) for i in _layer_list("filter_layers", self.filter_layers)))
 
     def n_keep(self, n_candidates: int) -> int:
         """Selected tokens for ``n_candidates`` candidates (:func:`keep_count`)."""

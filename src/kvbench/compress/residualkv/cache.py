@@ -37,7 +37,7 @@ import torch
 
 from kvbench.compress.accounting import StoredBytes
 from kvbench.compress.cache import KVView, LayerContext, PressCache, Press, StoreLayer
-from kvbench.compress.presses.omnikv import FilterLayer
+from kvbench.compress.presses.omnikv import FilterLayer, _layer_list
 from kvbench.compress.presses.snapkv import snapkv_scores
 from kvbench.compress.residualkv import quant, references
 from kvbench.compress.residualkv.codec import ResidualCodec, model_kv_shape
@@ -305,18 +305,29 @@ class ResidualKVPress(Press):
     audit_steps: int = 8
 
     def __post_init__(self):
-        if self.mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
-        if not 0 < self.keep <= 1:
-            raise ValueError(f"keep must be in (0, 1], got {self.keep}")
+        self.check_params(self.mode, self.keep, self.bits, self.full_layers)
+        self.full_layers = tuple(_layer_list("full_layers", self.full_layers))
         if not Path(self.codec_dir, "codec.json").is_file():
             raise ValueError(f"codec_dir {self.codec_dir!r} holds no trained codec (codec.json missing)")
-        self.full_layers = tuple(int(x) for x in self.full_layers)
         self.schedule()  # validates alpha / stride
-        if self.mode == "omnikv" and not self.full_layers:
-            raise ValueError("mode 'omnikv' needs full_layers (the filter layers are full layers followed by a sparse one)")
         if self.bits != 32:
             quant.check_quant_config(self.codec_model.config.d_c, self.bits, self.codec_model.config.group)
+
+    @staticmethod
+    def check_params(mode: str, keep: float, bits: int, full_layers) -> None:
+        """Check the parameters that need no codec (also used while the workflow's DAG is built).
+
+        Raises:
+            ValueError: naming the bad value and what is expected.
+        """
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if not 0 < keep <= 1:
+            raise ValueError(f"keep must be in (0, 1], got {keep}")
+        if bits not in (2, 4, 8, 16, 32):
+            raise ValueError(f"bits must be 2, 4, 8, 16 (unquantised) or 32 (exact), got {bits!r}")
+        if mode == "omnikv" and not _layer_list("full_layers", full_layers):
+            raise ValueError("mode 'omnikv' needs full_layers (the filter layers are full layers followed by a sparse one)")
 
     def schedule(self):
         """The codec's config with this press's inference-time ``alpha`` / ``stride`` applied."""

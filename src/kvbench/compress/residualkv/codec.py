@@ -294,7 +294,8 @@ class ResidualCodec(nn.Module):
         if bad:
             raise ValueError(f"unknown CodecConfig overrides {bad}; fields are {sorted(fields)}")
         kw = {"n_layers": n_layers, "d_kv": d_kv, "d_c": d_kv // 4, "d_ff": 3 * d_kv // 2, **overrides}
-        if "group" not in overrides:  # tiny models: d_c below 32 -> the largest group that divides it
+        if "group" not in overrides and isinstance(kw["d_c"], int) and not isinstance(kw["d_c"], bool) and kw["d_c"] > 0:
+            # tiny models: d_c below 32 -> the largest group that divides it
             kw["group"] = math.gcd(kw["d_c"], 32)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
@@ -326,18 +327,28 @@ class ResidualCodec(nn.Module):
         for name in (CODEC_FILE, CONFIG_FILE):
             if not (directory / name).is_file():
                 raise FileNotFoundError(f"{directory / name} not found (write it with ResidualCodec.save)")
-        cfg = CodecConfig.from_json((directory / CONFIG_FILE).read_text())
+        try:
+            cfg = CodecConfig.from_json((directory / CONFIG_FILE).read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{directory / CONFIG_FILE} is not valid JSON ({e.msg}, line {e.lineno})") from e
+        except ValueError as e:
+            raise ValueError(f"{directory / CONFIG_FILE}: {e}") from e
         if model is not None:
             n_layers, d_kv = model_kv_shape(model)
             if (n_layers, d_kv) != (cfg.n_layers, cfg.d_kv):
                 raise ValueError(f"codec {directory} does not fit the model: model has n_layers={n_layers}, "
                                  f"d_kv={d_kv}; codec has n_layers={cfg.n_layers}, d_kv={cfg.d_kv}")
         codec = cls(cfg)
-        state = load_file(str(directory / CODEC_FILE))
+        try:
+            state = load_file(str(directory / CODEC_FILE))
+        except Exception as e:  # safetensors raises its own error type for a corrupt or truncated file
+            raise ValueError(f"{directory / CODEC_FILE} is corrupt or truncated ({e})") from e
         try:
             codec.load_state_dict(state, strict=True)
         except RuntimeError as e:
-            raise ValueError(f"{directory / CODEC_FILE} does not match {directory / CONFIG_FILE}: {e}") from e
+            first = str(e).strip().splitlines()
+            raise ValueError(f"{directory / CODEC_FILE} does not match {directory / CONFIG_FILE} "
+                             f"({first[-1].strip() if first else e})") from e
         return codec
 
     def n_params(self) -> int:

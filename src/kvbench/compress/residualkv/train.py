@@ -354,6 +354,14 @@ def train_codec(model: Any, tokenizer: Any, codec: ResidualCodec, *, out_dir: st
                "seq_len": seq_len, "seed": seed, "lr": lr, "model": _model_signature(model)}
     opt = torch.optim.AdamW(codec.parameters(), lr=lr)
     modules = {"codec": codec}
+    saved = out_dir / "state" / "meta.json"
+    if saved.is_file():  # refuse another configuration before loading tensors of other shapes
+        old = json.loads(saved.read_text()).get("run", {})
+        if old != run_cfg:
+            diff = sorted(k for k in run_cfg if old.get(k) != run_cfg[k])
+            diff += sorted(f"codec.{k}" for k in run_cfg["codec"] if old.get("codec", {}).get(k) != run_cfg["codec"][k])
+            raise ValueError(f"{out_dir / 'state'} was written by another configuration (differs in {diff}); "
+                             "use a new out_dir or delete it to start over")
     meta = load_state(out_dir / "state", modules, opt)
     if meta is not None and meta["run"] != run_cfg:
         diff = sorted(k for k in run_cfg if meta["run"].get(k) != run_cfg[k])
