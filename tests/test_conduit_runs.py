@@ -103,8 +103,8 @@ def test_get_method_builds_refresh_methods():
     assert m.config()["spec"] == "conduit@0.1:lam=0.5" and m.config()["policy_params"]["lam"] == 0.5
     with pytest.raises(ValueError, match="FullCache"):
         RefreshMethod(spec="full")
-    with pytest.raises(ValueError, match="unknown evaluation method 'snapkv'"):
-        get_method("snapkv")
+    with pytest.raises(ValueError, match="unknown evaluation method 'notamethod'"):
+        get_method("notamethod")
 
 
 def test_dry_run_validates_conduit_specs(tmp_path):

@@ -224,7 +224,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="joint = next-token CE + reconstruction MSE (paper); ntp / mse: Fig. 12 variants")
     s.add_argument("--steps", type=_positive_int, required=True, help="optimiser steps (one packed window each)")
     s.add_argument("--seq-len", type=_positive_int, default=512, help="tokens per packed training window")
-    s.add_argument("--budget-s", type=float, default=None, help="stop after this many seconds (rerun resumes)")
+    s.add_argument("--budget-s", type=float, default=None,
+                   help="stop once this many seconds of training have run, counted over all resumes of --out "
+                        "(a rerun continues until the total is reached; delete --out/state to start over)")
     s.add_argument("--lr", type=float, default=2e-4, help="AdamW peak learning rate (paper §V-A: 2e-4)")
     s.add_argument("--data", default="text", choices=["text", "tasks"],
                    help="text: packed corpus windows (the paper's kind of data); tasks: the zoo LM's own task mixture")

@@ -114,7 +114,13 @@ def _plain_methods() -> list[str]:
     """Registry methods named without a spec (``full``)."""
     from kvbench.eval.methods import METHODS
 
-    return sorted(n for n in METHODS if n != "refresh")
+    return sorted(n for n in METHODS if n not in ("refresh", "compress"))
+
+
+def _press_names() -> list[str]:
+    from kvbench.compress.registry import PRESSES
+
+    return sorted(PRESSES)
 
 
 def parse_method_spec(spec: str) -> MethodSpec:
@@ -134,7 +140,8 @@ def parse_method_spec(spec: str) -> MethodSpec:
     name = m["name"]
     if name not in REGISTRY and name != "full":
         raise ValueError(f"unknown evaluation method {name!r}; expected one of {_plain_methods()} or a refresh "
-                         f"spec <policy>@<r>[:key=value,...] with policy in {available_policies()}")
+                         f"spec <policy>@<r>[:key=value,...] with policy in {available_policies()}, or a "
+                         f"compression press spec <press>[:key=value,...] with press in {_press_names()}")
     policy = "full" if name == "full" else REGISTRY[name].name
     r = None
     if m["r"] is not None:
