@@ -166,6 +166,7 @@ rule rkv_throughput:
     output:
         "results/residualkv/fig8.csv",
     params:
+        tokenizer=lambda wc, input: os.path.dirname(input.tokenizer),
         args=lambda wc: " ".join(f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
                                  for k, v in config.get("residualkv", {}).get("fig8", {}).items()),
     log:
@@ -180,7 +181,7 @@ rule rkv_throughput:
     conda:
         "../../envs/kvbench.yaml"
     shell:
-        "kvbench bench rkv-throughput --out {output} --tokenizer {TOKENIZER_DIR} --threads {threads} {params.args}"
+        "kvbench bench rkv-throughput --out {output} --tokenizer {params.tokenizer} --threads {threads} {params.args}"
         " > {log} 2>&1"
 
 
