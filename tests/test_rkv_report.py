@@ -119,6 +119,10 @@ class _ByteTok:
     """A stand-in tokenizer with offsets (one id per character)."""
 
     eos_token_id = 0
+    pad_token_id = 0
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(i) for i in ids)
 
     def __call__(self, text, add_special_tokens=False, return_offsets_mapping=False):
         return {"input_ids": [ord(c) % 256 for c in text], "offset_mapping": [(i, i + 1) for i in range(len(text))]}
@@ -138,3 +142,12 @@ def test_plan_refuses_bad_sections_before_any_job(section, match):
 def test_plan_names_missing_keys():
     with pytest.raises(ValueError, match=r"misses key\(s\) \['model'"):
         RKVPlan({k: v for k, v in SECTION.items() if k != "model"}, "smoke")
+
+
+def test_full_cache_cr_is_exactly_one_with_or_without_a_question_chunk(tiny_lm):
+    """Bug: a record whose question was empty (one prompt chunk) gave the full cache CR 100.1%."""
+    m = get_method("fullkv")
+    for question in (" q", ""):
+        rec = {"id": "a", "kind": "text", "context": "abcdefgh", "question": question, "max_new_tokens": 4}
+        m.predict(tiny_lm, _ByteTok(), rec, None)
+        assert m.audit()["cr"] == 1.0

@@ -128,11 +128,11 @@ class CompressMethod(EvalMethod):
             self._fits = True
         ids, split = split_prompt(tok, record)
         new, cache = greedy_generate(model, self.press(), ids, split, int(record["max_new_tokens"]), eos_ids(model, proc))
-        self._audit = self._audit_row(model, cache, ids.shape[1])
+        self._audit = self._audit_row(model, cache, ids.shape[1], question_chunk=0 < split < ids.shape[1])
         self._n += 1
         return self.decode(proc, record, __import__("torch").tensor(new))
 
-    def _audit_row(self, model: Any, cache: Any, n_prompt: int) -> dict:
+    def _audit_row(self, model: Any, cache: Any, n_prompt: int, question_chunk: bool = True) -> dict:
         cfg = model.config.get_text_config()
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         parts = cache.stored_bytes()
@@ -143,7 +143,7 @@ class CompressMethod(EvalMethod):
                                                  n_kv_heads=cfg.num_key_value_heads, head_dim=head_dim),
             # CR over the forwards after the context chunk (the question chunk and decode steps): what the
             # compressed cache served; the context chunk is exact by construction.
-            "cr": _compute_ratio(cache.attended[1:], n_prompt),
+            "cr": _compute_ratio(cache.attended[1:], n_prompt if question_chunk else n_prompt + 1),
             "bytes": [dataclasses.asdict(p) for p in parts],
         }
         if self._n < self.audit_requests and cache.selections:
@@ -154,13 +154,18 @@ class CompressMethod(EvalMethod):
         return self._audit
 
 
-def _compute_ratio(attended: list[list[int]], n_prompt: int) -> float | None:
-    """Mean over forwards and layers of attended keys / keys visible (context + tokens written so far)."""
+def _compute_ratio(attended: list[list[int]], first_visible: int) -> float | None:
+    """Mean over forwards and layers of attended keys / keys visible to the forward's last query row.
+
+    ``attended``: per forward after the context chunk, per layer; ``first_visible``: keys visible to the first
+    of them (the question chunk's last row sees the whole prompt; without a question chunk, the first decode
+    step sees the prompt and itself); each later forward sees one key more.
+    """
     if not attended:
         return None
     ratios = []
     for step, counts in enumerate(attended):
-        visible = n_prompt + step  # the question chunk's last row sees the whole prompt; decode step s adds s
+        visible = first_visible + step
         ratios += [c / visible for c in counts]
     return sum(ratios) / len(ratios)
 
