@@ -96,10 +96,20 @@ def test_ambiguous_figure_fails_naming_both_canonical_targets(tmp_path, n):
     assert f"figures/residualkv/fig{n}.pdf" in r.stdout
 
 
+@pytest.mark.parametrize("alias, canonical, rule, producer", [
+    ("results/tableIII.csv", "results/residualkv/tableIII.csv", "residualkv_table_alias", "rkv_table"),
+    ("figures/fig8.pdf", "figures/residualkv/fig8.pdf", "residualkv_figure_alias", "rkv_profile_figure"),
+])
+def test_residualkv_short_names_resolve_through_their_rules(tmp_path, alias, canonical, rule, producer):
+    r = snakemake(tmp_path, "-n", alias)
+    assert r.returncode == 0, r.stdout
+    jobs = planned_jobs(r.stdout)
+    assert jobs[rule] == 1 and jobs[producer] == 1
+    assert not (tmp_path / "results").exists()
+
+
 @pytest.mark.parametrize("alias, canonical, rule", [
     ("results/table11.csv", "results/conduit/table11.csv", "conduit_table_alias"),  # table3 has a rule now
-    ("results/tableIII.csv", "results/residualkv/tableIII.csv", "residualkv_table_alias"),
-    ("figures/fig8.pdf", "figures/residualkv/fig8.pdf", "residualkv_figure_alias"),
 ])
 def test_short_names_map_to_canonical_targets(tmp_path, alias, canonical, rule):
     # No producing rule yet: the honest missing-input error names the canonical target.
