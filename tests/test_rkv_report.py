@@ -151,3 +151,16 @@ def test_full_cache_cr_is_exactly_one_with_or_without_a_question_chunk(tiny_lm):
         rec = {"id": "a", "kind": "text", "context": "abcdefgh", "question": question, "max_new_tokens": 4}
         m.predict(tiny_lm, _ByteTok(), rec, None)
         assert m.audit()["cr"] == 1.0
+
+
+def test_fig5_counts_references_of_each_schedule(tmp_path):
+    from kvbench.report import rkv_figures
+
+    plan = RKVPlan(SECTION, "smoke")
+    for row in plan.rows("fig5"):
+        for task in plan.tasks:
+            _fake_run(tmp_path, plan, task, row.spec, [1, 0], 0.4, 0.5)
+    df = rkv_figures.fig5(plan, tmp_path / "f.pdf", tmp_path / "f.csv", tmp_path)
+    # 1000 tokens, 8 sinks: stride 10 -> positions 8, 18, ..., 998 (100); stride 5 -> 199; alpha 0.1 grows the stride
+    assert df["references"].tolist() == [100, 26, 199] and df["score"].tolist() == [50.0] * 3
+    assert (tmp_path / "f.pdf").stat().st_size > 0

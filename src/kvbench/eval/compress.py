@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
+import torch
+
 from kvbench.compress import accounting
 from kvbench.eval.methods import METHODS, EvalMethod, FatalRunError
 from kvbench.eval.specs import _fmt, _typed, _value
@@ -130,7 +132,7 @@ class CompressMethod(EvalMethod):
         new, cache = greedy_generate(model, self.press(), ids, split, int(record["max_new_tokens"]), eos_ids(model, proc))
         self._audit = self._audit_row(model, cache, ids.shape[1], question_chunk=0 < split < ids.shape[1])
         self._n += 1
-        return self.decode(proc, record, __import__("torch").tensor(new))
+        return self.decode(proc, record, torch.tensor(new))
 
     def _audit_row(self, model: Any, cache: Any, n_prompt: int, question_chunk: bool = True) -> dict:
         cfg = model.config.get_text_config()

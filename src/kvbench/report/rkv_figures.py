@@ -19,6 +19,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
 from kvbench.compress.residualkv import references  # noqa: E402
+from kvbench.eval.compress import parse_press_spec  # noqa: E402
 from kvbench.report.residualkv import run_summary, write_csv  # noqa: E402
 from kvbench.report.rkv_plan import RKVPlan  # noqa: E402
 from kvbench.utils.io import atomic_path  # noqa: E402
@@ -40,7 +41,7 @@ def fig5(plan: RKVPlan, out: str | Path, out_csv: str | Path, root: str | Path =
     for row in plan.rows("fig5"):
         summaries = [run_summary(Path(root) / plan.run_dir(t, row.spec)) for t in plan.tasks]
         n_tok = int(round(sum(s["n_tokens"] for s in summaries) / len(summaries)))
-        params = dict(p.split("=") for p in row.spec.partition(":")[2].split(",") if "=" in p)
+        params = parse_press_spec(row.spec)[1]
         kw = dict(n_sink=codec.get("n_sink", 8), stride=int(params.get("stride", codec.get("stride", 10))),
                   alpha=float(params.get("alpha", codec.get("alpha", 0.0))))
         rows.append({"schedule": row.label, "family": "alpha" if row.label.startswith("alpha") else "stride",
