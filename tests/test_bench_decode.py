@@ -1,4 +1,5 @@
-"""ResidualKV Fig. 8 (decode throughput) and Fig. 6 (codec cost) benchmark code on tiny shapes (seconds).
+"""ResidualKV Fig. 8 (decode throughput), Fig. 11's throughput panel and Fig. 6 (codec cost) benchmark code
+on tiny shapes (seconds).
 
 The real runs are pipeline targets (``kvbench bench rkv-throughput`` / ``codec-cost``), not tests."""
 from __future__ import annotations
@@ -7,11 +8,11 @@ import pandas as pd
 import pytest
 import torch
 
-from kvbench.bench import codec_cost, decode
+from kvbench.bench import codec_cost, codec_variants, decode
 from kvbench.bench.timing_lm import build_timing_lm, full_layers_for, timing_lm_config
 from kvbench.compress.cache import Press
 from kvbench.compress.residualkv.cache import ResidualKVPress
-from kvbench.compress.residualkv.codec import ResidualCodec
+from kvbench.compress.residualkv.codec import CodecConfig, ResidualCodec
 
 torch.set_num_threads(1)
 TEST_LM = "timing-qwen2-lm-test"
@@ -117,3 +118,42 @@ def test_codec_cost_rows(tmp_path):
         codec_cost.measure_codec_cost(d_kv=64, d_c=16, d_ff=96, tokens=100, restore_tokens=200)
     with pytest.raises(ValueError, match="d_c must be >= 1, got 0"):
         codec_cost.measure_codec_cost(d_kv=64, d_c=0, d_ff=96)
+
+
+def _zoo_shaped_codec(directory, **over):
+    """A codec of the zoo LM's shape (d_kv 128; Table I ratios d_c 32, d_ff 192), random weights."""
+    cfg = CodecConfig(**{"n_layers": 4, "d_kv": 128, "d_c": 32, "d_ff": 192, "window": 32, **over})
+    ResidualCodec(cfg).save(directory)
+    return str(directory)
+
+
+def test_variant_throughput_scales_widths_and_keeps_schedule(tmp_path):
+    dirs = {"joint200": _zoo_shaped_codec(tmp_path / "a"), "dc64": _zoo_shaped_codec(tmp_path / "b", d_c=64),
+            "s5": _zoo_shaped_codec(tmp_path / "c", stride=5, k=2)}
+    rows, header = codec_variants.measure_variant_throughput(dirs, "joint200", TEST_LM, context=300, decode_steps=2,
+                                                             warmup_steps=1, repeats=2, vocab_size=256)
+    by = {r["variant"]: r for r in rows}
+    # the test LM's d_kv is 64 = half the codecs' 128: widths halve, the schedule is kept
+    assert [(by[v]["d_c"], by[v]["d_ff"], by[v]["k"], by[v]["stride"]) for v in dirs] == [
+        (16, 96, 4, 10), (32, 96, 4, 10), (16, 96, 2, 5)]
+    assert by["joint200"]["relative_throughput"] == 1.0 and by["joint200"]["default"]
+    for r in rows:
+        assert r["relative_throughput"] == r["tokens_per_s"] / by["joint200"]["tokens_per_s"]
+        assert r["d_kv"] == 64 and r["codec_d_kv"] == 128 and r["cr_measured"] < 1.0
+    assert header.startswith("# kvbench ResidualKV Fig. 11 throughput") and "RANDOM codecs" in header
+    decode.write_csv(rows, header, codec_variants.COLUMNS, tmp_path / "t.csv")
+    assert list(pd.read_csv(tmp_path / "t.csv", comment="#").columns) == codec_variants.COLUMNS
+
+
+def test_variant_throughput_bad_input(tmp_path):
+    d = _zoo_shaped_codec(tmp_path / "a")
+    with pytest.raises(ValueError, match="default variant 'main' is not among the codec variants"):
+        codec_variants.measure_variant_throughput({"a": d}, "main", TEST_LM, vocab_size=256)
+    with pytest.raises(ValueError, match="codec variant 'b': .* holds no trained codec"):
+        codec_variants.measure_variant_throughput({"a": d, "b": str(tmp_path)}, "a", TEST_LM, vocab_size=256)
+    with pytest.raises(ValueError, match="shorter than n_sink = 8"):
+        codec_variants.measure_variant_throughput({"a": d}, "a", TEST_LM, context=4, vocab_size=256)
+    assert codec_variants.parse_codec_dirs(["a=/x", "b=y=z"]) == {"a": "/x", "b": "y=z"}
+    for bad, match in [(["a"], "is not LABEL=DIR"), (["=x"], "is not LABEL=DIR"), (["a=x", "a=y"], "given twice")]:
+        with pytest.raises(ValueError, match=match):
+            codec_variants.parse_codec_dirs(bad)

@@ -122,7 +122,7 @@ def _report(a: argparse.Namespace) -> None:
             raise ValueError(f"{a.what} needs --residualkv (JSON: profile, residualkv config section)")
         if what.startswith("fig") and not a.data_out:
             raise ValueError(f"{a.what} needs --data-out (CSV of the plotted numbers)")
-        residualkv.report(what, _json_object(a.residualkv, "--residualkv"), a.out, out_csv=a.data_out)
+        residualkv.report(what, _json_object(a.residualkv, "--residualkv"), a.out, out_csv=a.data_out, raw=a.raw)
     elif a.what == "zoo":
         zoo.write_zoo_table(a.runs, a.train, a.out)
     elif a.what == "zoo-figure":
@@ -137,8 +137,22 @@ def _report(a: argparse.Namespace) -> None:
 
 
 def _bench_rkv(a: argparse.Namespace) -> None:
-    from kvbench.bench import codec_cost, decode
+    from kvbench.bench import codec_cost, codec_variants, decode
 
+    if a.what == "rkv-variants":
+        if not a.codecs or not a.default:
+            raise ValueError("rkv-variants needs --codecs LABEL=DIR ... and --default LABEL")
+        contexts = a.contexts or [4096]
+        if len(contexts) != 1:
+            raise ValueError(f"rkv-variants times one context, got --contexts {contexts}")
+        rows, header = codec_variants.measure_variant_throughput(
+            codec_variants.parse_codec_dirs(a.codecs), a.default, a.model or "timing-qwen2-lm-wide", contexts[0],
+            decode_steps=a.decode_steps or 16, warmup_steps=2 if a.warmup is None else a.warmup,
+            repeats=3 if a.repeats is None else a.repeats, threads=a.threads, device=a.device, dtype=a.dtype,
+            seed=a.seed, tokenizer=a.tokenizer or "tiny-qwen2-lm", log=print)
+        decode.write_csv(rows, header, codec_variants.COLUMNS, a.out)
+        print(header)
+        return
     if a.what == "codec-cost":
         d_kv, d_c, d_ff = a.codec_shape
         rows, header = codec_cost.measure_codec_cost(
@@ -158,7 +172,7 @@ def _bench_rkv(a: argparse.Namespace) -> None:
 
 
 def _bench(a: argparse.Namespace) -> None:
-    if a.what in ("rkv-throughput", "codec-cost"):
+    if a.what in ("rkv-throughput", "rkv-variants", "codec-cost"):
         _bench_rkv(a)
         return
     from kvbench.bench import BENCH_DEFAULTS as d
@@ -279,7 +293,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--conduit", default="", help="conduit-*: JSON {profile, conduit: config section, splits, zoo_models}")
     s.add_argument("--data-out", default=None, help="conduit-fig3, residualkv-fig{5,10,11,12}: CSV of the plotted numbers")
     s.add_argument("--residualkv", default="", help="residualkv-*: JSON {profile, residualkv: config section}")
-    s.add_argument("--raw", default=None, help="residualkv-fig8 / -fig6: the profiling CSV to plot")
+    s.add_argument("--raw", default=None, help="residualkv-fig8 / -fig6: the profiling CSV to plot; "
+                   "residualkv-fig11: the `bench rkv-variants` CSV (throughput panel)")
     s.add_argument("--allow-missing", action="store_true",
                    help="conduit-*: a missing run gives empty cells with a note naming it (default: error)")
     s.add_argument("--out", required=True)
@@ -288,8 +303,9 @@ def build_parser() -> argparse.ArgumentParser:
     from kvbench.bench import BENCH_DEFAULTS as d  # light module: defaults only
 
     s = sub.add_parser("bench", help="latency benchmarks: conduit-latency (raw TTFT/FLOPs CSV), conduit-table3, "
-                                      "rkv-throughput (ResidualKV Fig. 8), codec-cost (ResidualKV Fig. 6)")
-    s.add_argument("what", choices=["conduit-latency", "conduit-table3", "rkv-throughput", "codec-cost"])
+                                      "rkv-throughput (ResidualKV Fig. 8), rkv-variants (Fig. 11's throughput), "
+                                      "codec-cost (ResidualKV Fig. 6)")
+    s.add_argument("what", choices=["conduit-latency", "conduit-table3", "rkv-throughput", "rkv-variants", "codec-cost"])
     s.add_argument("--out", required=True, help="raw measurements CSV (conduit-latency) or table CSV (conduit-table3)")
     s.add_argument("--model", default=None, help=f"timing model name (random weights) or checkpoint dir "
                    f"(default: {d['model']}; rkv-throughput: timing-qwen2-lm-wide)")
@@ -312,11 +328,15 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--profile", default="smoke", help="conduit-table3: profile named in the header line")
     s.add_argument("--contexts", type=_positive_int, nargs="+", default=None,
                    help="rkv-throughput: context lengths in tokens (default 1024 2048 4096 8192, for a CPU; "
-                        "the paper's range on a GPU: 65536 131072 262144 524288)")
+                        "the paper's range on a GPU: 65536 131072 262144 524288); rkv-variants: one context "
+                        "(default 4096)")
     s.add_argument("--decode-steps", type=_positive_int, default=None,
                    help="rkv-throughput: timed greedy steps per run (default 32); codec-cost: restores in the total "
                         "(default 512)")
     s.add_argument("--codec-dir", default=None, help="rkv-throughput: a trained codec (default: a random one)")
+    s.add_argument("--codecs", nargs="+", default=None, metavar="LABEL=DIR",
+                   help="rkv-variants: trained codec directories whose shapes are timed (scaled to the timing LM)")
+    s.add_argument("--default", default=None, help="rkv-variants: the label whose throughput is 1.0")
     s.add_argument("--codec-shape", type=_positive_int, nargs=3, default=[2048, 512, 3072],
                    metavar=("D_KV", "D_C", "D_FF"), help="codec-cost: ResidualKV codec shape (default: Table I Llama)")
     s.add_argument("--tokens", type=_positive_int, default=4096, help="codec-cost: tokens coded on the prefill path")

@@ -324,6 +324,12 @@ def rkv_variant_summaries(variants):
     return lambda wc: [f"{rkv_plan().codec_dir(v)}/summary.json" for v in variants]
 
 
+def rkv_bench_args(fig):
+    """``kvbench bench`` flags from the config's ``residualkv.<fig>`` mapping (lists space-separated)."""
+    return " ".join(f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
+                    for k, v in config.get("residualkv", {}).get(fig, {}).items())
+
+
 RKV_FIGURE_VARIANTS = {
     "fig10": ["joint200", "separate"],
     "fig11": ["joint200", "dc16", "dc64", "dff96", "dff384", "k1", "k8", "s5", "s20"],

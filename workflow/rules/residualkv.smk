@@ -7,6 +7,7 @@
 #   rkv_fig5, rkv_codec_figures (fig10, fig11, fig12)   figures/residualkv/fig<N>.pdf (+ results/residualkv/fig<N>.csv)
 #   rkv_throughput  results/residualkv/fig8.csv (decode tokens/s vs context) -> rkv_fig8 figures/residualkv/fig8.pdf
 #   rkv_codec_cost  results/residualkv/fig6.csv (codec cost) -> rkv_fig6 figures/residualkv/fig6.pdf
+#   rkv_variant_throughput  results/residualkv/fig11_throughput.csv (Fig. 11's throughput panel)
 # Which runs and codecs a target reads is decided by kvbench.report.rkv_plan.RKVPlan, for the rules and
 # the report alike. A config without a `residualkv:` section has no ResidualKV targets.
 
@@ -124,7 +125,8 @@ rule rkv_fig5:
 
 rule rkv_codec_figures:
     input:
-        lambda wc: rkv_variant_summaries(RKV_FIGURE_VARIANTS[wc.fig])(wc),
+        summaries=lambda wc: rkv_variant_summaries(RKV_FIGURE_VARIANTS[wc.fig])(wc),
+        throughput=lambda wc: ["results/residualkv/fig11_throughput.csv"] if wc.fig == "fig11" else [],
     output:
         pdf="figures/residualkv/{fig}.pdf",
         csv="results/residualkv/{fig}.csv",
@@ -132,6 +134,7 @@ rule rkv_codec_figures:
         fig="fig10|fig11|fig12",
     params:
         spec=lambda wc: rkv_report_spec(),
+        raw=lambda wc, input: f"--raw {input.throughput}" if input.throughput else "",
     log:
         "logs/residualkv/{fig}.log",
     benchmark:
@@ -145,7 +148,34 @@ rule rkv_codec_figures:
         "../../envs/kvbench.yaml"
     shell:
         "kvbench report residualkv-{wildcards.fig} --residualkv {params.spec:q} --out {output.pdf}"
-        " --data-out {output.csv} > {log} 2>&1"
+        " --data-out {output.csv} {params.raw} > {log} 2>&1"
+
+
+rule rkv_variant_throughput:
+    """Fig. 11's throughput panel: each variant codec's shape, scaled to the random-weight timing LM, timed."""
+    input:
+        codecs=lambda wc: [f"{rkv_plan().codec_dir(v)}/codec/codec.json" for v in RKV_FIGURE_VARIANTS["fig11"]],
+        tokenizer=f"{TOKENIZER_DIR}/tokenizer.json",
+    output:
+        "results/residualkv/fig11_throughput.csv",
+    params:
+        codecs=lambda wc, input: " ".join(f"{v}={os.path.dirname(c)}" for v, c in zip(RKV_FIGURE_VARIANTS["fig11"], input.codecs)),
+        tokenizer=lambda wc, input: os.path.dirname(input.tokenizer),
+        args=lambda wc: rkv_bench_args("fig11"),
+    log:
+        "logs/residualkv/fig11_bench.log",
+    benchmark:
+        "benchmarks/residualkv/fig11_bench.tsv"
+    threads: 2
+    resources:
+        mem_mb=8000,
+        runtime=30,
+        gpu=0,
+    conda:
+        "../../envs/kvbench.yaml"
+    shell:
+        "kvbench bench rkv-variants --out {output} --codecs {params.codecs} --default joint200"
+        " --tokenizer {params.tokenizer} --threads {threads} {params.args} > {log} 2>&1"
 
 
 localrules:
@@ -167,8 +197,7 @@ rule rkv_throughput:
         "results/residualkv/fig8.csv",
     params:
         tokenizer=lambda wc, input: os.path.dirname(input.tokenizer),
-        args=lambda wc: " ".join(f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
-                                 for k, v in config.get("residualkv", {}).get("fig8", {}).items()),
+        args=lambda wc: rkv_bench_args("fig8"),
     log:
         "logs/residualkv/fig8_bench.log",
     benchmark:
@@ -190,8 +219,7 @@ rule rkv_codec_cost:
     output:
         "results/residualkv/fig6.csv",
     params:
-        args=lambda wc: " ".join(f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
-                                 for k, v in config.get("residualkv", {}).get("fig6", {}).items()),
+        args=lambda wc: rkv_bench_args("fig6"),
     log:
         "logs/residualkv/fig6_bench.log",
     benchmark:

@@ -157,11 +157,15 @@ def write_table(plan: RKVPlan, target: str, out: str | Path, root: str | Path = 
     return df
 
 
-def report(target: str, spec: str | dict, out: str | Path, root: str | Path = ".", out_csv: str | Path | None = None) -> None:
+def report(target: str, spec: str | dict, out: str | Path, root: str | Path = ".", out_csv: str | Path | None = None,
+           raw: str | Path | None = None) -> None:
     """Entry point of ``kvbench report residualkv-<target>``.
 
+    ``raw`` is Fig. 11's throughput CSV (``kvbench bench rkv-variants``); other targets take none.
+
     Raises:
-        ValueError: ``spec`` is not the JSON the workflow passes, or ``target`` is unknown.
+        ValueError: ``spec`` is not the JSON the workflow passes, ``target`` is unknown, or ``raw`` is given
+            to a target other than fig11.
     """
     from kvbench.report import rkv_figures
 
@@ -170,8 +174,12 @@ def report(target: str, spec: str | dict, out: str | Path, root: str | Path = ".
             spec = json.loads(spec)
         except json.JSONDecodeError as e:
             raise ValueError(f"--residualkv must be JSON {{profile, residualkv}}, got {spec[:80]!r} ({e.msg})") from e
+    if raw is not None and target != "fig11":
+        raise ValueError(f"--raw is not read by residualkv-{target} (only fig11's throughput CSV, fig6, fig8)")
     plan = RKVPlan(spec["residualkv"], spec["profile"])
-    if target in TITLES:
+    if target == "fig11":
+        rkv_figures.fig11(plan, out, out_csv, root, throughput=raw)
+    elif target in TITLES:
         write_table(plan, target, out, root)
     elif target in rkv_figures.FIGURES:
         rkv_figures.FIGURES[target](plan, out, out_csv, root)

@@ -2,7 +2,8 @@
 
 - Fig. 5: score vs number of references (α sweep and fixed strides at inference, main codec);
 - Fig. 10: joint vs separate K/V codec at matched parameters, validation NTP loss and reconstruction vs step;
-- Fig. 11: codec hyper-parameters (d_c, d_ff, k, s) vs final validation NTP loss (equal training steps);
+- Fig. 11: codec hyper-parameters (d_c, d_ff, k, s) vs final validation NTP loss (equal training steps) and
+  relative decode throughput (``kvbench bench rkv-variants``);
 - Fig. 12: training objective (NTP-only, MSE-only, joint): validation NTP and reconstruction vs step;
 - Fig. 8: decode tokens/s vs context (from ``kvbench bench rkv-throughput``'s CSV);
 - Fig. 6: codec cost, SwiGLU encoder + linear decoder vs the reverse (from ``kvbench bench codec-cost``).
@@ -106,28 +107,51 @@ FIG11 = {"d_c": ["dc16", "joint200", "dc64"], "d_ff": ["dff96", "joint200", "dff
          "s": ["s5", "joint200", "s20"]}
 
 
-def fig11(plan: RKVPlan, out, out_csv, root=".") -> pd.DataFrame:
+def fig11(plan: RKVPlan, out, out_csv, root=".", throughput: str | Path | None = None) -> pd.DataFrame:
+    """Per hyper-parameter (d_c, d_ff, k, s): final validation NTP loss of the variant codecs (equal
+    training steps) and, from ``throughput`` (``kvbench bench rkv-variants``' CSV), the decode throughput
+    relative to the default setting. Without ``throughput`` the CSV says it was not measured.
+
+    Raises:
+        ValueError: ``throughput`` lacks a variant of :data:`FIG11`.
+    """
     rows = []
     for param, variants in FIG11.items():
         for v in variants:
             summary = json.loads((Path(root) / plan.codec_dir(v) / "summary.json").read_text())
             value = plan.codec_overrides(v).get({"s": "stride"}.get(param, param))
+            if value is None:   # the default point: the main codec's value
+                value = plan.s["codec"].get({"s": "stride"}.get(param, param))
             final = summary.get("eval_final") or {}
             rows.append({"parameter": param, "value": value, "variant": v, "params": summary.get("codec_params"),
                          "steps": summary.get("steps_done"), "eval_ntp": final.get("eval_ntp"),
                          "eval_rec": final.get("eval_rec"), "default": v == "joint200"})
     df = pd.DataFrame(rows)
-    write_csv(df, plan.header("Fig. 11 (codec hyper-parameters vs validation NTP loss)") + [
-        "# relative decode throughput per setting: not measured here (see results/residualkv/fig8.csv for the "
-        "main setting's throughput)"], out_csv)
-    fig, axes = plt.subplots(1, 4, figsize=(12, 3))
-    for ax, (param, d) in zip(axes, df.groupby("parameter", sort=False)):
-        ax.plot(d["value"], d["eval_ntp"], "o-", color="tab:blue")
-        dd = d[d["default"]]
-        ax.plot(dd["value"], dd["eval_ntp"], "o", color="red")
-        ax.set_xlabel(param)
-        ax.set_ylabel("validation NTP loss")
-    fig.suptitle(f"Fig. 11 (smoke; red = default): {SMOKE_NOTE}", fontsize=8)
+    notes = []
+    if throughput is not None:
+        tp = pd.read_csv(throughput, comment="#")
+        missing = sorted(set(df["variant"]) - set(tp["variant"]))
+        if missing:
+            raise ValueError(f"{throughput}: no throughput row for variant(s) {missing}")
+        df = df.merge(tp[["variant", "tokens_per_s", "relative_throughput"]], on="variant", how="left")
+        notes.append("# relative_throughput: decode tokens/s over the default's, from " + str(throughput) + " ("
+                     + Path(throughput).read_text().splitlines()[0].lstrip("# ") + ")")
+    else:
+        df["relative_throughput"] = float("nan")
+        notes.append("# relative_throughput: not measured (no `kvbench bench rkv-variants` CSV given)")
+    write_csv(df, plan.header("Fig. 11 (codec hyper-parameters vs validation NTP loss and throughput)") + notes, out_csv)
+    fig, axes = plt.subplots(2, 4, figsize=(12, 5.6), squeeze=False)
+    for j, (param, d) in enumerate(df.groupby("parameter", sort=False)):
+        d = d.sort_values("value")
+        for i, (col, label) in enumerate([("eval_ntp", "validation NTP loss"),
+                                          ("relative_throughput", "relative decode throughput")]):
+            ax = axes[i][j]
+            ax.plot(d["value"], d[col], "o-", color="tab:blue")
+            dd = d[d["default"]]
+            ax.plot(dd["value"], dd[col], "o", color="red")
+            ax.set_xlabel(param)
+            ax.set_ylabel(label)
+    fig.suptitle(f"Fig. 11 (smoke; red = default; throughput on a random-weight timing LM): {SMOKE_NOTE}", fontsize=8)
     _save(fig, out)
     return df
 

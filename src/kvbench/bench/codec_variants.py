@@ -1,0 +1,143 @@
+"""ResidualKV Fig. 11's throughput panel: relative decode throughput of codec hyper-parameter settings.
+
+The paper (§V-C, Fig. 11) plots, for each of d_c, k, d_ff and the stride s, the NTP loss and the decode
+throughput relative to the default setting. The NTP loss comes from the trained variant codecs
+(:func:`kvbench.report.rkv_figures.fig11`); this module measures the throughput.
+
+Why a timing model and random codecs: the zoo LM is so small that a decode step is Python overhead
+(:mod:`kvbench.bench.timing_lm`), so its tokens/s cannot tell codec shapes apart. Each variant's codec
+shape is read from its trained ``codec.json`` and carried to the wider random-weight timing LM **at the
+same ratios**: ``d_c`` and ``d_ff`` are scaled by ``d_kv(timing LM) / d_kv(codec)`` (the zoo's 128 ->
+the timing LM's 512: d_c 32 -> 128, d_ff 192 -> 768), while ``k``, ``stride``, ``alpha``, ``n_sink``,
+``window`` and the codec form (joint, encoder/decoder kinds, references) are kept as trained. The codec
+weights are random (:meth:`ResidualCodec.for_model`, one seed for all): restore time depends on shapes
+and on how many references each restored token averages, not on the weights.
+
+Each variant runs ResidualKV+OmniKV with 4-bit codes and FP8 references (the ``residualkv-omnikv``
+method of :mod:`kvbench.bench.decode`) at one context, timed with :func:`kvbench.bench.decode.time_decode`;
+``relative_throughput`` is its tokens/s over the ``default`` variant's.
+"""
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+import torch
+
+from kvbench.bench import decode
+from kvbench.bench.timing_lm import ZOO_TOKENIZER, full_layers_for
+from kvbench.compress.residualkv.codec import CodecConfig, ResidualCodec, model_kv_shape
+
+COLUMNS = ["variant", "default", "context", "codec_d_kv", "d_kv", "d_c", "d_ff", "k", "stride", "alpha",
+           "tokens_per_s", "q1", "q3", "relative_throughput", "kr_measured", "cr_measured", "model", "weights",
+           "device", "dtype", "threads"]
+#: Shape fields carried unchanged from the trained codec (widths are scaled, see the module docstring).
+KEPT_FIELDS = ("k", "n_sink", "stride", "alpha", "grid", "window", "bias", "joint", "encoder", "decoder",
+               "references")
+
+
+def read_codec_configs(codec_dirs: Mapping[str, str | Path]) -> dict[str, CodecConfig]:
+    """``{label: CodecConfig}`` from each directory's ``codec.json``.
+
+    Raises:
+        ValueError: an empty mapping, or a label whose directory holds no ``codec.json`` (naming both).
+    """
+    if not codec_dirs:
+        raise ValueError("no codec variants given; expected LABEL=DIR pairs of trained codecs")
+    out = {}
+    for label, d in codec_dirs.items():
+        path = Path(d) / "codec.json"
+        if not path.is_file():
+            raise ValueError(f"codec variant {label!r}: {str(d)!r} holds no trained codec (codec.json missing)")
+        out[label] = CodecConfig.from_json(path.read_text())
+    return out
+
+
+def scaled_overrides(cfg: CodecConfig, d_kv: int) -> dict:
+    """:meth:`ResidualCodec.for_model` overrides that carry ``cfg`` to a model with ``d_kv`` (``2 d_k``).
+
+    ``d_c`` and ``d_ff`` keep their ratio to ``d_kv`` (rounded, at least 1); :data:`KEPT_FIELDS` are copied.
+    """
+    scale = d_kv / cfg.d_kv
+    return {"d_c": max(1, round(cfg.d_c * scale)), "d_ff": max(1, round(cfg.d_ff * scale)),
+            **{f: getattr(cfg, f) for f in KEPT_FIELDS}}
+
+
+def measure_variant_throughput(codec_dirs: Mapping[str, str | Path], default: str,
+                               model_name: str = "timing-qwen2-lm-wide", context: int = 4096,
+                               decode_steps: int = 16, warmup_steps: int = 2, repeats: int = 3,
+                               threads: int | None = None, device: str = "cpu", dtype: str = "auto",
+                               seed: int = 0, *, tokenizer: str = ZOO_TOKENIZER, vocab_size: int | None = None,
+                               keep: float = decode.OMNIKV_KEEP,
+                               full_layers: Sequence[int] | None = None,
+                               log: Callable[[str], None] | None = None) -> tuple[list[dict], str]:
+    """One row per variant (:data:`COLUMNS`) and the CSV header line.
+
+    Args:
+        codec_dirs: ``{label: trained codec directory}``; only ``codec.json`` (the shape) is read.
+        default: the label whose tokens/s is 1.0 in ``relative_throughput`` (the default setting).
+        model_name: a timing LM (:data:`~kvbench.bench.timing_lm.TIMING_LMS`) or a checkpoint directory.
+        context: context length in tokens (random ids, prefill untimed).
+        decode_steps, warmup_steps, repeats, threads, device, dtype, seed, tokenizer, vocab_size, keep,
+            full_layers: as :func:`kvbench.bench.decode.measure_decode_throughput`.
+
+    Raises:
+        ValueError: ``default`` not among the labels; see :func:`read_codec_configs` and
+            :func:`kvbench.bench.decode.check_inputs`.
+    """
+    from kvbench.bench.latency import resolve_device
+
+    if default not in codec_dirs:
+        raise ValueError(f"default variant {default!r} is not among the codec variants {sorted(codec_dirs)}")
+    configs = read_codec_configs(codec_dirs)
+    for cfg in configs.values():
+        decode.check_inputs([context], ["residualkv-omnikv"], decode_steps, warmup_steps, repeats, cfg.n_sink)
+    if threads is not None:
+        torch.set_num_threads(threads)
+    dev, dt = resolve_device(device, dtype)
+    model, weights = decode.load_lm(model_name, dev, dt, seed, vocab_size, tokenizer)
+    n_layers, d_kv = model_kv_shape(model)
+    layers = tuple(full_layers) if full_layers is not None else full_layers_for(n_layers)
+    rows = []
+    for label, cfg in configs.items():
+        over = scaled_overrides(cfg, d_kv)
+        with tempfile.TemporaryDirectory(prefix="kvbench-codec-") as tmp:
+            ResidualCodec.for_model(model, seed=seed, **over).save(tmp)
+            press = decode.make_press("residualkv-omnikv", tmp, layers, keep)
+            r = decode.time_decode(model, press, [context], decode_steps, warmup_steps, repeats, seed)[context]
+        rows.append({"variant": label, "default": label == default, "context": context, "codec_d_kv": cfg.d_kv,
+                     "d_kv": d_kv, "d_c": over["d_c"], "d_ff": over["d_ff"], "k": cfg.k, "stride": cfg.stride,
+                     "alpha": cfg.alpha, **{k: r[k] for k in ("tokens_per_s", "q1", "q3", "kr_measured",
+                                                               "cr_measured")},
+                     "model": model_name, "weights": weights, "device": str(dev),
+                     "dtype": str(dt).removeprefix("torch."), "threads": torch.get_num_threads()})
+        if log:
+            log(f"{label:<12} d_c {over['d_c']:>4} d_ff {over['d_ff']:>5} k {cfg.k} s {cfg.stride}: "
+                f"{r['tokens_per_s']:.2f} tok/s")
+    base = next(r["tokens_per_s"] for r in rows if r["default"])
+    for r in rows:
+        r["relative_throughput"] = r["tokens_per_s"] / base
+    head = (f"# kvbench ResidualKV Fig. 11 throughput: decode tokens/s of ResidualKV+OmniKV (4-bit codes, FP8 "
+            f"references, keep {keep}) per codec setting, on a timing model with {weights.upper()} weights "
+            f"({model_name}) and RANDOM codecs of each trained variant's shape scaled to d_kv {d_kv} (same d_c/d_kv, "
+            f"d_ff/d_kv; k and stride as trained); context {context} random ids; median (q1, q3) of {repeats} runs "
+            f"of {decode_steps} steps after {warmup_steps} warm-up; relative to {default!r}; not the paper's numbers")
+    return rows, head
+
+
+def parse_codec_dirs(pairs: Sequence[str]) -> dict[str, str]:
+    """``["label=dir", ...]`` -> ``{label: dir}``.
+
+    Raises:
+        ValueError: a pair without ``=``, an empty label or directory, or a repeated label.
+    """
+    out: dict[str, str] = {}
+    for p in pairs:
+        label, sep, d = p.partition("=")
+        if not sep or not label or not d:
+            raise ValueError(f"codec variant {p!r} is not LABEL=DIR")
+        if label in out:
+            raise ValueError(f"codec variant label {label!r} given twice")
+        out[label] = d
+    return out
