@@ -117,3 +117,29 @@ def test_without_references_every_token_is_coded_and_identity_stays_exact(tiny_l
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
     layer = cache.layers[0]
     assert len(layer.ref_pos) == 0 and len(layer.codes.positions()) == 54 and layer.stored_bytes().indices == 0
+
+
+def test_full_kv_bits_store_full_layers_kivi_style(tiny_lm, tmp_path):
+    from kvbench.compress.accounting import StoredBytes
+    from kvbench.compress.cache import StoreLayer
+    from kvbench.compress.presses.kivi import KIVIPress
+    from kvbench.compress.presses.omnikv import FilterLayer
+    from kvbench.compress.residualkv.cache import QuantizedFilterLayer, QuantizedFullLayer
+
+    codec_dir = _identity_codec(tiny_lm, tmp_path / "id", n_sink=2, window=4, stride=5)
+    base = dict(codec_dir=str(codec_dir), mode="omnikv", full_layers=(0, 1), keep=0.5)
+    _, c16 = _run(tiny_lm, ResidualKVPress(**base), IDS, CUTS)
+    _, c4 = _run(tiny_lm, ResidualKVPress(**base, full_kv_bits=4), IDS, CUTS)
+    _, kivi = _run(tiny_lm, KIVIPress(bits=4), IDS, CUTS)
+    assert [type(x) for x in c16.layers[:2]] == [StoreLayer, FilterLayer]
+    assert [type(x) for x in c4.layers[:2]] == [QuantizedFullLayer, QuantizedFilterLayer]
+    # FP16 full layer: 60 tokens x d_kv 64 x 2 bytes; 4-bit: exactly KIVI-4's bytes, reported as the full_layer part
+    assert c16.layers[0].stored_bytes() == StoredBytes(layer=0, full_layer=60 * 64 * 2)
+    for i in (0, 1):
+        assert c4.layers[i].stored_bytes() == StoredBytes(layer=i, full_layer=kivi.layers[i].stored_bytes().total())
+        assert c4.layers[i].stored_bytes().full_layer < 60 * 64 * 2
+    # the quantised filter layer still selects keep = 0.5 of its candidates every step
+    assert len(c4.selections) == len(c16.selections) > 0
+    assert [len(s) for s in c4.selections] == [len(s) for s in c16.selections]
+    with pytest.raises(ValueError, match="full_kv_bits must be 2, 4, 8 .* got 3"):
+        ResidualKVPress(**base, full_kv_bits=3)

@@ -22,10 +22,9 @@ Methods (:data:`METHODS`):
   references, ``keep`` 0.17, the authors' OmniKV config);
 - ``residualkv-omnikv-unquantised``: the same with 16-bit codes and float32 references.
 
-The paper's quantised curve also stores the full-attention layers KIVI-style in 4 bits; the press's
-``full_kv_bits`` field is used where the press has one (4 quantised, 16 unquantised) and the
-``full_kv_bits`` column records it, else the full layers stay exact (FP16) in both ResidualKV methods
-and the column reads 16.
+As in the paper's quantised curve, ``residualkv-omnikv`` also stores its full-attention layers KIVI-style
+in 4 bits (``ResidualKVPress.full_kv_bits = 4``); the unquantised one keeps them exact (16). The
+``full_kv_bits`` column records it.
 
 Timing models (:mod:`kvbench.bench.timing_lm`) have RANDOM weights and, unless ``codec_dir`` is given,
 the codec is random too (:meth:`ResidualCodec.for_model`): decode time depends on shapes and on how many
@@ -95,11 +94,6 @@ def check_inputs(contexts: Sequence[int], methods: Sequence[str], decode_steps: 
                          f"decode_steps={decode_steps}, repeats={repeats}, warmup_steps={warmup_steps}")
 
 
-def full_kv_bits_supported() -> bool:
-    """Whether :class:`ResidualKVPress` has a ``full_kv_bits`` field (KIVI-style full layers)."""
-    return "full_kv_bits" in {f.name for f in dataclasses.fields(ResidualKVPress)}
-
-
 def make_press(method: str, codec_dir: str | Path, full_layers: Sequence[int], keep: float = OMNIKV_KEEP) -> Press:
     """The press of ``method`` (:data:`METHODS`; the module docstring gives each one's settings).
 
@@ -111,21 +105,19 @@ def make_press(method: str, codec_dir: str | Path, full_layers: Sequence[int], k
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; expected one of {list(METHODS)}")
     quantised = method == "residualkv-omnikv"
-    extra = {"full_kv_bits": 4 if quantised else 16} if full_kv_bits_supported() else {}
     return ResidualKVPress(codec_dir=str(codec_dir), mode="omnikv", full_layers=tuple(full_layers), keep=keep,
-                           bits=4 if quantised else 16, ref_fp8=quantised, **extra)
+                           bits=4 if quantised else 16, ref_fp8=quantised, full_kv_bits=4 if quantised else 16)
 
 
 def header_line(model: str, weights: str, codec: str, contexts: Sequence[int], decode_steps: int,
                 warmup_steps: int, repeats: int) -> str:
     """The CSV's ``#`` first line: what was measured and why these are not the paper's numbers."""
-    kvbits = "press field full_kv_bits" if full_kv_bits_supported() else "full layers exact FP16 in every method"
     return (f"# kvbench ResidualKV Fig. 8: decode throughput at batch 1 on a timing model with "
             f"{weights.upper()} weights ({model}) and a {codec} codec (decode time depends on shapes and on how "
             f"many tokens each layer reads and restores, not on trained weights); contexts "
             f"{'/'.join(str(c) for c in contexts)} of random token ids, prefill not timed; tokens/s median "
             f"(q1, q3) of {repeats} runs of {decode_steps} greedy steps after {warmup_steps} warm-up steps; "
-            f"OmniKV keep {OMNIKV_KEEP}; {kvbits}; not the paper's numbers (one H100, 64K-900K tokens)")
+            f"OmniKV keep {OMNIKV_KEEP}; full layers 4-bit KIVI-style when quantised, exact otherwise; not the paper's numbers (one H100, 64K-900K tokens)")
 
 
 def load_lm(model_name_or_dir: str, device: torch.device, dtype: torch.dtype, seed: int,

@@ -56,7 +56,8 @@ def run_summary(run_dir: str | Path) -> dict:
 def kr_formula(plan: RKVPlan, spec: str, n_tokens: float, n_layers: int, d_kv: int) -> float | None:
     """§V-A KR of a ResidualKV spec on this plan's model at ``n_tokens`` (None for other presses).
 
-    Full layers count as stored (FP16: q = 1 in this harness; the paper's deployment uses 4-bit),
+    Full layers count at the spec's ``full_kv_bits`` (16 = FP16, q = 1, the default here; the paper's
+    deployment uses 4-bit KIVI-style, q_4 with group 32),
     references FP8 (or float32 when ``ref_fp8=false``), codes at the spec's bits with group 32.
     """
     name, params = parse_press_spec(spec)
@@ -73,7 +74,7 @@ def kr_formula(plan: RKVPlan, spec: str, n_tokens: float, n_layers: int, d_kv: i
     d_c = d_kv if params.get("use_codec", True) is False else codec["d_c"]
     group = codec.get("group", 32) if bits != 16 else 32
     return accounting.keep_ratio_formula(n_layers=n_layers, n_full=n_full, ref_density=density, d_c=d_c, d_kv=d_kv,
-                                         bits=min(bits, 16), full_bits=16, group=math.gcd(d_c, group),
+                                         bits=min(bits, 16), full_bits=params.get("full_kv_bits", 16), group=math.gcd(d_c, group),
                                          ref_bits=8 if params.get("ref_fp8", True) else 16)
 
 

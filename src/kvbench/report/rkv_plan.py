@@ -95,7 +95,8 @@ class RKVPlan:
         if name == "residualkv":
             try:
                 ResidualKVPress.check_params(params.get("mode", "omnikv"), params.get("keep", 0.2),
-                                             params.get("bits", 4), params.get("full_layers", ()))
+                                             params.get("bits", 4), params.get("full_layers", ()),
+                                             params.get("full_kv_bits", 16))
             except ValueError as e:
                 raise ValueError(f"press spec {spec!r}: {e}") from None
         elif "codec_dir" not in {f.name for f in dataclasses.fields(PRESSES[name])}:

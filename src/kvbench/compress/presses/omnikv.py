@@ -56,8 +56,10 @@ class FilterLayer(StoreLayer):
     position, the same index the sparse layers' stores use.
     """
 
-    def __init__(self, ctx: LayerContext, cache: PressCache, selector: Selector):
-        super().__init__(ctx, cache)
+    def __init__(self, ctx: LayerContext, cache: PressCache, selector: Selector, **store_kwargs: Any):
+        # store_kwargs go to the next store class in the MRO (e.g. KIVILayer's bits when the filter layer
+        # is itself quantised, ResidualKV's full_kv_bits)
+        super().__init__(ctx, cache, **store_kwargs)
         self.selector = selector
 
     def commit(self, chunk: KVView, query: torch.Tensor) -> None:

@@ -37,6 +37,7 @@ import torch
 
 from kvbench.compress.accounting import StoredBytes
 from kvbench.compress.cache import KVView, LayerContext, PressCache, Press, StoreLayer
+from kvbench.compress.presses.kivi import KIVILayer
 from kvbench.compress.presses.omnikv import FilterLayer, _layer_list
 from kvbench.compress.presses.snapkv import snapkv_scores
 from kvbench.compress.residualkv import quant, references
@@ -270,6 +271,22 @@ class ResidualKVLayer(StoreLayer):
         self.codes.keep(torch.isin(self.codes.positions(), keep_positions))
 
 
+class QuantizedFullLayer(KIVILayer):
+    """A ResidualKV full-attention layer stored KIVI-style (paper §V-A deployment: 4-bit full layers).
+
+    Storage as :class:`~kvbench.compress.presses.kivi.KIVILayer` (group 32, 32 raw recent tokens); its
+    bytes are reported as one ``full_layer`` part, the audit's category for full-attention layers.
+    """
+
+    def stored_bytes(self) -> StoredBytes:
+        return StoredBytes(layer=self.ctx.layer_idx, full_layer=super().stored_bytes().total())
+
+
+class QuantizedFilterLayer(FilterLayer, QuantizedFullLayer):
+    """An OmniKV filter layer (:class:`FilterLayer`) whose own KV is stored as :class:`QuantizedFullLayer`;
+    candidates are scored with the keys this layer's attention read (dequantised history + the chunk)."""
+
+
 @dataclass
 class ResidualKVPress(Press):
     """ResidualKV as a cache press (paper §IV; defaults from §V-A and the authors' configs).
@@ -285,6 +302,9 @@ class ResidualKVPress(Press):
         bits: residual-code bits (4 = paper text default, 2 = multimodal, 16 = unquantised fp16,
             32 = stored exactly in float32: for the identity-codec invariant only).
         ref_fp8: references stored FP8 e4m3 (paper §V-A deployment); False keeps them float32.
+        full_kv_bits: the full-attention layers' storage: 16 = exact (FP16 in KR; the smoke tables), 2/4/8 =
+            KIVI-style (keys per channel, values per token, group 32, 32 raw recent tokens; the paper's
+            deployment quantises them to 4 bits, §V-A). A filter layer scores with the dequantised keys.
         use_codec: False = Table VIII "without f_c, f_d" (the raw residual, quantised).
         alpha, stride: the reference schedule at inference (None: the codec's training values). Table VI
             and Fig. 5 vary them at inference with one trained codec.
@@ -299,13 +319,14 @@ class ResidualKVPress(Press):
     bits: int = 4
     use_codec: bool = True
     ref_fp8: bool = True
+    full_kv_bits: int = 16
     codec: str = "main"
     alpha: float | None = None
     stride: int | None = None
     audit_steps: int = 8
 
     def __post_init__(self):
-        self.check_params(self.mode, self.keep, self.bits, self.full_layers)
+        self.check_params(self.mode, self.keep, self.bits, self.full_layers, self.full_kv_bits)
         self.full_layers = tuple(_layer_list("full_layers", self.full_layers))
         if not Path(self.codec_dir, "codec.json").is_file():
             raise ValueError(f"codec_dir {self.codec_dir!r} holds no trained codec (codec.json missing)")
@@ -314,7 +335,7 @@ class ResidualKVPress(Press):
             quant.check_quant_config(self.codec_model.config.d_c, self.bits, self.codec_model.config.group)
 
     @staticmethod
-    def check_params(mode: str, keep: float, bits: int, full_layers) -> None:
+    def check_params(mode: str, keep: float, bits: int, full_layers, full_kv_bits: int = 16) -> None:
         """Check the parameters that need no codec (also used while the workflow's DAG is built).
 
         Raises:
@@ -326,6 +347,8 @@ class ResidualKVPress(Press):
             raise ValueError(f"keep must be in (0, 1], got {keep}")
         if bits not in (2, 4, 8, 16, 32):
             raise ValueError(f"bits must be 2, 4, 8, 16 (unquantised) or 32 (exact), got {bits!r}")
+        if full_kv_bits not in (2, 4, 8, 16):
+            raise ValueError(f"full_kv_bits must be 2, 4, 8 (KIVI-style full layers) or 16 (exact), got {full_kv_bits!r}")
         if mode == "omnikv" and not _layer_list("full_layers", full_layers):
             raise ValueError("mode 'omnikv' needs full_layers (the filter layers are full layers followed by a sparse one)")
 
@@ -368,9 +391,11 @@ class ResidualKVPress(Press):
     def make_layer(self, ctx: LayerContext, cache: PressCache) -> StoreLayer:
         i = ctx.layer_idx
         if i in self.full_layers:
+            quantised = self.full_kv_bits < 16
+            kw = {"bits": self.full_kv_bits} if quantised else {}
             if self.mode == "omnikv" and i + 1 < ctx.n_layers and i + 1 not in self.full_layers:
-                return FilterLayer(ctx, cache, self)
-            return StoreLayer(ctx, cache)
+                return (QuantizedFilterLayer if quantised else FilterLayer)(ctx, cache, self, **kw)
+            return (QuantizedFullLayer if quantised else StoreLayer)(ctx, cache, **kw)
         return ResidualKVLayer(ctx, cache, self)
 
     def compute_ratio(self, n_layers: int) -> float | None:
