@@ -95,6 +95,13 @@ def test_bad_input_names_the_value(kw, match):
         decode.measure_decode_throughput(TEST_LM, **{**args, **kw})
 
 
+def test_misfit_codec_is_refused_before_timing(tmp_path):
+    _zoo_shaped_codec(tmp_path)                      # d_kv 128; the test LM's is 64
+    with pytest.raises(ValueError, match=r"does not fit the model: codec \(n_layers, d_kv\) = \(4, 128\), model \(4, 64\)"):
+        decode.measure_decode_throughput(TEST_LM, [64], ["full"], decode_steps=1, warmup_steps=0, repeats=1,
+                                         vocab_size=256, codec_dir=str(tmp_path))
+
+
 def test_codec_pair_matches_parameters_within_one_percent():
     assert codec_cost.reverse_d_ff(2048, 512, 3072) == 4608           # Table I Llama shape: exact match
     for d_kv, d_c, d_ff in [(2048, 512, 3072), (1024, 256, 3072), (512, 128, 768), (64, 16, 96)]:

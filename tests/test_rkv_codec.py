@@ -111,6 +111,10 @@ def test_for_model_defaults_and_seed():
     assert not torch.equal(a.layers[0].branches[0].encoder.w1.weight, c.layers[0].branches[0].encoder.w1.weight)
     with pytest.raises(ValueError, match=r"unknown CodecConfig overrides \['dc'\]"):
         ResidualCodec.for_model(cfg, dc=8)
+    # d_c >= 32 keeps the paper's group of 32: 48 is refused, not silently grouped by 16 (review finding)
+    assert ResidualCodec.for_model(cfg, d_c=8).config.group == 8 and ResidualCodec.for_model(cfg, d_c=64).config.group == 32
+    with pytest.raises(ValueError, match=r"d_c=48 must be a multiple of group=32"):
+        ResidualCodec.for_model(cfg, d_c=48)
 
 
 def test_save_load_round_trip_and_shape_check(tmp_path):

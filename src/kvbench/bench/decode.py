@@ -53,7 +53,7 @@ from kvbench.bench.timing_lm import (
 from kvbench.compress.accounting import compute_ratio_measured, keep_ratio_measured
 from kvbench.compress.cache import Press, PressCache, press_attention
 from kvbench.compress.residualkv.cache import ResidualKVPress
-from kvbench.compress.residualkv.codec import CodecConfig, ResidualCodec
+from kvbench.compress.residualkv.codec import CodecConfig, ResidualCodec, model_kv_shape
 
 METHODS = ("full", "residualkv-omnikv", "residualkv-omnikv-unquantised")
 #: Contexts of the default CPU run (about 4-5 minutes on 2 cores, see ``docs/decisions.md``).
@@ -218,7 +218,8 @@ def measure_decode_throughput(model_name_or_dir: str, contexts: Sequence[int] = 
 
     Raises:
         ValueError: see :func:`check_inputs`; ``prefill_chunk < 1``; a context (+ decoded tokens) beyond
-            the model's ``max_position_embeddings``.
+            the model's ``max_position_embeddings``; a ``codec_dir`` whose (n_layers, d_kv) differ from the
+            model's (raised before any timing).
     """
     from kvbench.bench.latency import resolve_device
 
@@ -237,6 +238,10 @@ def measure_decode_throughput(model_name_or_dir: str, contexts: Sequence[int] = 
     if too_long:
         raise ValueError(f"context(s) {too_long} + {extra} decoded tokens exceed the model's "
                          f"max_position_embeddings = {tc.max_position_embeddings}")
+    if codec_cfg is not None and (codec_cfg.n_layers, codec_cfg.d_kv) != model_kv_shape(model):
+        # checked before any timing, so a misfit codec cannot cost a full-attention run first
+        raise ValueError(f"codec {codec_dir!r} does not fit the model: codec (n_layers, d_kv) = "
+                         f"{(codec_cfg.n_layers, codec_cfg.d_kv)}, model {model_kv_shape(model)}")
     layers = tuple(full_layers) if full_layers is not None else full_layers_for(tc.num_hidden_layers)
     rows = []
     with tempfile.TemporaryDirectory(prefix="kvbench-codec-") as tmp:

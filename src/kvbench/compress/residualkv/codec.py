@@ -281,9 +281,10 @@ class ResidualCodec(nn.Module):
         """A freshly initialised codec sized for ``model`` (a HF causal LM or VLM, or its config).
 
         Defaults: ``d_c = d_kv // 4`` and ``d_ff = 3 * d_kv // 2``, the ratios of Table I
-        (Llama-3.1-8B: 2,048 -> 512, d_ff 3,072); ``group = gcd(d_c, 32)`` (32, the paper's group,
-        for every real model; smaller only when a tiny model's ``d_c`` is not a multiple of 32). Initialisation uses a private generator seeded
-        with ``seed`` (the global torch RNG is left untouched), so equal seeds give equal weights.
+        (Llama-3.1-8B: 2,048 -> 512, d_ff 3,072); ``group = 32`` (the paper's), or ``gcd(d_c, 32)`` when
+        ``d_c < 32`` (tiny models; a ``d_c >= 32`` that 32 does not divide is an error, not a smaller group).
+        Initialisation uses a private generator seeded with ``seed`` (the global torch RNG is left untouched),
+        so equal seeds give equal weights.
 
         Raises:
             ValueError: an override is not a :class:`CodecConfig` field, or the result is invalid.
@@ -294,8 +295,9 @@ class ResidualCodec(nn.Module):
         if bad:
             raise ValueError(f"unknown CodecConfig overrides {bad}; fields are {sorted(fields)}")
         kw = {"n_layers": n_layers, "d_kv": d_kv, "d_c": d_kv // 4, "d_ff": 3 * d_kv // 2, **overrides}
-        if "group" not in overrides and isinstance(kw["d_c"], int) and not isinstance(kw["d_c"], bool) and kw["d_c"] > 0:
-            # tiny models: d_c below 32 -> the largest group that divides it
+        if "group" not in overrides and isinstance(kw["d_c"], int) and not isinstance(kw["d_c"], bool) and 0 < kw["d_c"] < 32:
+            # tiny models: d_c below 32 -> the largest group that divides it. A d_c >= 32 keeps the paper's 32,
+            # so e.g. d_c = 48 is refused (naming d_c and group) instead of silently quantised in groups of 16.
             kw["group"] = math.gcd(kw["d_c"], 32)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
