@@ -139,3 +139,38 @@ def test_loglikelihood_scores_continuations_over_the_refreshed_cache(task, vlm_d
     with pytest.raises(ValueError, match="empty continuation"):
         lm.loglikelihood([Instance("loglikelihood", (doc_to_text(docs[0]), "", visual, 0, "t", "test"), idx=0,
                                    metadata=meta(0))])
+
+
+def test_multi_round_requests_answer_each_round_through_the_engine(task, vlm_dir, tmp_path):
+    """lmms-eval's multi-round protocol: round 0 from the request, later rounds from doc_to_text until it
+    signals the end; each round is a reuse request (its answer equals ``answer`` on the same record)."""
+    from lmms_eval.api.instance import Instance
+
+    from kvbench.lmms.model import KVBenchReuse
+    from kvbench.lmms.records import to_record as rec_of
+    from kvbench.lmms.task import doc_to_text, doc_to_visual
+
+    root, records = task
+    lm = KVBenchReuse(pretrained=str(vlm_dir), policy="conduit", r=0.1, cache_dir=str(tmp_path / "c"))
+    lm.task_dict = {"t": {"test": records}}
+    visual = lambda doc: doc_to_visual(doc, root / "data")  # noqa: E731
+    seen = []
+
+    def rounds(doc, previous_output, round_idx, previous_round_info):
+        seen.append((round_idx, list(previous_output), previous_round_info))
+        if round_idx == 2:
+            return None, None, True, [a.upper() or "-" for a in previous_output], None
+        return visual(doc), doc_to_text(doc) + " again", False, previous_output, {"round": round_idx}
+
+    req = Instance("generate_until_multi_round", (doc_to_text(records[0]), {"max_new_tokens": 2}, visual, rounds, 0,
+                                                  "t", "test"), idx=0, metadata={"task": "t", "doc_id": 0, "repeats": 1})
+    (got,) = lm.generate_until_multi_round([req])
+    first = lm.answer(rec_of(doc_to_text(records[0]), visual(records[0]), records[0], max_new_tokens=2, **lm.opts), [])
+    second = lm.answer(rec_of(doc_to_text(records[0]) + " again", visual(records[0]), records[0], max_new_tokens=2,
+                              **lm.opts), [])
+    assert seen == [(1, [first], None), (2, [first, second], {"round": 1})]
+    assert got == (first.upper() or "-", second.upper() or "-")
+    bad = Instance("generate_until_multi_round", (doc_to_text(records[0]), {}, visual, lambda doc, **kw: "x", 0, "t",
+                                                  "test"), idx=0, metadata={"task": "t", "doc_id": 0, "repeats": 1})
+    with pytest.raises(ValueError, match="t/test/0: doc_to_text of a multi-round task must return"):
+        lm.generate_until_multi_round([bad])
