@@ -135,17 +135,17 @@ def _zoo_shaped_codec(directory, **over):
 
 
 def test_variant_throughput_scales_widths_and_keeps_schedule(tmp_path):
-    dirs = {"joint200": _zoo_shaped_codec(tmp_path / "a"), "dc64": _zoo_shaped_codec(tmp_path / "b", d_c=64),
-            "s5": _zoo_shaped_codec(tmp_path / "c", stride=5, k=2)}
-    rows, header = codec_variants.measure_variant_throughput(dirs, "joint200", TEST_LM, context=300, decode_steps=2,
+    dirs = {"base": _zoo_shaped_codec(tmp_path / "a"), "dc_high": _zoo_shaped_codec(tmp_path / "b", d_c=64),
+            "s_low": _zoo_shaped_codec(tmp_path / "c", stride=5, k=2)}
+    rows, header = codec_variants.measure_variant_throughput(dirs, "base", TEST_LM, context=300, decode_steps=2,
                                                              warmup_steps=1, repeats=2, vocab_size=256)
     by = {r["variant"]: r for r in rows}
     # the test LM's d_kv is 64 = half the codecs' 128: widths halve, the schedule is kept
     assert [(by[v]["d_c"], by[v]["d_ff"], by[v]["k"], by[v]["stride"]) for v in dirs] == [
         (16, 96, 4, 10), (32, 96, 4, 10), (16, 96, 2, 5)]
-    assert by["joint200"]["relative_throughput"] == 1.0 and by["joint200"]["default"]
+    assert by["base"]["relative_throughput"] == 1.0 and by["base"]["default"]
     for r in rows:
-        assert r["relative_throughput"] == r["tokens_per_s"] / by["joint200"]["tokens_per_s"]
+        assert r["relative_throughput"] == r["tokens_per_s"] / by["base"]["tokens_per_s"]
         assert r["d_kv"] == 64 and r["codec_d_kv"] == 128 and r["cr_measured"] < 1.0
     assert header.startswith("# kvbench ResidualKV Fig. 11 throughput") and "RANDOM codecs" in header
     decode.write_csv(rows, header, codec_variants.COLUMNS, tmp_path / "t.csv")

@@ -169,25 +169,27 @@ def test_fig5_counts_references_of_each_schedule(tmp_path):
 def test_fig11_merges_throughput_per_variant(tmp_path):
     from kvbench.report import rkv_figures
 
-    names = [v for vs in rkv_figures.FIG11.values() for v in vs]
-    over = {"dc16": {"d_c": 16}, "dc64": {"d_c": 64}, "dff96": {"d_ff": 96}, "dff384": {"d_ff": 384}, "k1": {"k": 1},
-            "k8": {"k": 8}, "s5": {"stride": 5}, "s20": {"stride": 20}}
+    from kvbench.report.rkv_plan import FIGURE_VARIANTS
+
+    names = FIGURE_VARIANTS["fig11"]
+    over = {"dc_low": {"d_c": 16}, "dc_high": {"d_c": 64}, "dff_low": {"d_ff": 96}, "dff_high": {"d_ff": 384}, "k_low": {"k": 1},
+            "k_high": {"k": 8}, "s_low": {"stride": 5}, "s_high": {"stride": 20}}
     plan = RKVPlan({**SECTION, "variants": {v: {"overrides": over.get(v, {}), "steps": 3} for v in names}}, "smoke")
-    for i, v in enumerate(dict.fromkeys(names)):
+    for i, v in enumerate(names):
         d = tmp_path / plan.codec_dir(v)
         d.mkdir(parents=True)
         (d / "summary.json").write_text(json.dumps({"codec_params": 100 + i, "steps_done": 3,
                                                     "eval_final": {"eval_ntp": 4.0 + i, "eval_rec": 1.0}}))
     tp = tmp_path / "tp.csv"
     tp.write_text("# timing header\nvariant,tokens_per_s,relative_throughput\n"
-                  + "".join(f"{v},{10 + i},{(10 + i) / 10}\n" for i, v in enumerate(dict.fromkeys(names))))
+                  + "".join(f"{v},{10 + i},{(10 + i) / 10}\n" for i, v in enumerate(names)))
     df = rkv_figures.fig11(plan, tmp_path / "f.pdf", tmp_path / "f.csv", tmp_path, throughput=tp)
     dc = df[df["parameter"] == "d_c"]
     assert dc["value"].tolist() == [16, 32, 64] and dc["relative_throughput"].tolist() == [1.0, 1.1, 1.2]
     assert df[df["parameter"] == "s"]["value"].tolist() == [5, 10, 20]
     assert "timing header" in (tmp_path / "f.csv").read_text()
-    tp.write_text("variant,tokens_per_s,relative_throughput\njoint200,10,1.0\n")
-    with pytest.raises(ValueError, match=r"no throughput row for variant\(s\) \['dc16'"):
+    tp.write_text("variant,tokens_per_s,relative_throughput\nbase,10,1.0\n")
+    with pytest.raises(ValueError, match=r"no throughput row for variant\(s\) \['dc_high', 'dc_low'"):
         rkv_figures.fig11(plan, tmp_path / "f.pdf", tmp_path / "f.csv", tmp_path, throughput=tp)
     with pytest.raises(ValueError, match="--raw is not read by residualkv-tableIII"):
         residualkv.report("tableIII", {"profile": "smoke", "residualkv": SECTION}, tmp_path / "t.csv", raw=tp)

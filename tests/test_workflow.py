@@ -197,6 +197,20 @@ def test_paper_dry_run_resolves_with_local_files(tmp_path):
     assert "results/runs/paper/qwen3-4b/scb_kv/full" in r.stdout
 
 
+def test_paper_residualkv_targets_resolve(tmp_path):
+    """Every ResidualKV table and figure of config/paper.yaml resolves: the codec figures' variants are
+    configured at Llama-3.1-8B scale, the quantised rows name full_kv_bits=4."""
+    root = tmp_path / "kvbench-data"
+    cfg = _fake_paper_root(root)
+    r = snakemake(tmp_path, "-n", "-p", "residualkv", "--configfile", str(PAPER_CONFIG), "--config", f"paths={{root: {root}}}")
+    assert r.returncode == 0, r.stdout[-3000:]
+    jobs = planned_jobs(r.stdout)
+    assert jobs["rkv_codec"] == 1 + len(cfg["residualkv"]["variants"]) == 14
+    assert jobs["rkv_variant_throughput"] == 1 and jobs["rkv_codec_figures"] == 3
+    assert "--default base" in r.stdout and "dc_high=codecs/paper/llama-3.1-8b/dc_high/codec" in r.stdout
+    assert "full_kv_bits=4" in r.stdout
+
+
 def test_paper_dry_run_names_a_missing_checkpoint(tmp_path):
     root = tmp_path / "kvbench-data"
     _fake_paper_root(root)

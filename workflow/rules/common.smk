@@ -330,8 +330,15 @@ def rkv_bench_args(fig):
                     for k, v in config.get("residualkv", {}).get(fig, {}).items())
 
 
-RKV_FIGURE_VARIANTS = {
-    "fig10": ["joint200", "separate"],
-    "fig11": ["joint200", "dc16", "dc64", "dff96", "dff384", "k1", "k8", "s5", "s20"],
-    "fig12": ["joint200", "ntp", "mse"],
-}
+def rkv_figure_variants(fig):
+    """The codec variants figure ``fig`` (fig10/fig11/fig12) reads (:data:`kvbench.report.rkv_plan.FIGURE_VARIANTS`)."""
+    from kvbench.report.rkv_plan import FIGURE_VARIANTS
+
+    return FIGURE_VARIANTS[fig]
+
+
+def rkv_default_variant():
+    """The variant Fig. 11's relative throughput divides by (:data:`kvbench.report.rkv_plan.DEFAULT_VARIANT`)."""
+    from kvbench.report.rkv_plan import DEFAULT_VARIANT
+
+    return DEFAULT_VARIANT

@@ -125,7 +125,7 @@ rule rkv_fig5:
 
 rule rkv_codec_figures:
     input:
-        summaries=lambda wc: rkv_variant_summaries(RKV_FIGURE_VARIANTS[wc.fig])(wc),
+        summaries=lambda wc: rkv_variant_summaries(rkv_figure_variants(wc.fig))(wc),
         throughput=lambda wc: ["results/residualkv/fig11_throughput.csv"] if wc.fig == "fig11" else [],
     output:
         pdf="figures/residualkv/{fig}.pdf",
@@ -154,14 +154,15 @@ rule rkv_codec_figures:
 rule rkv_variant_throughput:
     """Fig. 11's throughput panel: each variant codec's shape, scaled to the random-weight timing LM, timed."""
     input:
-        codecs=lambda wc: [f"{rkv_plan().codec_dir(v)}/codec/codec.json" for v in RKV_FIGURE_VARIANTS["fig11"]],
+        codecs=lambda wc: [f"{rkv_plan().codec_dir(v)}/codec/codec.json" for v in rkv_figure_variants("fig11")],
         tokenizer=f"{TOKENIZER_DIR}/tokenizer.json",
     output:
         "results/residualkv/fig11_throughput.csv",
     params:
-        codecs=lambda wc, input: " ".join(f"{v}={os.path.dirname(c)}" for v, c in zip(RKV_FIGURE_VARIANTS["fig11"], input.codecs)),
+        codecs=lambda wc, input: " ".join(f"{v}={os.path.dirname(c)}" for v, c in zip(rkv_figure_variants("fig11"), input.codecs)),
         tokenizer=lambda wc, input: os.path.dirname(input.tokenizer),
         args=lambda wc: rkv_bench_args("fig11"),
+        default=lambda wc: rkv_default_variant(),
     log:
         "logs/residualkv/fig11_bench.log",
     benchmark:
@@ -174,7 +175,7 @@ rule rkv_variant_throughput:
     conda:
         "../../envs/kvbench.yaml"
     shell:
-        "kvbench bench rkv-variants --out {output} --codecs {params.codecs} --default joint200"
+        "kvbench bench rkv-variants --out {output} --codecs {params.codecs} --default {params.default}"
         " --tokenizer {params.tokenizer} --threads {threads} {params.args} > {log} 2>&1"
 
 

@@ -13,7 +13,8 @@ the timing LM's 512: d_c 32 -> 128, d_ff 192 -> 768), while ``k``, ``stride``, `
 weights are random (:meth:`ResidualCodec.for_model`, one seed for all): restore time depends on shapes
 and on how many references each restored token averages, not on the weights.
 
-Each variant runs ResidualKV+OmniKV with 4-bit codes and FP8 references (the ``residualkv-omnikv``
+The paper measures at 128K tokens and batch 16; the compressed caches here run batch 1. Each variant runs
+ResidualKV+OmniKV with 4-bit codes, 4-bit KIVI-style full layers and FP8 references (the ``residualkv-omnikv``
 method of :mod:`kvbench.bench.decode`) at one context, timed with :func:`kvbench.bench.decode.time_decode`;
 ``relative_throughput`` is its tokens/s over the ``default`` variant's.
 """
@@ -118,11 +119,12 @@ def measure_variant_throughput(codec_dirs: Mapping[str, str | Path], default: st
     base = next(r["tokens_per_s"] for r in rows if r["default"])
     for r in rows:
         r["relative_throughput"] = r["tokens_per_s"] / base
-    head = (f"# kvbench ResidualKV Fig. 11 throughput: decode tokens/s of ResidualKV+OmniKV (4-bit codes, FP8 "
+    head = (f"# kvbench ResidualKV Fig. 11 throughput: decode tokens/s of ResidualKV+OmniKV (4-bit codes, 4-bit full layers, FP8 "
             f"references, keep {keep}) per codec setting, on a timing model with {weights.upper()} weights "
             f"({model_name}) and RANDOM codecs of each trained variant's shape scaled to d_kv {d_kv} (same d_c/d_kv, "
             f"d_ff/d_kv; k and stride as trained); context {context} random ids; median (q1, q3) of {repeats} runs "
-            f"of {decode_steps} steps after {warmup_steps} warm-up; relative to {default!r}; not the paper's numbers")
+            f"of {decode_steps} steps after {warmup_steps} warm-up; batch 1; relative to {default!r}; not the paper's "
+            f"numbers (128K tokens, batch 16, H100)")
     return rows, head
 
 

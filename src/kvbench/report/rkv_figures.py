@@ -22,7 +22,7 @@ import pandas as pd  # noqa: E402
 from kvbench.compress.residualkv import references  # noqa: E402
 from kvbench.eval.compress import parse_press_spec  # noqa: E402
 from kvbench.report.residualkv import run_summary, write_csv  # noqa: E402
-from kvbench.report.rkv_plan import RKVPlan  # noqa: E402
+from kvbench.report.rkv_plan import DEFAULT_VARIANT, FIG11_PANELS, RKVPlan  # noqa: E402
 from kvbench.utils.io import atomic_path  # noqa: E402
 
 SMOKE_NOTE = "tiny zoo LM trained here; not the paper's numbers"
@@ -93,18 +93,13 @@ def _curve_figure(plan, variants, labels, title, out, out_csv, root) -> pd.DataF
 
 
 def fig10(plan: RKVPlan, out, out_csv, root=".") -> pd.DataFrame:
-    return _curve_figure(plan, ["joint200", "separate"], {"joint200": "joint K‖V", "separate": "separate K, V"},
+    return _curve_figure(plan, ["base", "separate"], {"base": "joint K‖V", "separate": "separate K, V"},
                          "Fig. 10 (joint vs separate K/V codec, matched parameters)", out, out_csv, root)
 
 
 def fig12(plan: RKVPlan, out, out_csv, root=".") -> pd.DataFrame:
-    return _curve_figure(plan, ["ntp", "mse", "joint200"], {"ntp": "NTP only", "mse": "MSE only", "joint200": "joint"},
+    return _curve_figure(plan, ["ntp", "mse", "base"], {"ntp": "NTP only", "mse": "MSE only", "base": "joint"},
                          "Fig. 12 (training objective)", out, out_csv, root)
-
-
-#: Fig. 11 panels: hyper-parameter -> variants in increasing order (joint200 is the default point).
-FIG11 = {"d_c": ["dc16", "joint200", "dc64"], "d_ff": ["dff96", "joint200", "dff384"], "k": ["k1", "joint200", "k8"],
-         "s": ["s5", "joint200", "s20"]}
 
 
 def fig11(plan: RKVPlan, out, out_csv, root=".", throughput: str | Path | None = None) -> pd.DataFrame:
@@ -113,10 +108,10 @@ def fig11(plan: RKVPlan, out, out_csv, root=".", throughput: str | Path | None =
     relative to the default setting. Without ``throughput`` the CSV says it was not measured.
 
     Raises:
-        ValueError: ``throughput`` lacks a variant of :data:`FIG11`.
+        ValueError: ``throughput`` lacks a variant of :data:`~kvbench.report.rkv_plan.FIG11_PANELS`.
     """
     rows = []
-    for param, variants in FIG11.items():
+    for param, variants in FIG11_PANELS.items():
         for v in variants:
             summary = json.loads((Path(root) / plan.codec_dir(v) / "summary.json").read_text())
             value = plan.codec_overrides(v).get({"s": "stride"}.get(param, param))
@@ -125,7 +120,7 @@ def fig11(plan: RKVPlan, out, out_csv, root=".", throughput: str | Path | None =
             final = summary.get("eval_final") or {}
             rows.append({"parameter": param, "value": value, "variant": v, "params": summary.get("codec_params"),
                          "steps": summary.get("steps_done"), "eval_ntp": final.get("eval_ntp"),
-                         "eval_rec": final.get("eval_rec"), "default": v == "joint200"})
+                         "eval_rec": final.get("eval_rec"), "default": v == DEFAULT_VARIANT})
     df = pd.DataFrame(rows)
     notes = []
     if throughput is not None:

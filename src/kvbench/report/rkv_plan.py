@@ -21,7 +21,16 @@ from dataclasses import dataclass
 from kvbench.eval.compress import canonical_press_spec, parse_press_spec
 
 TARGETS = ("tableIII", "tableVI", "tableVII", "tableVIII", "fig5")
-FIGURE_VARIANTS = ("fig10", "fig11", "fig12")
+#: Fig. 11 panels: hyper-parameter -> codec variants in increasing order of its value (``base`` is the
+#: default setting, trained as long as the others); each variant's value is in its config ``overrides``.
+FIG11_PANELS = {"d_c": ["dc_low", "base", "dc_high"], "d_ff": ["dff_low", "base", "dff_high"],
+                "k": ["k_low", "base", "k_high"], "s": ["s_low", "base", "s_high"]}
+#: The codec variants (config ``residualkv.variants``) each codec figure reads; Fig. 11's throughput is
+#: relative to :data:`DEFAULT_VARIANT`.
+FIGURE_VARIANTS = {"fig10": ["base", "separate"],
+                   "fig11": list(dict.fromkeys(v for vs in FIG11_PANELS.values() for v in vs)),
+                   "fig12": ["base", "ntp", "mse"]}
+DEFAULT_VARIANT = "base"
 
 
 @dataclass(frozen=True)
