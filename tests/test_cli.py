@@ -61,3 +61,33 @@ def test_refresh_method_on_a_text_split_fails_before_loading(tmp_path, capsys):
     assert main(["eval", "--model", str(tmp_path / "no-model"), "--split", str(split), "--out", str(tmp_path / "run"),
                  "--method", "conduit@0.1"]) == 2
     assert "cannot be served by 'conduit@0.1': refresh methods need VLM records" in capsys.readouterr().err
+
+
+def test_method_that_does_not_fit_the_model_is_one_line(lm_dir, tmp_path, capsys):
+    """Review finding: a FatalRunError (here filter layer 99 of an 8-layer LM) ended in a traceback, rc 1."""
+    from _zoo_fixtures import text_record
+    from kvbench.utils.io import write_jsonl
+
+    split = tmp_path / "s.jsonl"
+    write_jsonl(split, [text_record(0)])
+    assert main(["eval", "--model", str(lm_dir), "--split", str(split), "--out", str(tmp_path / "run"),
+                 "--method", "omnikv:filter_layers=99"]) == 2
+    err = capsys.readouterr().err
+    last = err.strip().splitlines()[-1]  # earlier lines: transformers' weight-loading progress
+    assert "Traceback" not in err and last.startswith("kvbench eval: error: method 'omnikv:filter_layers=99' does not fit")
+    assert "filter_layers [99]" in last
+
+
+@pytest.mark.parametrize("params, needle", [
+    ('{"codec_dir": "codecs/x"}', "takes no codec, but codec_dir='codecs/x' was given"),
+    ('{"audit_requests": -1}', "audit_requests must be an int >= 0, got -1"),
+])
+def test_compress_method_params_are_checked(params, needle, lm_dir, tmp_path, capsys):
+    from _zoo_fixtures import text_record
+    from kvbench.utils.io import write_jsonl
+
+    split = tmp_path / "s.jsonl"
+    write_jsonl(split, [text_record(0)])
+    assert main(["eval", "--model", str(lm_dir), "--split", str(split), "--out", str(tmp_path / "run"),
+                 "--method", "fullkv", "--method-params", params]) == 2
+    assert needle in capsys.readouterr().err

@@ -133,10 +133,52 @@ class _ByteTok:
     ({"variants": {"x": {"overrides": {"dc": 16}}}}, "variant 'x': unknown CodecConfig field"),
     ({"tableIII": [{"label": "r", "method": "residualkv:mode=fast"}]}, "mode must be one of"),
     ({"tableIII": [{"label": "k", "method": "kivi:bits=3"}]}, "kivi:bits=3"),
+    # review findings: codec settings that only failed once training started, and bench flags that only
+    # failed (or were silently mangled) when the profiling job ran
+    ({"codec": {"d_c": 48, "d_ff": 192}}, r"variant 'main'.*d_c=48 must be a multiple of group=32"),
+    ({"variants": {"k0": {"overrides": {"k": 0}}}}, r"variant 'k0'.*k \(references per token\) must be an int >= 1"),
+    ({"variants": {"s0": {"overrides": {"stride": 0}}}}, r"variant 's0'.*stride must be a positive int, got 0"),
+    ({"tableIII": [{"label": "r", "method": "residualkv:mode=omnikv,full_layers=0+1,stride=0"}]}, "stride .* >= 1, got 0"),
+    ({"tableIII": [{"label": "r", "method": "residualkv:mode=standalone,full_kv_bits=4"}]}, "full_layers is empty"),
+    ({"fig8": {"contxts": [512]}}, r"residualkv.fig8: unknown key\(s\) \['contxts'\]"),
+    ({"fig8": {"repeats": "many"}}, "argument --repeats: invalid int value: 'many'"),
+    ({"fig11": {"contexts": [1024, 2048]}}, "fig11.contexts must be one context"),
+    ({"fig6": {"codec_shape": [2048, 512]}}, "--codec-shape: expected 3 arguments"),
 ])
 def test_plan_refuses_bad_sections_before_any_job(section, match):
     with pytest.raises(ValueError, match=match):
         RKVPlan({**SECTION, **section}, "smoke")
+
+
+def test_plan_checks_layers_and_default_codec_size_against_a_known_shape():
+    with pytest.raises(ValueError, match=r"full_layers \[9\] outside the model's 8 layers \(0-7\)"):
+        RKVPlan({**SECTION, "tableIII": [{"label": "r", "method": "residualkv:mode=omnikv,full_layers=0+9"}]},
+                "smoke", shape=(8, 128))
+    with pytest.raises(ValueError, match=r"filter_layers \[8\] outside"):
+        RKVPlan({**SECTION, "tableIII": [{"label": "o", "method": "omnikv:filter_layers=8"}]}, "smoke", shape=(8, 128))
+    # default d_c = d_kv / 4 = 48 at d_kv = 192: not a multiple of 32, refused before training
+    with pytest.raises(ValueError, match="d_c=48 must be a multiple"):
+        RKVPlan({**SECTION, "codec": {"d_ff": 192}}, "smoke", shape=(8, 192))
+    assert RKVPlan(SECTION, "smoke", shape=(8, 128)).shape == (8, 128)
+
+
+def test_bench_args_are_quoted_flags():
+    plan = RKVPlan({**SECTION, "fig8": {"contexts": [512, 1024], "device": "cuda:0", "model": "/m dir"}}, "smoke")
+    assert plan.bench_args("fig8") == "--contexts 512 1024 --device cuda:0 --model '/m dir'"
+    assert plan.bench_args("fig6") == ""
+
+
+def test_known_model_shape(tmp_path):
+    from kvbench.report.rkv_plan import known_model_shape
+
+    assert known_model_shape("tiny-qwen2-lm", {"kind": "lm", "zoo": {}}) == (8, 128)
+    assert known_model_shape("llama", {"kind": "lm", "checkpoint": "x"}, str(tmp_path / "absent")) is None
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"num_hidden_layers": 32, "hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8}))
+    assert known_model_shape("llama", {"kind": "lm"}, str(tmp_path)) == (32, 2048)
+    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 4096}))
+    with pytest.raises(ValueError, match="lacks 'num_attention_heads'"):
+        known_model_shape("llama", {"kind": "lm"}, str(tmp_path))
 
 
 def test_plan_names_missing_keys():

@@ -257,7 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--method", default="full",
                    help="'full' (model.generate), a CONDUIT spec such as reuse, conduit@0.1, conduit@0.1:lam=0.5, "
                         "prophetkv@0.05, mpic-first@0.1, or a compression press spec such as fullkv, snapkv:keep=0.3, "
-                        "kivi:bits=2, residualkv:mode=omnikv (needs --method-params '{\"codec_dir\": ...}') "
+                        "kivi:bits=2, residualkv:mode=omnikv,full_layers=0+1,keep=0.2 (needs --method-params '{\"codec_dir\": ...}') "
                         "(default: full)")
     s.add_argument("--out", required=True, help="run directory: predictions.jsonl, metrics.json, run_info.json")
     s.add_argument("--seed", type=int, default=0)
@@ -349,11 +349,14 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``kvbench`` console script.
 
-    Bad input (``ValueError``, ``KeyError``, a missing file) ends with one line
-    ``kvbench <verb>: error: <message>`` and exit status 2 instead of a traceback;
+    Bad input (``ValueError``, ``KeyError``, a missing file, or a
+    :class:`~kvbench.eval.methods.FatalRunError` such as a method that does not
+    fit the model) ends with one line ``kvbench <verb>: error: <message>`` and
+    exit status 2 instead of a traceback;
     an interrupted training run exits 130 after saving its state.
     """
     args = build_parser().parse_args(argv)
+    from kvbench.eval.methods import FatalRunError
     from kvbench.train.loop import Interrupted
 
     try:
@@ -361,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
     except Interrupted as e:
         print(f"kvbench {args.verb}: {e}", file=sys.stderr)
         return 130
-    except (ValueError, KeyError, FileNotFoundError) as e:
+    except (ValueError, KeyError, FileNotFoundError, FatalRunError) as e:
         msg = e.args[0] if isinstance(e, KeyError) and e.args else e
         print(f"kvbench {args.verb}: error: {msg}", file=sys.stderr)
         return 2

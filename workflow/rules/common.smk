@@ -257,7 +257,7 @@ def model_resource(key, zoo_default, checkpoint_default):
 # --- ResidualKV targets (residualkv.smk) ------------------------------------------------------
 
 def _rkv_plan():
-    from kvbench.report.rkv_plan import RKVPlan
+    from kvbench.report.rkv_plan import RKVPlan, known_model_shape
 
     if "residualkv" not in config:
         return None
@@ -268,7 +268,9 @@ def _rkv_plan():
         if task not in DATASETS:
             raise ValueError(f"config residualkv.tasks: {task!r} is not defined under `datasets`")
     try:
-        return RKVPlan(section, PROFILE)
+        shape = known_model_shape(section["model"], MODELS[section["model"]],
+                                  None if is_zoo(section["model"]) else model_dir(section["model"]))
+        return RKVPlan(section, PROFILE, shape)
     except ValueError as e:
         raise ValueError(f"config residualkv: {e}") from e
 
@@ -325,9 +327,8 @@ def rkv_variant_summaries(variants):
 
 
 def rkv_bench_args(fig):
-    """``kvbench bench`` flags from the config's ``residualkv.<fig>`` mapping (lists space-separated)."""
-    return " ".join(f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
-                    for k, v in config.get("residualkv", {}).get(fig, {}).items())
+    """``kvbench bench`` flags from the config's ``residualkv.<fig>`` mapping (checked by RKVPlan.bench_args)."""
+    return rkv_plan().bench_args(fig)
 
 
 def rkv_figure_variants(fig):

@@ -80,7 +80,11 @@ class CompressMethod(EvalMethod):
     Parameters:
         spec: press spec.
         codec_dir: trained codec directory, for presses that take one (ResidualKV).
-        audit_requests: samples whose OmniKV selections are kept in the audit row.
+        audit_requests: samples whose OmniKV selections are kept in the audit row (>= 0).
+
+    Raises:
+        ValueError: unknown press or parameter, ``codec_dir`` given to a press without a codec,
+            ``audit_requests`` negative.
     """
 
     name: ClassVar[str] = "compress"
@@ -90,6 +94,12 @@ class CompressMethod(EvalMethod):
 
     def __post_init__(self):
         self._name, self._params = parse_press_spec(self.spec)
+        if not isinstance(self.audit_requests, int) or isinstance(self.audit_requests, bool) or self.audit_requests < 0:
+            raise ValueError(f"audit_requests must be an int >= 0, got {self.audit_requests!r}")
+        takes_codec = "codec_dir" in {f.name for f in dataclasses.fields(_presses()[self._name])}
+        if self.codec_dir and not takes_codec:
+            # a codec given to a press that never reads it would be recorded in run_info as if it mattered
+            raise ValueError(f"method {self.spec!r} takes no codec, but codec_dir={self.codec_dir!r} was given")
         self._press = None
         self._audit: dict | None = None
         self._n = 0

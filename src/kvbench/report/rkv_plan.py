@@ -31,6 +31,47 @@ FIGURE_VARIANTS = {"fig10": ["base", "separate"],
                    "fig11": list(dict.fromkeys(v for vs in FIG11_PANELS.values() for v in vs)),
                    "fig12": ["base", "ntp", "mse"]}
 DEFAULT_VARIANT = "base"
+#: Profiling figures: config key -> ``kvbench bench`` verb, and the flags the config may set (the rule sets
+#: ``--out``, ``--tokenizer``, ``--threads`` and, for Fig. 11, ``--codecs`` / ``--default`` itself).
+BENCH_FIGURES = {
+    "fig8": ("rkv-throughput", ("model", "contexts", "methods", "decode_steps", "repeats", "warmup", "device",
+                                "dtype", "seed", "codec_dir")),
+    "fig6": ("codec-cost", ("codec_shape", "tokens", "restore_tokens", "decode_steps", "repeats", "warmup",
+                            "device", "dtype", "seed")),
+    "fig11": ("rkv-variants", ("model", "contexts", "decode_steps", "repeats", "warmup", "device", "dtype", "seed")),
+}
+
+
+def known_model_shape(model: str, entry: dict, checkpoint_dir: str | None = None) -> tuple[int, int] | None:
+    """``(n_layers, d_kv)`` of a config's model before anything is built: a zoo model's from its
+    :data:`~kvbench.models.tiny.ZOO` entry, a checkpoint's from its ``config.json`` when the file exists
+    (else None: a dry run over a root that is not there yet).
+
+    Raises:
+        ValueError: ``config.json`` exists but is not JSON or lacks the layer/head fields.
+    """
+    import json
+    from pathlib import Path
+
+    if "zoo" in entry:
+        from kvbench.models.tiny import zoo_spec
+
+        cfg = zoo_spec(model).text
+    else:
+        path = Path(checkpoint_dir or "", "config.json")
+        if not checkpoint_dir or not path.is_file():
+            return None
+        try:
+            cfg = json.loads(path.read_text())
+        except ValueError as e:
+            raise ValueError(f"{path}: not a JSON file ({e})") from None
+        cfg = cfg.get("text_config") or cfg
+    try:
+        n_heads = cfg["num_attention_heads"]
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // n_heads
+        return int(cfg["num_hidden_layers"]), int(2 * (cfg.get("num_key_value_heads") or n_heads) * head_dim)
+    except KeyError as e:
+        raise ValueError(f"model {model!r}: its config lacks {e.args[0]!r}, so its KV shape is unknown") from None
 
 
 @dataclass(frozen=True)
@@ -65,11 +106,19 @@ def with_params(spec: str, **params) -> str:
 class RKVPlan:
     """The ResidualKV side of a config (see ``config/config.yaml``, ``residualkv:``).
 
+    Args:
+        section: the config's ``residualkv`` mapping.
+        profile: the config's profile name (path component).
+        shape: ``(n_layers, d_kv)`` of the backbone where it is known before anything runs
+            (:func:`known_model_shape`); then codec sizes and layer indices are checked against it.
+
     Raises:
-        ValueError: a row's spec is invalid, or names a codec variant that is not configured.
+        ValueError: a row's spec is invalid, names a codec variant that is not configured or a layer
+            the model does not have; a codec variant's settings are invalid (e.g. ``d_c`` not a
+            multiple of the quantisation group, ``k`` or ``stride`` below 1).
     """
 
-    def __init__(self, section: dict, profile: str):
+    def __init__(self, section: dict, profile: str, shape: tuple[int, int] | None = None):
         missing = [k for k in ("model", "tasks", "codec", "train", "tableIII") if k not in section]
         if missing:
             raise ValueError(f"the residualkv section misses key(s) {missing}")
@@ -78,7 +127,10 @@ class RKVPlan:
         self.model: str = section["model"]
         self.tasks: list[str] = list(section["tasks"])
         self.variants: dict[str, dict] = {"main": {}, **(section.get("variants") or {})}
+        self.shape = shape
         self._check_codecs()
+        for fig in BENCH_FIGURES:
+            self.bench_args(fig)
         for target in TARGETS:
             if target in ("tableVI", "fig5") and "stride_sweep" not in section:
                 continue
@@ -86,14 +138,22 @@ class RKVPlan:
                 self._check_spec(row.spec)  # fail while the DAG is built
 
     def _check_codecs(self) -> None:
-        """Every codec variant's fields are CodecConfig fields (checked before any training)."""
-        from kvbench.compress.residualkv.codec import CodecConfig
+        """Every codec variant builds a valid CodecConfig (checked before any training). Without the model's
+        shape, ``d_kv`` is taken as ``4 d_c`` (or 128), which checks everything but the default sizes."""
+        from kvbench.compress.residualkv.codec import CodecConfig, codec_config_for_shape
 
         fields = {f.name for f in dataclasses.fields(CodecConfig)} - {"n_layers", "d_kv"}
         for variant in self.variants:
-            unknown = sorted(set(self.codec_overrides(variant)) - fields)
+            over = self.codec_overrides(variant)
+            unknown = sorted(set(over) - fields)
             if unknown:
                 raise ValueError(f"codec variant {variant!r}: unknown CodecConfig field(s) {unknown}; known: {sorted(fields)}")
+            d_c = over.get("d_c")
+            shape = self.shape or (1, 4 * d_c if isinstance(d_c, int) and d_c > 0 else 128)
+            try:
+                codec_config_for_shape(*shape, **over)
+            except (ValueError, TypeError) as e:
+                raise ValueError(f"codec variant {variant!r} ({over}): {e}") from None
 
     def _check_spec(self, spec: str) -> None:
         from kvbench.compress.registry import PRESSES
@@ -101,11 +161,20 @@ class RKVPlan:
 
         self.codec_of(spec)
         name, params = parse_press_spec(spec)
+        if self.shape is not None:
+            for key in ("full_layers", "filter_layers"):
+                value = params.get(key, ())
+                layers = (value,) if isinstance(value, int) else tuple(value)
+                bad = [i for i in layers if isinstance(i, int) and not 0 <= i < self.shape[0]]
+                if bad:
+                    raise ValueError(f"press spec {spec!r}: {key} {bad} outside the model's {self.shape[0]} layers "
+                                     f"(0-{self.shape[0] - 1})")
         if name == "residualkv":
             try:
                 ResidualKVPress.check_params(params.get("mode", "omnikv"), params.get("keep", 0.2),
                                              params.get("bits", 4), params.get("full_layers", ()),
-                                             params.get("full_kv_bits", 16))
+                                             params.get("full_kv_bits", 16), alpha=params.get("alpha"),
+                                             stride=params.get("stride"), audit_steps=params.get("audit_steps", 8))
             except ValueError as e:
                 raise ValueError(f"press spec {spec!r}: {e}") from None
         elif "codec_dir" not in {f.name for f in dataclasses.fields(PRESSES[name])}:
@@ -113,6 +182,41 @@ class RKVPlan:
                 PRESSES[name](**params)
             except (ValueError, TypeError) as e:
                 raise ValueError(f"press spec {spec!r}: {e}") from None
+
+    def bench_args(self, fig: str) -> str:
+        """``kvbench bench`` flags (shell-quoted) from the config's ``residualkv.<fig>`` mapping, lists
+        space-separated: ``{contexts: [512, 1024], repeats: 3}`` -> ``--contexts 512 1024 --repeats 3``.
+
+        Raises:
+            ValueError: a key the verb does not take (or the rule sets), a value its parser refuses, or
+                Fig. 11 with more than one context; naming the key and value.
+        """
+        import contextlib
+        import io
+        import shlex
+
+        from kvbench.cli import build_parser
+
+        verb, allowed = BENCH_FIGURES[fig]
+        mapping = self.s.get(fig) or {}
+        if not isinstance(mapping, dict):
+            raise ValueError(f"residualkv.{fig} must be a mapping of `kvbench bench {verb}` flags, got {mapping!r}")
+        bad = sorted(set(mapping) - set(allowed))
+        if bad:
+            raise ValueError(f"residualkv.{fig}: unknown key(s) {bad}; `kvbench bench {verb}` takes {list(allowed)} here")
+        argv = []
+        for key, value in mapping.items():
+            argv += [f"--{key.replace('_', '-')}", *map(str, value if isinstance(value, list) else [value])]
+        err = io.StringIO()
+        try:
+            with contextlib.redirect_stderr(err):
+                build_parser().parse_args(["bench", verb, "--out", "x.csv", *argv])
+        except SystemExit:
+            msg = err.getvalue().strip().splitlines()[-1:] or ["invalid value"]
+            raise ValueError(f"residualkv.{fig} = {mapping}: {msg[0]}") from None
+        if fig == "fig11" and len(mapping.get("contexts") or [0]) != 1:
+            raise ValueError(f"residualkv.fig11.contexts must be one context (Fig. 11 times one), got {mapping['contexts']!r}")
+        return " ".join(shlex.quote(a) for a in argv)
 
     # -- codecs -------------------------------------------------------------------------------------
     def codec_dir(self, variant: str) -> str:

@@ -326,7 +326,8 @@ class ResidualKVPress(Press):
     audit_steps: int = 8
 
     def __post_init__(self):
-        self.check_params(self.mode, self.keep, self.bits, self.full_layers, self.full_kv_bits)
+        self.check_params(self.mode, self.keep, self.bits, self.full_layers, self.full_kv_bits,
+                          alpha=self.alpha, stride=self.stride, audit_steps=self.audit_steps)
         self.full_layers = tuple(_layer_list("full_layers", self.full_layers))
         if not Path(self.codec_dir, "codec.json").is_file():
             raise ValueError(f"codec_dir {self.codec_dir!r} holds no trained codec (codec.json missing)")
@@ -335,11 +336,14 @@ class ResidualKVPress(Press):
             quant.check_quant_config(self.codec_model.config.d_c, self.bits, self.codec_model.config.group)
 
     @staticmethod
-    def check_params(mode: str, keep: float, bits: int, full_layers, full_kv_bits: int = 16) -> None:
+    def check_params(mode: str, keep: float, bits: int, full_layers, full_kv_bits: int = 16, *,
+                     alpha: float | None = None, stride: int | None = None, audit_steps: int = 8) -> None:
         """Check the parameters that need no codec (also used while the workflow's DAG is built).
 
         Raises:
-            ValueError: naming the bad value and what is expected.
+            ValueError: naming the bad value and what is expected: also ``full_kv_bits`` other than 16
+                without ``full_layers`` (it would change nothing), ``stride`` not a positive int, ``alpha``
+                negative, ``audit_steps`` negative.
         """
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -349,8 +353,18 @@ class ResidualKVPress(Press):
             raise ValueError(f"bits must be 2, 4, 8, 16 (unquantised) or 32 (exact), got {bits!r}")
         if full_kv_bits not in (2, 4, 8, 16):
             raise ValueError(f"full_kv_bits must be 2, 4, 8 (KIVI-style full layers) or 16 (exact), got {full_kv_bits!r}")
-        if mode == "omnikv" and not _layer_list("full_layers", full_layers):
+        layers = _layer_list("full_layers", full_layers)
+        if mode == "omnikv" and not layers:
             raise ValueError("mode 'omnikv' needs full_layers (the filter layers are full layers followed by a sparse one)")
+        if full_kv_bits != 16 and not layers:
+            raise ValueError(f"full_kv_bits={full_kv_bits} quantises the full layers, but full_layers is empty; "
+                             f"set full_layers (e.g. full_layers=0+1) or drop full_kv_bits")
+        if stride is not None and (not isinstance(stride, int) or isinstance(stride, bool) or stride < 1):
+            raise ValueError(f"stride (reference stride s_0) must be an int >= 1, got {stride!r}")
+        if alpha is not None and not alpha >= 0:
+            raise ValueError(f"alpha (dynamic-stride growth) must be >= 0, got {alpha!r}")
+        if not isinstance(audit_steps, int) or isinstance(audit_steps, bool) or audit_steps < 0:
+            raise ValueError(f"audit_steps must be an int >= 0, got {audit_steps!r}")
 
     def schedule(self):
         """The codec's config with this press's inference-time ``alpha`` / ``stride`` applied."""

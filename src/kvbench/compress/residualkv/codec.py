@@ -268,6 +268,26 @@ def model_kv_shape(model: Any) -> tuple[int, int]:
     return int(tc.num_hidden_layers), int(2 * n_kv * head_dim)
 
 
+def codec_config_for_shape(n_layers: int, d_kv: int, **overrides: Any) -> CodecConfig:
+    """The :class:`CodecConfig` of a backbone with ``n_layers`` layers and K‖V width ``d_kv``, with
+    ``overrides`` applied over the defaults of :meth:`ResidualCodec.for_model` (which uses it). The
+    workflow calls it while the DAG is built, so a bad codec setting fails before any training.
+
+    Raises:
+        ValueError: an override is not a :class:`CodecConfig` field, or the result is invalid.
+    """
+    fields = {f.name for f in dataclasses.fields(CodecConfig)}
+    bad = sorted(set(overrides) - fields)
+    if bad:
+        raise ValueError(f"unknown CodecConfig overrides {bad}; fields are {sorted(fields)}")
+    kw = {"n_layers": n_layers, "d_kv": d_kv, "d_c": d_kv // 4, "d_ff": 3 * d_kv // 2, **overrides}
+    if "group" not in overrides and isinstance(kw["d_c"], int) and not isinstance(kw["d_c"], bool) and 0 < kw["d_c"] < 32:
+        # tiny models: d_c below 32 -> the largest group that divides it. A d_c >= 32 keeps the paper's 32,
+        # so e.g. d_c = 48 is refused (naming d_c and group) instead of silently quantised in groups of 16.
+        kw["group"] = math.gcd(kw["d_c"], 32)
+    return CodecConfig(**kw)
+
+
 class ResidualCodec(nn.Module):
     """One :class:`LayerCodec` per decoder layer (``layers``) and the shared :class:`CodecConfig` (``config``)."""
 
@@ -289,19 +309,10 @@ class ResidualCodec(nn.Module):
         Raises:
             ValueError: an override is not a :class:`CodecConfig` field, or the result is invalid.
         """
-        n_layers, d_kv = model_kv_shape(model)
-        fields = {f.name for f in dataclasses.fields(CodecConfig)}
-        bad = sorted(set(overrides) - fields)
-        if bad:
-            raise ValueError(f"unknown CodecConfig overrides {bad}; fields are {sorted(fields)}")
-        kw = {"n_layers": n_layers, "d_kv": d_kv, "d_c": d_kv // 4, "d_ff": 3 * d_kv // 2, **overrides}
-        if "group" not in overrides and isinstance(kw["d_c"], int) and not isinstance(kw["d_c"], bool) and 0 < kw["d_c"] < 32:
-            # tiny models: d_c below 32 -> the largest group that divides it. A d_c >= 32 keeps the paper's 32,
-            # so e.g. d_c = 48 is refused (naming d_c and group) instead of silently quantised in groups of 16.
-            kw["group"] = math.gcd(kw["d_c"], 32)
+        config = codec_config_for_shape(*model_kv_shape(model), **overrides)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            return cls(CodecConfig(**kw))
+            return cls(config)
 
     def save(self, directory: str | os.PathLike) -> None:
         """Write ``codec.safetensors`` (weights) and ``codec.json`` (config), each atomically."""
