@@ -160,6 +160,11 @@ def test_variant_throughput_bad_input(tmp_path):
         codec_variants.measure_variant_throughput({"a": d, "b": str(tmp_path)}, "a", TEST_LM, vocab_size=256)
     with pytest.raises(ValueError, match="shorter than n_sink = 8"):
         codec_variants.measure_variant_throughput({"a": d}, "a", TEST_LM, context=4, vocab_size=256)
+    # review finding: a variant whose scaled d_c misfits (96 at d_kv 128 -> 48 at 64) is named before any timing
+    wide = _zoo_shaped_codec(tmp_path / "w", d_c=96)
+    with pytest.raises(ValueError, match=r"variant 'w' \(trained d_c 96, d_ff 192 at d_kv 128\) .* gives d_c 48"):
+        codec_variants.measure_variant_throughput({"a": d, "w": wide}, "a", TEST_LM, vocab_size=256,
+                                                  log=lambda m: pytest.fail(f"timed before checking: {m}"))
     assert codec_variants.parse_codec_dirs(["a=/x", "b=y=z"]) == {"a": "/x", "b": "y=z"}
     for bad, match in [(["a"], "is not LABEL=DIR"), (["=x"], "is not LABEL=DIR"), (["a=x", "a=y"], "given twice")]:
         with pytest.raises(ValueError, match=match):

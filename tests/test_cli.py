@@ -91,3 +91,18 @@ def test_compress_method_params_are_checked(params, needle, lm_dir, tmp_path, ca
     assert main(["eval", "--model", str(lm_dir), "--split", str(split), "--out", str(tmp_path / "run"),
                  "--method", "fullkv", "--method-params", params]) == 2
     assert needle in capsys.readouterr().err
+
+
+def test_profiling_figures_name_the_csv_they_need(tmp_path, capsys):
+    """Review finding: Fig. 6's CSV given to Fig. 8 ended in `error: 'method'`."""
+    fig6 = tmp_path / "fig6.csv"
+    fig6.write_text("# header\ncodec,prefill_ms,restore_ms,total_ms\nswiglu+linear,1.0,2.0,3.0\n")
+    assert main(["report", "residualkv-fig8", "--raw", str(fig6), "--out", str(tmp_path / "f.pdf")]) == 2
+    err = capsys.readouterr().err
+    assert "lacks column(s) ['method', 'context', 'tokens_per_s', 'q1', 'q3', 'device']" in err
+    assert "expected the CSV of `kvbench bench rkv-throughput`" in err
+    assert main(["report", "residualkv-fig6", "--raw", str(fig6), "--out", str(tmp_path / "f.pdf")]) == 0
+    assert (tmp_path / "f.pdf").stat().st_size > 0
+    assert main(["report", "residualkv-fig6", "--raw", str(fig6), "--out", str(tmp_path / "g.pdf"),
+                 "--data-out", str(tmp_path / "g.csv")]) == 2
+    assert "reads only --raw (the profiling CSV); --data-out is not used" in capsys.readouterr().err

@@ -174,3 +174,8 @@ def test_multi_round_requests_answer_each_round_through_the_engine(task, vlm_dir
                                                   "test"), idx=0, metadata={"task": "t", "doc_id": 0, "repeats": 1})
     with pytest.raises(ValueError, match="t/test/0: doc_to_text of a multi-round task must return"):
         lm.generate_until_multi_round([bad])
+    no_visuals = Instance("generate_until_multi_round",
+                          (doc_to_text(records[0]), {}, visual, lambda doc, **kw: (None, "x", False, [], None), 0, "t",
+                           "test"), idx=0, metadata={"task": "t", "doc_id": 0, "repeats": 1})
+    with pytest.raises(ValueError, match=r"t/test/0: round 1 has no visuals \(None\)"):
+        lm.generate_until_multi_round([no_visuals])

@@ -83,16 +83,22 @@ def test_codec_of_another_model_is_refused(tiny_lm, tmp_path):
 
 
 @pytest.mark.parametrize("kw, match", [({"mode": "fast"}, "mode must be"), ({"keep": 0}, "keep must be"),
-                                       ({"mode": "omnikv"}, "needs full_layers"), ({"bits": 3}, "bits")])
+                                       ({"mode": "omnikv"}, "needs full_layers"), ({"bits": 3}, "bits"),
+                                       ({"full_kv_bits": 4}, "full_layers is empty"), ({"stride": 0}, "stride"),
+                                       ({"alpha": -0.5}, "alpha .* >= 0"), ({"audit_steps": -1}, "audit_steps")])
 def test_bad_press_parameters(tiny_lm, tmp_path, kw, match):
     codec_dir = _identity_codec(tiny_lm, tmp_path / "id")
     with pytest.raises(ValueError, match=match):
         ResidualKVPress(codec_dir=str(codec_dir), **{"mode": "standalone", **kw})
 
 
-def test_missing_codec_dir_is_named(tmp_path):
+def test_missing_codec_dir_is_named(tiny_lm, tmp_path):
     with pytest.raises(ValueError, match="holds no trained codec"):
         ResidualKVPress(codec_dir=str(tmp_path / "nowhere"), mode="standalone")
+    # the variant folder instead of its codec/ subfolder: the error points at the right one
+    _identity_codec(tiny_lm, tmp_path / "variant" / "codec")
+    with pytest.raises(ValueError, match=r"did you mean '.*variant/codec'\?"):
+        ResidualKVPress(codec_dir=str(tmp_path / "variant"), mode="standalone")
 
 
 def test_snapkv_mode_keeps_the_keep_share_of_codes_and_every_reference(tiny_lm, tmp_path):
@@ -141,5 +147,10 @@ def test_full_kv_bits_store_full_layers_kivi_style(tiny_lm, tmp_path):
     # the quantised filter layer still selects keep = 0.5 of its candidates every step
     assert len(c4.selections) == len(c16.selections) > 0
     assert [len(s) for s in c4.selections] == [len(s) for s in c16.selections]
+    for sel in c4.selections:  # sorted, distinct candidates: never a sink (n_sink 2)
+        assert sel == sorted(set(sel)) and min(sel) >= 2
+    # and it scores with the 4-bit keys: some step's choice differs from the exact filter layer's
+    # (fails if the quantised layer silently scored with exact keys)
+    assert c4.selections != c16.selections
     with pytest.raises(ValueError, match="full_kv_bits must be 2, 4, 8 .* got 3"):
         ResidualKVPress(**base, full_kv_bits=3)

@@ -218,10 +218,7 @@ def test_fig11_merges_throughput_per_variant(tmp_path):
             "k_high": {"k": 8}, "s_low": {"stride": 5}, "s_high": {"stride": 20}}
     plan = RKVPlan({**SECTION, "variants": {v: {"overrides": over.get(v, {}), "steps": 3} for v in names}}, "smoke")
     for i, v in enumerate(names):
-        d = tmp_path / plan.codec_dir(v)
-        d.mkdir(parents=True)
-        (d / "summary.json").write_text(json.dumps({"codec_params": 100 + i, "steps_done": 3,
-                                                    "eval_final": {"eval_ntp": 4.0 + i, "eval_rec": 1.0}}))
+        _fake_variant(tmp_path, plan, v, steps_done=3, i=i)
     tp = tmp_path / "tp.csv"
     tp.write_text("# timing header\nvariant,tokens_per_s,relative_throughput\n"
                   + "".join(f"{v},{10 + i},{(10 + i) / 10}\n" for i, v in enumerate(names)))
@@ -235,3 +232,42 @@ def test_fig11_merges_throughput_per_variant(tmp_path):
         rkv_figures.fig11(plan, tmp_path / "f.pdf", tmp_path / "f.csv", tmp_path, throughput=tp)
     with pytest.raises(ValueError, match="--raw is not read by residualkv-tableIII"):
         residualkv.report("tableIII", {"profile": "smoke", "residualkv": SECTION}, tmp_path / "t.csv", raw=tp)
+    # review findings: the value column is what the codec was trained with (codec.json), not the config's
+    # current overrides; unequal training is flagged; a missing variant names the figure that needs it
+    changed = RKVPlan({**plan.s, "variants": {**plan.s["variants"], "dc_low": {"overrides": {"d_c": 8}}}}, "smoke")
+    _fake_variant(tmp_path, plan, "k_low", steps_done=2, i=0)
+    df = rkv_figures.fig11(changed, tmp_path / "f.pdf", tmp_path / "f.csv", tmp_path)
+    assert df[df["parameter"] == "d_c"]["value"].tolist() == [16, 32, 64]
+    assert "# UNEQUAL TRAINING: steps done per variant dc_low 3, base 3" in (tmp_path / "f.csv").read_text()
+    assert "k_low 2" in (tmp_path / "f.csv").read_text()
+    (tmp_path / plan.codec_dir("s_high") / "summary.json").unlink()
+    with pytest.raises(FileNotFoundError, match=r"Fig. 11 needs codec variant 's_high'.*summary.json is missing"):
+        rkv_figures.fig11(plan, tmp_path / "f.pdf", tmp_path / "f.csv", tmp_path)
+
+
+def _fake_variant(root, plan, variant, steps_done, i):
+    """A trained variant's files as rkv_codec writes them (codec.json, summary.json, curves.csv), no weights."""
+    from kvbench.compress.residualkv.codec import codec_config_for_shape
+
+    d = root / plan.codec_dir(variant)
+    (d / "codec").mkdir(parents=True, exist_ok=True)
+    (d / "codec" / "codec.json").write_text(codec_config_for_shape(8, 128, **plan.codec_overrides(variant)).to_json())
+    (d / "summary.json").write_text(json.dumps({"codec_params": 100 + i, "steps_done": steps_done,
+                                                "eval_final": {"eval_ntp": 4.0 + i, "eval_rec": 1.0}}))
+    (d / "curves.csv").write_text("step,ntp,rec,eval_ntp,eval_rec\n"
+                                  + "".join(f"{s},{5 - s},{2},{5.5 - s},{2.5}\n" for s in range(1, steps_done + 1)))
+
+
+def test_fig10_curves_and_unequal_steps(tmp_path):
+    from kvbench.report import rkv_figures
+
+    plan = RKVPlan({**SECTION, "variants": {"base": {"steps": 3}, "separate": {"overrides": {"joint": False}, "steps": 3}}},
+                   "smoke")
+    _fake_variant(tmp_path, plan, "base", steps_done=3, i=0)
+    _fake_variant(tmp_path, plan, "separate", steps_done=3, i=1)
+    ev = rkv_figures.fig10(plan, tmp_path / "f.pdf", tmp_path / "f.csv", tmp_path)
+    assert ev.groupby("variant")["step"].max().to_dict() == {"base": 3, "separate": 3}
+    assert "UNEQUAL" not in (tmp_path / "f.csv").read_text()
+    _fake_variant(tmp_path, plan, "separate", steps_done=2, i=1)
+    rkv_figures.fig10(plan, tmp_path / "f.pdf", tmp_path / "f.csv", tmp_path)
+    assert "# UNEQUAL TRAINING: steps done per variant base 3, separate 2" in (tmp_path / "f.csv").read_text()

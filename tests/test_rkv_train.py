@@ -190,6 +190,16 @@ def test_bad_objective(model, tok, tmp_path):
         _train(model, tok, tmp_path, objective="kl")
 
 
+def test_bad_seq_len_and_out_dir_are_named(model, tok, tmp_path):
+    """Review findings: a window past the model's positions, and --out naming a file, ended in tracebacks."""
+    max_pos = model.config.max_position_embeddings
+    with pytest.raises(ValueError, match=f"seq_len={max_pos + 1} exceeds the model's max_position_embeddings={max_pos}"):
+        _train(model, tok, tmp_path / "a", seq_len=max_pos + 1)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match="exists and is not a directory"):
+        _train(model, tok, tmp_path / "file")
+
+
 def test_task_stream_gives_answer_labels_and_is_deterministic(tokenizer):
     from kvbench.compress.residualkv.train import TaskStream
 

@@ -116,6 +116,10 @@ def _report(a: argparse.Namespace) -> None:
         if what in ("fig8", "fig6"):
             if not a.raw:
                 raise ValueError(f"{a.what} needs --raw (the profiling CSV)")
+            for flag in ("residualkv", "data_out"):
+                if getattr(a, flag):  # fig6/fig8 plot the profiling CSV alone; a flag that does nothing is an error
+                    raise ValueError(f"{a.what} reads only --raw (the profiling CSV); --{flag.replace('_', '-')} "
+                                     f"is not used")
             getattr(rkv_figures, what)(a.raw, a.out)
             return
         if not a.residualkv:

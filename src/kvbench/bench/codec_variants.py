@@ -28,7 +28,7 @@ import torch
 
 from kvbench.bench import decode
 from kvbench.bench.timing_lm import ZOO_TOKENIZER, full_layers_for
-from kvbench.compress.residualkv.codec import CodecConfig, ResidualCodec, model_kv_shape
+from kvbench.compress.residualkv.codec import CodecConfig, ResidualCodec, codec_config_for_shape, model_kv_shape
 
 COLUMNS = ["variant", "default", "context", "codec_d_kv", "d_kv", "d_c", "d_ff", "k", "stride", "alpha",
            "tokens_per_s", "q1", "q3", "relative_throughput", "kr_measured", "cr_measured", "model", "weights",
@@ -84,8 +84,9 @@ def measure_variant_throughput(codec_dirs: Mapping[str, str | Path], default: st
             full_layers: as :func:`kvbench.bench.decode.measure_decode_throughput`.
 
     Raises:
-        ValueError: ``default`` not among the labels; see :func:`read_codec_configs` and
-            :func:`kvbench.bench.decode.check_inputs`.
+        ValueError: ``default`` not among the labels; a variant whose scaled shape is invalid (checked for
+            all before any timing, naming the variant and its trained d_c); see :func:`read_codec_configs`
+            and :func:`kvbench.bench.decode.check_inputs`.
     """
     from kvbench.bench.latency import resolve_device
 
@@ -100,9 +101,18 @@ def measure_variant_throughput(codec_dirs: Mapping[str, str | Path], default: st
     model, weights = decode.load_lm(model_name, dev, dt, seed, vocab_size, tokenizer)
     n_layers, d_kv = model_kv_shape(model)
     layers = tuple(full_layers) if full_layers is not None else full_layers_for(n_layers)
+    scaled = {}
+    for label, cfg in configs.items():  # every shape first: a misfit must not cost the others' timings
+        scaled[label] = scaled_overrides(cfg, d_kv)
+        try:
+            codec_config_for_shape(n_layers, d_kv, **scaled[label])
+        except ValueError as e:
+            raise ValueError(f"codec variant {label!r} (trained d_c {cfg.d_c}, d_ff {cfg.d_ff} at d_kv {cfg.d_kv}) "
+                             f"scaled to {model_name}'s d_kv {d_kv} gives d_c {scaled[label]['d_c']}, d_ff "
+                             f"{scaled[label]['d_ff']}: {e}") from None
     rows = []
     for label, cfg in configs.items():
-        over = scaled_overrides(cfg, d_kv)
+        over = scaled[label]
         with tempfile.TemporaryDirectory(prefix="kvbench-codec-") as tmp:
             ResidualCodec.for_model(model, seed=seed, **over).save(tmp)
             press = decode.make_press("residualkv-omnikv", tmp, layers, keep)

@@ -172,7 +172,8 @@ class KVBenchReuse(lmms):
         Returns: per request, the tuple of answers (one per round).
 
         Raises:
-            ValueError: ``doc_to_text`` does not return the 5-tuple above (naming the task and doc).
+            ValueError: ``doc_to_text`` does not return the 5-tuple above, or a round's visuals are None
+                (naming the task, doc and round).
         """
         out = []
         for req in requests:
@@ -190,6 +191,9 @@ class KVBenchReuse(lmms):
                     if terminal:
                         answers = list(round_res)
                         break
+                if visuals is None:  # would reach the processor as an image [None] and fail far from here
+                    raise ValueError(f"{task}/{split}/{doc_id}: round {round_idx} has no visuals (None); each round of "
+                                     f"a multi-round request must give its images (a list, possibly empty)")
                 record = to_record(context, visuals if isinstance(visuals, list) else [visuals], doc,
                                    rid=f"{task}/{split}/{doc_id}/round{round_idx}",
                                    max_new_tokens=gen_kwargs.get("max_new_tokens", self.max_new_tokens), **self.opts)

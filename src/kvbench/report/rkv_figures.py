@@ -63,19 +63,37 @@ def fig5(plan: RKVPlan, out: str | Path, out_csv: str | Path, root: str | Path =
     return df
 
 
-def _curves(plan: RKVPlan, variant: str, root: str | Path) -> pd.DataFrame:
-    d = pd.read_csv(Path(root) / plan.codec_dir(variant) / "curves.csv")
-    d["variant"] = variant
-    summary = json.loads((Path(root) / plan.codec_dir(variant) / "summary.json").read_text())
-    d["params"] = summary.get("codec_params")
-    return d
+def _variant_file(plan: RKVPlan, variant: str, name: str, fig: str, root: str | Path) -> Path:
+    """``codecs/.../<variant>/<name>``, or a FileNotFoundError naming the figure that needs the variant."""
+    path = Path(root) / plan.codec_dir(variant) / name
+    if not path.is_file():
+        raise FileNotFoundError(f"{fig} needs codec variant {variant!r}, but {path} is missing (train it: "
+                                f"snakemake {plan.codec_dir(variant)}/summary.json)")
+    return path
+
+
+def _summaries(plan: RKVPlan, variants: list[str], fig: str, root: str | Path) -> tuple[dict[str, dict], list[str]]:
+    """Each variant's training ``summary.json`` and the note lines that flag unequal training: the figures
+    compare codecs at matched steps (paper §V-C), so a variant stopped early by its ``budget_s`` cap is said."""
+    summaries = {v: json.loads(_variant_file(plan, v, "summary.json", fig, root).read_text()) for v in variants}
+    steps = {v: s.get("steps_done") for v, s in summaries.items()}
+    notes = []
+    if len(set(steps.values())) > 1:
+        notes.append("# UNEQUAL TRAINING: steps done per variant " + ", ".join(f"{v} {n}" for v, n in steps.items())
+                     + " (a budget_s cap was reached); final losses are not at matched steps")
+    return summaries, notes
 
 
 def _curve_figure(plan, variants, labels, title, out, out_csv, root) -> pd.DataFrame:
-    df = pd.concat([_curves(plan, v, root) for v in variants], ignore_index=True)
+    summaries, notes = _summaries(plan, variants, title.split(" (")[0], root)
+    frames = []
+    for v in variants:
+        d = pd.read_csv(_variant_file(plan, v, "curves.csv", title.split(" (")[0], root))
+        frames.append(d.assign(variant=v, params=summaries[v].get("codec_params")))
+    df = pd.concat(frames, ignore_index=True)
     ev = df.dropna(subset=["eval_ntp"])
     write_csv(ev[["variant", "params", "step", "eval_ntp", "eval_rec", "ntp", "rec"]],
-              plan.header(title) + ["# eval_*: 4 held-out windows of the corpus 'test' split"], out_csv)
+              plan.header(title) + ["# eval_*: 4 held-out windows of the corpus 'test' split"] + notes, out_csv)
     fig, axes = plt.subplots(1, 2, figsize=(8, 3.2))
     for v in variants:
         d = ev[ev["variant"] == v]
@@ -87,7 +105,7 @@ def _curve_figure(plan, variants, labels, title, out, out_csv, root) -> pd.DataF
     for ax in axes:
         ax.set_xlabel("training step")
         ax.legend(fontsize=7)
-    fig.suptitle(f"{title}: {SMOKE_NOTE}", fontsize=8)
+    fig.suptitle(f"{title}: {SMOKE_NOTE}" + ("\nUNEQUAL TRAINING STEPS (see CSV)" if notes else ""), fontsize=8)
     _save(fig, out)
     return ev
 
@@ -110,21 +128,24 @@ def fig11(plan: RKVPlan, out, out_csv, root=".", throughput: str | Path | None =
     Raises:
         ValueError: ``throughput`` lacks a variant of :data:`~kvbench.report.rkv_plan.FIG11_PANELS`.
     """
+    from kvbench.compress.residualkv.codec import CodecConfig
+
+    summaries, notes = _summaries(plan, list(dict.fromkeys(v for vs in FIG11_PANELS.values() for v in vs)),
+                                  "Fig. 11", root)
     rows = []
     for param, variants in FIG11_PANELS.items():
         for v in variants:
-            summary = json.loads((Path(root) / plan.codec_dir(v) / "summary.json").read_text())
-            value = plan.codec_overrides(v).get({"s": "stride"}.get(param, param))
-            if value is None:   # the default point: the main codec's value
-                value = plan.s["codec"].get({"s": "stride"}.get(param, param))
+            summary = summaries[v]
+            # the value the codec was trained with (its codec.json), not what the config says now
+            cfg = CodecConfig.from_json(_variant_file(plan, v, "codec/codec.json", "Fig. 11", root).read_text())
+            value = getattr(cfg, {"s": "stride"}.get(param, param))
             final = summary.get("eval_final") or {}
             rows.append({"parameter": param, "value": value, "variant": v, "params": summary.get("codec_params"),
                          "steps": summary.get("steps_done"), "eval_ntp": final.get("eval_ntp"),
                          "eval_rec": final.get("eval_rec"), "default": v == DEFAULT_VARIANT})
     df = pd.DataFrame(rows)
-    notes = []
     if throughput is not None:
-        tp = pd.read_csv(throughput, comment="#")
+        tp = read_bench_csv(throughput, ["variant", "tokens_per_s", "relative_throughput"], "kvbench bench rkv-variants")
         missing = sorted(set(df["variant"]) - set(tp["variant"]))
         if missing:
             raise ValueError(f"{throughput}: no throughput row for variant(s) {missing}")
@@ -146,14 +167,40 @@ def fig11(plan: RKVPlan, out, out_csv, root=".", throughput: str | Path | None =
             ax.plot(dd["value"], dd[col], "o", color="red")
             ax.set_xlabel(param)
             ax.set_ylabel(label)
-    fig.suptitle(f"Fig. 11 (smoke; red = default; throughput on a random-weight timing LM): {SMOKE_NOTE}", fontsize=8)
+    fig.suptitle(f"Fig. 11 (smoke; red = default; throughput on a random-weight timing LM): {SMOKE_NOTE}"
+                 + ("\nUNEQUAL TRAINING STEPS (see CSV)" if any("UNEQUAL" in n for n in notes) else ""), fontsize=8)
     _save(fig, out)
     return df
 
 
+def read_bench_csv(path: str | Path, columns: list[str], writer: str) -> pd.DataFrame:
+    """A profiling CSV, refused with a message naming the command that writes it when columns are missing
+    (e.g. Fig. 8 given Fig. 6's CSV).
+
+    Raises:
+        FileNotFoundError: no file at ``path``.
+        ValueError: ``path`` is not a CSV with ``columns``.
+    """
+    try:
+        df = pd.read_csv(path, comment="#")
+    except pd.errors.ParserError as e:
+        raise ValueError(f"{path}: not a CSV ({e})") from None
+    except pd.errors.EmptyDataError:
+        raise ValueError(f"{path}: empty, expected the CSV of `{writer}`") from None
+    missing = [c for c in columns if c not in df.columns]
+    if missing:
+        raise ValueError(f"{path} lacks column(s) {missing}: expected the CSV of `{writer}` "
+                         f"(columns {columns}), got columns {list(df.columns)}")
+    return df
+
+
 def fig8(raw_csv: str | Path, out: str | Path) -> pd.DataFrame:
-    """Decode tokens/s vs context length per method, from the profiling CSV (its header lines kept as title)."""
-    df = pd.read_csv(raw_csv, comment="#")
+    """Decode tokens/s vs context length per method, from the profiling CSV (its header lines kept as title).
+
+    Raises:
+        ValueError: ``raw_csv`` is not ``kvbench bench rkv-throughput``'s CSV (see :func:`read_bench_csv`).
+    """
+    df = read_bench_csv(raw_csv, ["method", "context", "tokens_per_s", "q1", "q3", "device"], "kvbench bench rkv-throughput")
     fig, ax = plt.subplots(figsize=(5, 3.4))
     for method, d in df.groupby("method"):
         d = d.sort_values("context")
@@ -170,8 +217,12 @@ def fig8(raw_csv: str | Path, out: str | Path) -> pd.DataFrame:
 
 
 def fig6(raw_csv: str | Path, out: str | Path) -> pd.DataFrame:
-    """Codec cost bars (prefill path, per-step restore, total) of the two codec forms."""
-    df = pd.read_csv(raw_csv, comment="#")
+    """Codec cost bars (prefill path, per-step restore, total) of the two codec forms.
+
+    Raises:
+        ValueError: ``raw_csv`` is not ``kvbench bench codec-cost``'s CSV (see :func:`read_bench_csv`).
+    """
+    df = read_bench_csv(raw_csv, ["codec", "prefill_ms", "restore_ms", "total_ms"], "kvbench bench codec-cost")
     fig, axes = plt.subplots(1, 3, figsize=(9, 3))
     for ax, col in zip(axes, ["prefill_ms", "restore_ms", "total_ms"]):
         ax.bar(df["codec"], df[col], color=["tab:blue", "tab:orange"][: len(df)])

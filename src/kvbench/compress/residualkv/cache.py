@@ -330,7 +330,10 @@ class ResidualKVPress(Press):
                           alpha=self.alpha, stride=self.stride, audit_steps=self.audit_steps)
         self.full_layers = tuple(_layer_list("full_layers", self.full_layers))
         if not Path(self.codec_dir, "codec.json").is_file():
-            raise ValueError(f"codec_dir {self.codec_dir!r} holds no trained codec (codec.json missing)")
+            # rkv_codec writes codecs/<profile>/<model>/<variant>/codec/: the variant folder is an easy slip
+            hint = (f"; did you mean {str(Path(self.codec_dir, 'codec'))!r}?"
+                    if Path(self.codec_dir, "codec", "codec.json").is_file() else "")
+            raise ValueError(f"codec_dir {self.codec_dir!r} holds no trained codec (codec.json missing){hint}")
         self.schedule()  # validates alpha / stride
         if self.bits != 32:
             quant.check_quant_config(self.codec_model.config.d_c, self.bits, self.codec_model.config.group)

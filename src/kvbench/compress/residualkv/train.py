@@ -341,15 +341,21 @@ def train_codec(model: Any, tokenizer: Any, codec: ResidualCodec, *, out_dir: st
         eval_final (the weights at return, finished or stopped by the budget).
 
     Raises:
-        ValueError: unknown ``objective``, non-positive ``steps``/``seq_len``, codec not fitting the
-            model, or ``out_dir/state`` written with another configuration.
+        ValueError: unknown ``objective``, non-positive ``steps``/``seq_len``, ``seq_len`` above the model's
+            ``max_position_embeddings``, ``out_dir`` an existing file, codec not fitting the model, or
+            ``out_dir/state`` written with another configuration.
         Interrupted: SIGTERM/SIGINT arrived (state saved first; rerun to resume).
     """
     if objective not in OBJECTIVES:
         raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
     if steps <= 0 or seq_len <= 1:
         raise ValueError(f"steps must be > 0 and seq_len > 1, got steps={steps}, seq_len={seq_len}")
+    max_pos = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+    if max_pos is not None and seq_len > max_pos:
+        raise ValueError(f"seq_len={seq_len} exceeds the model's max_position_embeddings={max_pos}")
     out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ValueError(f"out_dir {str(out_dir)!r} exists and is not a directory")
     run_cfg = {"codec": json.loads(codec.config.to_json()), "objective": objective, "steps": steps, "data": data,
                "seq_len": seq_len, "seed": seed, "lr": lr, "model": _model_signature(model)}
     opt = torch.optim.AdamW(codec.parameters(), lr=lr)
