@@ -20,6 +20,7 @@ from kvbench.cli import main
     (["train", "--model", "tiny-qwen2-lm", "--tokenizer", "nowhere", "--out", "o", "--workdir", "w",
       "--budget-s", "5"], "tokenizer directory 'nowhere' not found"),
     (["data", "--task", "kv_1k", "--tokenizer", "nowhere", "--out", "o"], "tokenizer directory 'nowhere' not found"),
+    (["data", "--task", "kv_1k", "--tokenizer", ".", "--out", "o"], "tokenizer directory '.' holds no tokenizer.json"),
     (["report", "conduit-table1", "--conduit", "{bad", "--out", "t.csv"], "--conduit must be a JSON object"),
 ])
 def test_bad_input_is_one_line_and_exit_2(argv, needle, capsys, tmp_path, monkeypatch):

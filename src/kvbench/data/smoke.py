@@ -141,12 +141,9 @@ def materialise(task: str, out_dir: str | Path, tokenizer_dir: str | Path | None
     if spec.kind == "text":
         if tokenizer_dir is None:
             raise ValueError(f"task {task!r} needs tokenizer_dir (lengths are measured in tokens)")
-        if not Path(tokenizer_dir).is_dir():
-            raise FileNotFoundError(f"tokenizer directory {str(tokenizer_dir)!r} not found; "
-                                    "build it with `kvbench tokenizer`")
-        from transformers import AutoTokenizer
+        from kvbench.models.tokenizer import load_tokenizer_dir
 
-        tok = AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
+        tok = load_tokenizer_dir(tokenizer_dir)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     meta: dict[str, Any] = {

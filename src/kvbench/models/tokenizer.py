@@ -131,3 +131,21 @@ def save_tokenizer(out_dir: str | Path, vocab_size: int = 4096) -> dict:
         "lexicon_size": lexicon.N_KEYS + lexicon.N_VALUES,
         "sha256": hashlib.sha256((out_dir / "tokenizer.json").read_bytes()).hexdigest(),
     }
+
+
+def load_tokenizer_dir(tokenizer_dir: str | Path) -> PreTrainedTokenizerFast:
+    """The tokenizer saved in ``tokenizer_dir`` (by :func:`save_tokenizer` or ``save_pretrained``), offline.
+
+    Raises:
+        FileNotFoundError: the directory is missing, or holds no ``tokenizer.json`` (an empty or partial
+            directory), naming it and how to build one.
+    """
+    from transformers import AutoTokenizer
+
+    path = Path(tokenizer_dir)
+    if not path.is_dir():
+        raise FileNotFoundError(f"tokenizer directory {str(tokenizer_dir)!r} not found; build it with `kvbench tokenizer`")
+    if not (path / "tokenizer.json").is_file():
+        raise FileNotFoundError(f"tokenizer directory {str(tokenizer_dir)!r} holds no tokenizer.json (empty or "
+                                f"partial); rebuild it with `kvbench tokenizer`")
+    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)

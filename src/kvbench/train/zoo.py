@@ -14,11 +14,11 @@ from pathlib import Path
 
 import torch
 import transformers
-from transformers import AutoTokenizer
 
 import kvbench
 from kvbench.models.loader import save_checkpoint
 from kvbench.models.tiny import build_config, build_processor, zoo_spec
+from kvbench.models.tokenizer import load_tokenizer_dir
 from kvbench.train.batches import PROBE_CLASSES
 from kvbench.train.loop import run_phases
 from kvbench.train.recipes import RECIPES, apply_overrides
@@ -53,9 +53,7 @@ def train_zoo_model(
     phases = apply_overrides(RECIPES[spec.kind](), overrides or {})
     torch.set_num_threads(threads)
     torch.manual_seed(seed)
-    if not Path(tokenizer_dir).is_dir():
-        raise FileNotFoundError(f"tokenizer directory {str(tokenizer_dir)!r} not found; build it with `kvbench tokenizer`")
-    tok = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
+    tok = load_tokenizer_dir(tokenizer_dir)
     proc = build_processor(tok) if spec.kind == "vlm" else tok
     config = build_config(name, tok)
     model = getattr(transformers, spec.architecture)(config)
