@@ -6,6 +6,8 @@ runs real jobs.
 """
 from __future__ import annotations
 
+import json
+
 import os
 import re
 import subprocess
@@ -175,9 +177,11 @@ def test_matrix_must_name_configured_models_and_datasets(tmp_path):
 def _fake_paper_root(root: Path) -> dict:
     """Create every checkpoint dir (with config.json) and JSONL file config/paper.yaml names."""
     cfg = load(PAPER_CONFIG)
+    # Llama-3.1-8B's KV shape (32 layers, 8 KV heads of 128): the ResidualKV plan checks codecs and layers against it
+    shape = {"num_hidden_layers": 32, "hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8}
     for spec in cfg["models"].values():
         (root / spec["checkpoint"]).mkdir(parents=True, exist_ok=True)
-        (root / spec["checkpoint"] / "config.json").write_text("{}\n")
+        (root / spec["checkpoint"] / "config.json").write_text(json.dumps(shape) + "\n")
     for spec in cfg["datasets"].values():
         (root / spec["jsonl"]).parent.mkdir(parents=True, exist_ok=True)
         (root / spec["jsonl"]).write_text("{}\n")
@@ -209,6 +213,11 @@ def test_paper_residualkv_targets_resolve(tmp_path):
     assert jobs["rkv_variant_throughput"] == 1 and jobs["rkv_codec_figures"] == 3
     assert "--default base" in r.stdout and "dc_high=codecs/paper/llama-3.1-8b/dc_high/codec" in r.stdout
     assert "full_kv_bits=4" in r.stdout
+    # a checkpoint whose config.json lacks the KV fields is named while the DAG is built
+    llama = root / cfg["models"][cfg["residualkv"]["model"]]["checkpoint"] / "config.json"
+    llama.write_text("{}\n")
+    r = snakemake(tmp_path, "-n", "residualkv", "--configfile", str(PAPER_CONFIG), "--config", f"paths={{root: {root}}}")
+    assert r.returncode != 0 and "its config lacks 'num_attention_heads'" in r.stdout
 
 
 def test_paper_dry_run_names_a_missing_checkpoint(tmp_path):
