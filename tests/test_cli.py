@@ -107,3 +107,20 @@ def test_profiling_figures_name_the_csv_they_need(tmp_path, capsys):
     assert main(["report", "residualkv-fig6", "--raw", str(fig6), "--out", str(tmp_path / "g.pdf"),
                  "--data-out", str(tmp_path / "g.csv")]) == 2
     assert "reads only --raw (the profiling CSV); --data-out is not used" in capsys.readouterr().err
+
+
+def test_bench_device_and_dtype_are_checked(capsys):
+    """Review findings: `--dtype float7` and `--device tpu` ended in tracebacks."""
+    import torch
+
+    from kvbench.bench.latency import resolve_device
+
+    for flag, value, needle in [("--dtype", "float7", "invalid choice: 'float7'"),
+                                ("--device", "tpu", "expected auto, cpu, cuda or cuda:<index>, got 'tpu'")]:
+        with pytest.raises(SystemExit) as e:
+            main(["bench", "codec-cost", "--out", "x.csv", flag, value])
+        assert e.value.code == 2 and needle in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="device 'cuda' requested, but this machine has no CUDA device"):
+            resolve_device("cuda", "auto")
+    assert resolve_device("cpu", "auto") == (torch.device("cpu"), torch.float32)

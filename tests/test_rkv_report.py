@@ -141,7 +141,14 @@ class _ByteTok:
     ({"tableIII": [{"label": "r", "method": "residualkv:mode=omnikv,full_layers=0+1,stride=0"}]}, "stride .* >= 1, got 0"),
     ({"tableIII": [{"label": "r", "method": "residualkv:mode=standalone,full_kv_bits=4"}]}, "full_layers is empty"),
     ({"fig8": {"contxts": [512]}}, r"residualkv.fig8: unknown key\(s\) \['contxts'\]"),
-    ({"fig8": {"repeats": "many"}}, "argument --repeats: invalid int value: 'many'"),
+    ({"fig8": {"repeats": "many"}}, "argument --repeats: expected a positive integer, got 'many'"),
+    # review findings: values the parser took but the bench refused only after Snakemake removed the old CSV
+    ({"fig8": {"repeats": -1}}, "argument --repeats: expected a positive integer, got -1"),
+    ({"fig8": {"methods": ["nope"]}}, r"unknown method\(s\) \['nope'\]"),
+    ({"fig8": {"model": "nope-lm"}}, "fig8.model 'nope-lm' is neither a timing LM"),
+    ({"fig8": {"dtype": "float7"}}, "argument --dtype: invalid choice: 'float7'"),
+    ({"fig11": {"device": "tpu"}}, "argument --device: expected auto, cpu, cuda or cuda:<index>, got 'tpu'"),
+    ({"tableIII": [{"label": "x", "method": "fullkv"}, {"label": "x", "method": "snapkv"}]}, r"label\(s\) \['x'\] given twice"),
     ({"fig11": {"contexts": [1024, 2048]}}, "fig11.contexts must be one context"),
     ({"fig6": {"codec_shape": [2048, 512]}}, "--codec-shape: expected 3 arguments"),
 ])
@@ -156,15 +163,27 @@ def test_plan_checks_layers_and_default_codec_size_against_a_known_shape():
                 "smoke", shape=(8, 128))
     with pytest.raises(ValueError, match=r"filter_layers \[8\] outside"):
         RKVPlan({**SECTION, "tableIII": [{"label": "o", "method": "omnikv:filter_layers=8"}]}, "smoke", shape=(8, 128))
+    # review finding: OmniKV whose only full layer is the last has no filter layer (it ran with CR 1.0)
+    with pytest.raises(ValueError, match=r"needs a full layer followed by a sparse one .* full_layers \[7\]"):
+        RKVPlan({**SECTION, "tableIII": [{"label": "r", "method": "residualkv:mode=omnikv,full_layers=7"}]},
+                "smoke", shape=(8, 128))
+    with pytest.raises(ValueError, match="keep all 8 layers full: nothing is compressed"):
+        RKVPlan({**SECTION, "tableIII": [{"label": "r", "method": "residualkv:mode=standalone,full_layers=0+1+2+3+4+5+6+7"}]},
+                "smoke", shape=(8, 128))
+    with pytest.raises(ValueError, match="d_c=256 is wider than d_kv=128"):
+        RKVPlan({**SECTION, "codec": {"d_c": 256, "d_ff": 192}}, "smoke", shape=(8, 128))
     # default d_c = d_kv / 4 = 48 at d_kv = 192: not a multiple of 32, refused before training
     with pytest.raises(ValueError, match="d_c=48 must be a multiple"):
         RKVPlan({**SECTION, "codec": {"d_ff": 192}}, "smoke", shape=(8, 192))
     assert RKVPlan(SECTION, "smoke", shape=(8, 128)).shape == (8, 128)
 
 
-def test_bench_args_are_quoted_flags():
-    plan = RKVPlan({**SECTION, "fig8": {"contexts": [512, 1024], "device": "cuda:0", "model": "/m dir"}}, "smoke")
-    assert plan.bench_args("fig8") == "--contexts 512 1024 --device cuda:0 --model '/m dir'"
+def test_bench_args_are_quoted_flags(tmp_path):
+    ckpt = tmp_path / "m dir"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text("{}")
+    plan = RKVPlan({**SECTION, "fig8": {"contexts": [512, 1024], "device": "cuda:0", "model": str(ckpt)}}, "smoke")
+    assert plan.bench_args("fig8") == f"--contexts 512 1024 --device cuda:0 --model '{ckpt}'"
     assert plan.bench_args("fig6") == ""
 
 

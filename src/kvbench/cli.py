@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 
 
@@ -19,6 +20,27 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
     return value
+
+
+def _nonneg_int(text: str) -> int:
+    """argparse type: an integer >= 0 (warm-up runs)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+    return value
+
+
+def _device(text: str) -> str:
+    """argparse type: ``auto``, ``cpu``, ``cuda`` or ``cuda:<i>`` (checked here, before any model work)."""
+    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", text):
+        raise argparse.ArgumentTypeError(f"expected auto, cpu, cuda or cuda:<index>, got {text!r}")
+    return text
+
+
+DTYPES = ("auto", "float32", "float16", "bfloat16")
 
 
 def _tokenizer(a: argparse.Namespace) -> None:
@@ -320,13 +342,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--r", type=float, default=d["r"], help="refresh ratio of the budgeted methods")
     s.add_argument("--methods", nargs="+", default=None, help="refresh policies (full is always added); "
                    "rkv-throughput: full, residualkv-omnikv, residualkv-omnikv-unquantised (default: all)")
-    s.add_argument("--repeats", type=int, default=None,
+    s.add_argument("--repeats", type=_positive_int, default=None,
                    help=f"timed runs per (size, method) (default: {d['repeats']}; rkv-throughput 3, codec-cost 5)")
-    s.add_argument("--warmup", type=int, default=None,
+    s.add_argument("--warmup", type=_nonneg_int, default=None,
                    help=f"untimed runs first (default: {d['warmup']}; rkv-throughput: 4 decode steps, codec-cost 1)")
     s.add_argument("--threads", type=_positive_int, default=None, help="torch threads (default: torch's)")
-    s.add_argument("--device", default="auto", help="auto (CUDA if available), cpu or cuda[:i]")
-    s.add_argument("--dtype", default="auto", help="auto (bfloat16 on CUDA, float32 on CPU) or a torch dtype")
+    s.add_argument("--device", type=_device, default="auto", help="auto (CUDA if available), cpu or cuda[:i]")
+    s.add_argument("--dtype", choices=DTYPES, default="auto", help="auto (bfloat16 on CUDA, float32 on CPU) or a torch dtype")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--raw", default=None, help="conduit-table3: the raw CSV")
     s.add_argument("--profile", default="smoke", help="conduit-table3: profile named in the header line")

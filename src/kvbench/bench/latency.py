@@ -119,9 +119,20 @@ class Served:
 
 
 def resolve_device(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
-    """``("auto", "auto")`` → CUDA + bfloat16 when available, else CPU + float32."""
-    dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
-                       ("cpu" if device == "auto" else device))
+    """``("auto", "auto")`` → CUDA + bfloat16 when available, else CPU + float32.
+
+    Raises:
+        ValueError: an unknown device or dtype, or a CUDA device on a machine without one (naming it).
+    """
+    try:
+        dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
+                           ("cpu" if device == "auto" else device))
+    except RuntimeError:
+        raise ValueError(f"device {device!r}: expected auto, cpu, cuda or cuda:<index>") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} requested, but this machine has no CUDA device")
+    if dtype not in ("auto", "float32", "float16", "bfloat16"):
+        raise ValueError(f"dtype {dtype!r}: expected auto, float32, float16 or bfloat16")
     if dtype == "auto":
         return dev, torch.bfloat16 if dev.type == "cuda" else torch.float32
     return dev, getattr(torch, dtype)

@@ -134,7 +134,12 @@ class RKVPlan:
         for target in TARGETS:
             if target in ("tableVI", "fig5") and "stride_sweep" not in section:
                 continue
-            for row in self.rows(target):
+            rows = self.rows(target)
+            labels = [row.label for row in rows]
+            dup = sorted({x for x in labels if labels.count(x) > 1})
+            if dup:
+                raise ValueError(f"{target}: row label(s) {dup} given twice (each row is one line of the table)")
+            for row in rows:
                 self._check_spec(row.spec)  # fail while the DAG is built
 
     def _check_codecs(self) -> None:
@@ -171,6 +176,9 @@ class RKVPlan:
                                      f"(0-{self.shape[0] - 1})")
         if name == "residualkv":
             try:
+                if self.shape is not None:
+                    ResidualKVPress.check_layers(params.get("mode", "omnikv"), params.get("full_layers", ()),
+                                                 self.shape[0])
                 ResidualKVPress.check_params(params.get("mode", "omnikv"), params.get("keep", 0.2),
                                              params.get("bits", 4), params.get("full_layers", ()),
                                              params.get("full_kv_bits", 16), alpha=params.get("alpha"),
@@ -216,6 +224,24 @@ class RKVPlan:
             raise ValueError(f"residualkv.{fig} = {mapping}: {msg[0]}") from None
         if fig == "fig11" and len(mapping.get("contexts") or [0]) != 1:
             raise ValueError(f"residualkv.fig11.contexts must be one context (Fig. 11 times one), got {mapping['contexts']!r}")
+        if fig in ("fig8", "fig11"):  # what the bench itself would refuse only after Snakemake removed the old CSV
+            from kvbench.bench import decode
+
+            try:
+                decode.check_inputs([int(c) for c in mapping.get("contexts") or decode.CPU_CONTEXTS],
+                                    mapping.get("methods") or list(decode.METHODS), int(mapping.get("decode_steps", 1)),
+                                    int(mapping.get("warmup", 0)), int(mapping.get("repeats", 1)), 0)
+            except ValueError as e:
+                raise ValueError(f"residualkv.{fig} = {mapping}: {e}") from None
+        model = mapping.get("model")
+        if model is not None:
+            from pathlib import Path
+
+            from kvbench.bench.timing_lm import TIMING_LMS
+
+            if model not in TIMING_LMS and not Path(str(model), "config.json").is_file():
+                raise ValueError(f"residualkv.{fig}.model {model!r} is neither a timing LM {sorted(TIMING_LMS)} "
+                                 f"nor a checkpoint directory with config.json")
         return " ".join(shlex.quote(a) for a in argv)
 
     # -- codecs -------------------------------------------------------------------------------------

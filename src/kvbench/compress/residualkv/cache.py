@@ -369,6 +369,24 @@ class ResidualKVPress(Press):
         if not isinstance(audit_steps, int) or isinstance(audit_steps, bool) or audit_steps < 0:
             raise ValueError(f"audit_steps must be an int >= 0, got {audit_steps!r}")
 
+    @staticmethod
+    def check_layers(mode: str, full_layers, n_layers: int) -> None:
+        """Check ``full_layers`` against a model with ``n_layers`` decoder layers (also at DAG time).
+
+        Raises:
+            ValueError: an index outside the model; every layer full (nothing would be compressed); in
+                ``omnikv`` mode no full layer followed by a sparse one (no filter layer, so nothing selected).
+        """
+        layers = set(_layer_list("full_layers", full_layers))
+        bad = sorted(i for i in layers if not 0 <= i < n_layers)
+        if bad:
+            raise ValueError(f"full_layers {bad} outside the model's {n_layers} layers")
+        if layers >= set(range(n_layers)):
+            raise ValueError(f"full_layers {sorted(layers)} keep all {n_layers} layers full: nothing is compressed")
+        if mode == "omnikv" and not any(i + 1 < n_layers and i + 1 not in layers for i in layers):
+            raise ValueError(f"mode 'omnikv' needs a full layer followed by a sparse one (the filter layer); "
+                             f"full_layers {sorted(layers)} of {n_layers} layers have none")
+
     def schedule(self):
         """The codec's config with this press's inference-time ``alpha`` / ``stride`` applied."""
         over = {k: v for k, v in (("alpha", self.alpha), ("stride", self.stride)) if v is not None}
@@ -399,9 +417,7 @@ class ResidualKVPress(Press):
         if got != (n_layers, d_kv):
             raise ValueError(f"codec {self.codec_dir!r} does not fit the model: codec (n_layers, d_kv) = {got}, "
                              f"model {(n_layers, d_kv)}")
-        bad = [i for i in self.full_layers if not 0 <= i < cfg.num_hidden_layers]
-        if bad:
-            raise ValueError(f"full_layers {bad} outside the model's {cfg.num_hidden_layers} layers")
+        self.check_layers(self.mode, self.full_layers, cfg.num_hidden_layers)
         self.codec_model.to(model.device)
         return super().new_cache(model)
 

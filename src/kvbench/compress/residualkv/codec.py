@@ -65,7 +65,7 @@ class CodecConfig:
 
     Raises:
         ValueError: non-positive sizes, ``k < 1``, ``n_sink``/``window`` negative, ``bits`` not in
-            {2, 4, 8, 16}, ``d_c`` not a multiple of ``group`` (unless ``bits == 16``), odd ``d_kv``,
+            {2, 4, 8, 16}, ``d_c`` not a multiple of ``group`` (unless ``bits == 16``), ``d_c > d_kv``, odd ``d_kv``,
             odd ``d_c`` with ``joint=False``, unknown ``encoder``/``decoder``/``grid``, negative ``alpha``.
     """
 
@@ -107,6 +107,9 @@ class CodecConfig:
                              f"(quantisation groups stay within one token), or set bits=16")
         if self.d_kv % 2:
             raise ValueError(f"CodecConfig.d_kv={self.d_kv} must be even (K and V halves)")
+        if self.d_c > self.d_kv:
+            raise ValueError(f"CodecConfig.d_c={self.d_c} is wider than d_kv={self.d_kv} (2 d_k): a residual "
+                             f"code wider than the K‖V it codes compresses nothing")
         if not self.joint and self.d_c % 2:
             raise ValueError(f"CodecConfig.d_c={self.d_c} must be even with joint=False (K and V halves)")
         for name in ("encoder", "decoder"):
@@ -276,10 +279,11 @@ def codec_config_for_shape(n_layers: int, d_kv: int, **overrides: Any) -> CodecC
     Raises:
         ValueError: an override is not a :class:`CodecConfig` field, or the result is invalid.
     """
-    fields = {f.name for f in dataclasses.fields(CodecConfig)}
+    fields = {f.name for f in dataclasses.fields(CodecConfig)} - {"n_layers", "d_kv"}
     bad = sorted(set(overrides) - fields)
     if bad:
-        raise ValueError(f"unknown CodecConfig overrides {bad}; fields are {sorted(fields)}")
+        raise ValueError(f"unknown CodecConfig overrides {bad} (n_layers and d_kv come from the model); "
+                         f"fields are {sorted(fields)}")
     kw = {"n_layers": n_layers, "d_kv": d_kv, "d_c": d_kv // 4, "d_ff": 3 * d_kv // 2, **overrides}
     if "group" not in overrides and isinstance(kw["d_c"], int) and not isinstance(kw["d_c"], bool) and 0 < kw["d_c"] < 32:
         # tiny models: d_c below 32 -> the largest group that divides it. A d_c >= 32 keeps the paper's 32,
