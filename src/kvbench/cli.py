@@ -11,26 +11,21 @@ import re
 import sys
 
 
-def _positive_int(text: str) -> int:
-    """argparse type: an integer >= 1 (thread counts)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
+def _int_at_least(lo: int, what: str):
+    """argparse type: an integer >= ``lo``, the error saying ``what`` was expected."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if value < lo:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {value}")
+        return value
+    return parse
 
 
-def _nonneg_int(text: str) -> int:
-    """argparse type: an integer >= 0 (warm-up runs)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
-    return value
+_positive_int = _int_at_least(1, "a positive integer")  # thread counts, repeats
+_nonneg_int = _int_at_least(0, "an integer >= 0")       # warm-up runs
 
 
 def _device(text: str) -> str:
