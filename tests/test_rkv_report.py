@@ -17,7 +17,6 @@ SECTION = {
     "codec": {"d_c": 32, "d_ff": 192, "n_sink": 8, "stride": 10, "window": 32},
     "train": {"objective": "joint", "steps": 10, "seq_len": 64, "budget_s": 10, "lr": 0.001, "data": "tasks"},
     "variants": {"norefs": {"overrides": {"references": False}}},
-    "full_layers": [0, 1],
     "tableIII": [{"label": "Full cache", "method": "fullkv"},
                  {"label": "ResidualKV", "method": "residualkv:mode=omnikv,full_layers=0+1,keep=0.2"}],
     "stride_sweep": {"method": "residualkv:mode=omnikv,full_layers=0+1", "alpha": [0, 0.1], "stride": [5]},
@@ -290,3 +289,23 @@ def test_fig10_curves_and_unequal_steps(tmp_path):
     _fake_variant(tmp_path, plan, "separate", steps_done=2, i=1)
     rkv_figures.fig10(plan, tmp_path / "f.pdf", tmp_path / "f.csv", tmp_path)
     assert "# UNEQUAL TRAINING: steps done per variant base 3, separate 2" in (tmp_path / "f.csv").read_text()
+
+
+def test_header_describes_zoo_or_checkpoint():
+    """Review finding: tables from real checkpoints were headed 'tiny zoo LM trained here'."""
+    assert "tiny zoo LM trained here" in RKVPlan(SECTION, "smoke").header("Table III")[0]
+    head = RKVPlan({**SECTION, "model": "llama-3.1-8b"}, "paper", zoo=False).header("Table III")[0]
+    assert "model llama-3.1-8b (local checkpoint)" in head and "zoo" not in head and "smoke" not in head
+
+
+def test_table_i_settings_are_checked_against_the_checkpoint():
+    """Review finding: paper.yaml's Table I entries were required but never compared with config.json."""
+    from kvbench.report.rkv_plan import check_table_i
+
+    entry = {"codec": {"two_d_k": 2048, "d_c": 512, "d_ff": 3072, "full_attention_layers": [0, 1, 2, 8, 18]}}
+    check_table_i("llama", entry, (32, 2048))
+    check_table_i("llama", entry, None)  # checkpoint not there yet (a dry run): nothing to compare
+    with pytest.raises(ValueError, match="codec.two_d_k = 2048 .* has 2 d_k = 1024"):
+        check_table_i("llama", entry, (28, 1024))
+    with pytest.raises(ValueError, match=r"full_attention_layers \[18\] outside its checkpoint's 16 layers"):
+        check_table_i("llama", entry, (16, 2048))

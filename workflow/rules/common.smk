@@ -144,16 +144,18 @@ def eval_inputs(wc):
 
 
 # Short target names (targets.smk).
-RESIDUALKV_ONLY_FIGURES = ["5", "6", "8", "9", "10", "11", "12", "13"]
+# ResidualKV figures with a producing rule (its Figs. 9 and 13 are not built; `figures/fig9.pdf` then has no rule).
+RESIDUALKV_ONLY_FIGURES = ["5", "6", "8", "10", "11", "12"]
+RESIDUALKV_TABLE_NUMERALS = ["III", "VI", "VII", "VIII"]
 AMBIGUOUS_FIGURES = ["3", "4"]
+CONDUIT_FIGURES = ["3"]
 
 
 def ambiguous_figure(wc):
-    """Input function of figures/fig3.pdf and fig4.pdf: always raises, naming both canonical targets."""
-    raise ValueError(
-        f"figures/fig{wc.n}.pdf is ambiguous: both papers have a Figure {wc.n}. "
-        f"Ask for figures/conduit/fig{wc.n}.pdf (CONDUIT) or figures/residualkv/fig{wc.n}.pdf (ResidualKV)."
-    )
+    """Input function of figures/fig3.pdf and fig4.pdf: always raises, naming the canonical targets that exist."""
+    built = (f"this pipeline builds CONDUIT's as figures/conduit/fig{wc.n}.pdf; ResidualKV's Figure {wc.n} is not a target"
+             if wc.n in CONDUIT_FIGURES else f"neither CONDUIT's nor ResidualKV's Figure {wc.n} is a target of this pipeline")
+    raise ValueError(f"figures/fig{wc.n}.pdf is ambiguous: both papers have a Figure {wc.n}; {built}.")
 
 
 # --- CONDUIT accuracy targets (conduit.smk) ---------------------------------------------------
@@ -257,7 +259,7 @@ def model_resource(key, zoo_default, checkpoint_default):
 # --- ResidualKV targets (residualkv.smk) ------------------------------------------------------
 
 def _rkv_plan():
-    from kvbench.report.rkv_plan import RKVPlan, known_model_shape
+    from kvbench.report.rkv_plan import RKVPlan, check_table_i, known_model_shape
 
     if "residualkv" not in config:
         return None
@@ -270,7 +272,8 @@ def _rkv_plan():
     try:
         shape = known_model_shape(section["model"], MODELS[section["model"]],
                                   None if is_zoo(section["model"]) else model_dir(section["model"]))
-        return RKVPlan(section, PROFILE, shape)
+        check_table_i(section["model"], MODELS[section["model"]], shape)
+        return RKVPlan(section, PROFILE, shape, zoo=is_zoo(section["model"]))
     except ValueError as e:
         raise ValueError(f"config residualkv: {e}") from e
 
@@ -319,11 +322,18 @@ def rkv_run_inputs(target):
 
 
 def rkv_report_spec():
-    return json.dumps({"profile": PROFILE, "residualkv": config["residualkv"]}, sort_keys=True)
+    return json.dumps({"profile": PROFILE, "residualkv": config["residualkv"], "zoo": is_zoo(config["residualkv"]["model"])},
+                      sort_keys=True)
 
 
 def rkv_variant_summaries(variants):
     return lambda wc: [f"{rkv_plan().codec_dir(v)}/summary.json" for v in variants]
+
+
+def rkv_bench_gpus(fig):
+    """GPUs a profiling job asks the scheduler for: 1 when the config's `residualkv.<fig>.device` is CUDA."""
+    device = str(config.get("residualkv", {}).get(fig, {}).get("device", "auto"))
+    return 1 if device.startswith("cuda") else 0
 
 
 def rkv_bench_args(fig):

@@ -30,9 +30,9 @@ rule rkv_codec:
         "benchmarks/residualkv/codec/{profile}/{model}/{variant}.tsv"
     threads: 2
     resources:
-        mem_mb=8000,
-        runtime=60,
-        gpu=0,
+        mem_mb=model_resource("mem_mb", 8000, 64000),
+        runtime=lambda wc: 30 + int(rkv_plan().codec_training(wc.variant)["budget_s"]) // 60,  # minutes: the cap + load/save
+        gpu=0,  # codec-train runs on the CPU (float32); see README, "config/paper.yaml"
     conda:
         "../../envs/kvbench.yaml"
     shell:
@@ -171,7 +171,7 @@ rule rkv_variant_throughput:
     resources:
         mem_mb=8000,
         runtime=30,
-        gpu=0,
+        gpu=rkv_bench_gpus("fig11"),
     conda:
         "../../envs/kvbench.yaml"
     shell:
@@ -207,7 +207,7 @@ rule rkv_throughput:
     resources:
         mem_mb=16000,
         runtime=60,
-        gpu=0,
+        gpu=rkv_bench_gpus("fig8"),
     conda:
         "../../envs/kvbench.yaml"
     shell:
@@ -229,7 +229,7 @@ rule rkv_codec_cost:
     resources:
         mem_mb=8000,
         runtime=30,
-        gpu=0,
+        gpu=rkv_bench_gpus("fig6"),
     conda:
         "../../envs/kvbench.yaml"
     shell:

@@ -177,7 +177,7 @@ def report(target: str, spec: str | dict, out: str | Path, root: str | Path = ".
             raise ValueError(f"--residualkv must be JSON {{profile, residualkv}}, got {spec[:80]!r} ({e.msg})") from e
     if raw is not None and target != "fig11":
         raise ValueError(f"--raw is not read by residualkv-{target} (only fig11's throughput CSV, fig6, fig8)")
-    plan = RKVPlan(spec["residualkv"], spec["profile"])
+    plan = RKVPlan(spec["residualkv"], spec["profile"], zoo=spec.get("zoo", True))
     if target == "fig11":
         rkv_figures.fig11(plan, out, out_csv, root, throughput=raw)
     elif target in TITLES:

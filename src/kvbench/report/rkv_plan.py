@@ -74,6 +74,25 @@ def known_model_shape(model: str, entry: dict, checkpoint_dir: str | None = None
         raise ValueError(f"model {model!r}: its config lacks {e.args[0]!r}, so its KV shape is unknown") from None
 
 
+def check_table_i(model: str, entry: dict, shape: tuple[int, int] | None) -> None:
+    """A model entry's Table I settings (``codec: {two_d_k, full_attention_layers, ...}``) against the
+    checkpoint's ``(n_layers, d_kv)``, when both are known: a wrong checkpoint under the name is caught here.
+
+    Raises:
+        ValueError: ``two_d_k`` differs from the checkpoint's d_kv, or a full-attention layer is outside it.
+    """
+    table = entry.get("codec")
+    if not table or shape is None:
+        return
+    n_layers, d_kv = shape
+    if table.get("two_d_k", d_kv) != d_kv:
+        raise ValueError(f"model {model!r}: codec.two_d_k = {table['two_d_k']} (Table I) but its checkpoint has "
+                         f"2 d_k = {d_kv} ({n_layers} layers); is it the right checkpoint?")
+    bad = [i for i in table.get("full_attention_layers", []) if not 0 <= i < n_layers]
+    if bad:
+        raise ValueError(f"model {model!r}: codec.full_attention_layers {bad} outside its checkpoint's {n_layers} layers")
+
+
 @dataclass(frozen=True)
 class Row:
     """One table row: the paper's label and a canonical press spec."""
@@ -111,6 +130,7 @@ class RKVPlan:
         profile: the config's profile name (path component).
         shape: ``(n_layers, d_kv)`` of the backbone where it is known before anything runs
             (:func:`known_model_shape`); then codec sizes and layer indices are checked against it.
+        zoo: the model is a zoo model (the headers say so) rather than a local checkpoint.
 
     Raises:
         ValueError: a row's spec is invalid, names a codec variant that is not configured or a layer
@@ -118,7 +138,7 @@ class RKVPlan:
             multiple of the quantisation group, ``k`` or ``stride`` below 1).
     """
 
-    def __init__(self, section: dict, profile: str, shape: tuple[int, int] | None = None):
+    def __init__(self, section: dict, profile: str, shape: tuple[int, int] | None = None, zoo: bool = True):
         missing = [k for k in ("model", "tasks", "codec", "train", "tableIII") if k not in section]
         if missing:
             raise ValueError(f"the residualkv section misses key(s) {missing}")
@@ -128,6 +148,7 @@ class RKVPlan:
         self.tasks: list[str] = list(section["tasks"])
         self.variants: dict[str, dict] = {"main": {}, **(section.get("variants") or {})}
         self.shape = shape
+        self.zoo = zoo
         self._check_codecs()
         for fig in BENCH_FIGURES:
             self.bench_args(fig)
@@ -303,8 +324,11 @@ class RKVPlan:
         return out
 
     def header(self, title: str) -> list[str]:
-        return [f"# kvbench ResidualKV {title}, profile {self.profile!r}: model {self.model} (tiny zoo LM trained "
-                f"here, not the paper's models); tasks {', '.join(self.tasks)} (RULER/SCBench/LongBench-style smoke "
-                "tasks in place of LongBench); not the paper's numbers",
+        """The CSV header lines of a table or figure: what was run, and that it is not the paper's numbers."""
+        what = (f"model {self.model} (tiny zoo LM trained here, not the paper's models); tasks {', '.join(self.tasks)} "
+                "(RULER/SCBench/LongBench-style smoke tasks in place of LongBench)" if self.zoo else
+                f"model {self.model} (local checkpoint); tasks {', '.join(self.tasks)} (local benchmark files)")
+        return [f"# kvbench ResidualKV {title}, profile {self.profile!r}: {what}; "
+                + ("not the paper's numbers" if self.zoo else "computed by this pipeline, not copied from the paper"),
                 "# protocol: context prefilled as one chunk and compressed, then the question chunk and greedy "
                 "decoding read the compressed cache (kvbench.compress.generate)"]
