@@ -35,9 +35,6 @@ def _device(text: str) -> str:
     return text
 
 
-DTYPES = ("auto", "float32", "float16", "bfloat16")
-
-
 def _tokenizer(a: argparse.Namespace) -> None:
     from kvbench.models.tokenizer import save_tokenizer
 
@@ -322,6 +319,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=_report)
 
     from kvbench.bench import BENCH_DEFAULTS as d  # light module: defaults only
+    from kvbench.bench import DTYPES as d_dtypes
 
     s = sub.add_parser("bench", help="latency benchmarks: conduit-latency (raw TTFT/FLOPs CSV), conduit-table3, "
                                       "rkv-throughput (ResidualKV Fig. 8), rkv-variants (Fig. 11's throughput), "
@@ -343,7 +341,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"untimed runs first (default: {d['warmup']}; rkv-throughput: 4 decode steps, codec-cost 1)")
     s.add_argument("--threads", type=_positive_int, default=None, help="torch threads (default: torch's)")
     s.add_argument("--device", type=_device, default="auto", help="auto (CUDA if available), cpu or cuda[:i]")
-    s.add_argument("--dtype", choices=DTYPES, default="auto", help="auto (bfloat16 on CUDA, float32 on CPU) or a torch dtype")
+    s.add_argument("--dtype", choices=d_dtypes, default="auto", help="auto (bfloat16 on CUDA, float32 on CPU) or a torch dtype")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--raw", default=None, help="conduit-table3: the raw CSV")
     s.add_argument("--profile", default="smoke", help="conduit-table3: profile named in the header line")

@@ -14,6 +14,9 @@ This module only holds defaults (no torch import), so the CLI can read them chea
 #: Methods of CONDUIT's Table 3 in display order; ``full`` is the reference.
 TABLE3_METHODS = ["full", "reuse", "cacheblend", "mpic", "kvshare-conduit", "prophetkv", "conduit"]
 
+#: ``--dtype`` values of every ``kvbench bench`` verb (``auto``: bfloat16 on CUDA, float32 on CPU).
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+
 #: Defaults of ``kvbench bench conduit-latency`` and :class:`~kvbench.bench.latency.LatencyConfig`
 #: (about 4 minutes on 2 idle CPU cores).
 BENCH_DEFAULTS = {

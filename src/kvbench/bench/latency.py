@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from kvbench.bench import BENCH_DEFAULTS, TABLE3_METHODS, clock, flops
+from kvbench.bench import BENCH_DEFAULTS, DTYPES, TABLE3_METHODS, clock, flops
 from kvbench.bench.cost import analytic_cost
 from kvbench.bench.requests import bench_record
 from kvbench.bench.timing_model import TIMING_MODELS, build_timing_vlm, n_params
@@ -131,8 +131,8 @@ def resolve_device(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
         raise ValueError(f"device {device!r}: expected auto, cpu, cuda or cuda:<index>") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {device!r} requested, but this machine has no CUDA device")
-    if dtype not in ("auto", "float32", "float16", "bfloat16"):
-        raise ValueError(f"dtype {dtype!r}: expected auto, float32, float16 or bfloat16")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r}: expected one of {DTYPES}")
     if dtype == "auto":
         return dev, torch.bfloat16 if dev.type == "cuda" else torch.float32
     return dev, getattr(torch, dtype)

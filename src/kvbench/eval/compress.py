@@ -96,8 +96,8 @@ class CompressMethod(EvalMethod):
         self._name, self._params = parse_press_spec(self.spec)
         if not isinstance(self.audit_requests, int) or isinstance(self.audit_requests, bool) or self.audit_requests < 0:
             raise ValueError(f"audit_requests must be an int >= 0, got {self.audit_requests!r}")
-        takes_codec = "codec_dir" in {f.name for f in dataclasses.fields(_presses()[self._name])}
-        if self.codec_dir and not takes_codec:
+        self._takes_codec = "codec_dir" in {f.name for f in dataclasses.fields(_presses()[self._name])}
+        if self.codec_dir and not self._takes_codec:
             # a codec given to a press that never reads it would be recorded in run_info as if it mattered
             raise ValueError(f"method {self.spec!r} takes no codec, but codec_dir={self.codec_dir!r} was given")
         self._press = None
@@ -109,7 +109,7 @@ class CompressMethod(EvalMethod):
         """The press instance (built once; a ResidualKV press loads and checks its codec here)."""
         if self._press is None:
             cls = _presses()[self._name]
-            extra = {"codec_dir": self.codec_dir} if "codec_dir" in {f.name for f in dataclasses.fields(cls)} else {}
+            extra = {"codec_dir": self.codec_dir} if self._takes_codec else {}
             if extra and not self.codec_dir:
                 raise ValueError(f"method {self.spec!r} needs codec_dir (a trained codec directory)")
             self._press = cls(**self._params, **extra)

@@ -22,7 +22,7 @@ import pandas as pd  # noqa: E402
 from kvbench.compress.residualkv import references  # noqa: E402
 from kvbench.eval.compress import parse_press_spec  # noqa: E402
 from kvbench.report.residualkv import run_summary, write_csv  # noqa: E402
-from kvbench.report.rkv_plan import DEFAULT_VARIANT, FIG11_PANELS, RKVPlan  # noqa: E402
+from kvbench.report.rkv_plan import DEFAULT_VARIANT, FIG11_PANELS, FIGURE_VARIANTS, RKVPlan  # noqa: E402
 from kvbench.utils.io import atomic_path  # noqa: E402
 
 SMOKE_NOTE = "tiny zoo LM trained here; not the paper's numbers"
@@ -85,10 +85,11 @@ def _summaries(plan: RKVPlan, variants: list[str], fig: str, root: str | Path) -
 
 
 def _curve_figure(plan, variants, labels, title, out, out_csv, root) -> pd.DataFrame:
-    summaries, notes = _summaries(plan, variants, title.split(" (")[0], root)
+    fig_name = title.split(" (")[0]
+    summaries, notes = _summaries(plan, variants, fig_name, root)
     frames = []
     for v in variants:
-        d = pd.read_csv(_variant_file(plan, v, "curves.csv", title.split(" (")[0], root))
+        d = pd.read_csv(_variant_file(plan, v, "curves.csv", fig_name, root))
         frames.append(d.assign(variant=v, params=summaries[v].get("codec_params")))
     df = pd.concat(frames, ignore_index=True)
     ev = df.dropna(subset=["eval_ntp"])
@@ -130,8 +131,8 @@ def fig11(plan: RKVPlan, out, out_csv, root=".", throughput: str | Path | None =
     """
     from kvbench.compress.residualkv.codec import CodecConfig
 
-    summaries, notes = _summaries(plan, list(dict.fromkeys(v for vs in FIG11_PANELS.values() for v in vs)),
-                                  "Fig. 11", root)
+    summaries, unequal = _summaries(plan, FIGURE_VARIANTS["fig11"], "Fig. 11", root)
+    notes = list(unequal)
     rows = []
     for param, variants in FIG11_PANELS.items():
         for v in variants:
@@ -168,7 +169,7 @@ def fig11(plan: RKVPlan, out, out_csv, root=".", throughput: str | Path | None =
             ax.set_xlabel(param)
             ax.set_ylabel(label)
     fig.suptitle(f"Fig. 11 (smoke; red = default; throughput on a random-weight timing LM): {SMOKE_NOTE}"
-                 + ("\nUNEQUAL TRAINING STEPS (see CSV)" if any("UNEQUAL" in n for n in notes) else ""), fontsize=8)
+                 + ("\nUNEQUAL TRAINING STEPS (see CSV)" if unequal else ""), fontsize=8)
     _save(fig, out)
     return df
 

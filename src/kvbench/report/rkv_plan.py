@@ -187,14 +187,11 @@ class RKVPlan:
 
         self.codec_of(spec)
         name, params = parse_press_spec(spec)
-        if self.shape is not None:
-            for key in ("full_layers", "filter_layers"):
-                value = params.get(key, ())
-                layers = (value,) if isinstance(value, int) else tuple(value)
-                bad = [i for i in layers if isinstance(i, int) and not 0 <= i < self.shape[0]]
-                if bad:
-                    raise ValueError(f"press spec {spec!r}: {key} {bad} outside the model's {self.shape[0]} layers "
-                                     f"(0-{self.shape[0] - 1})")
+        if self.shape is not None and "filter_layers" in params:  # OmniKV; ResidualKV's full_layers: check_layers
+            value = params["filter_layers"]
+            bad = [i for i in ((value,) if isinstance(value, int) else value) if not 0 <= i < self.shape[0]]
+            if bad:
+                raise ValueError(f"press spec {spec!r}: filter_layers {bad} outside the model's {self.shape[0]} layers")
         if name == "residualkv":
             try:
                 if self.shape is not None:
