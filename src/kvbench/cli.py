@@ -372,17 +372,23 @@ def main(argv: list[str] | None = None) -> int:
     :class:`~kvbench.eval.methods.FatalRunError` such as a method that does not
     fit the model) ends with one line ``kvbench <verb>: error: <message>`` and
     exit status 2 instead of a traceback;
-    an interrupted training run exits 130 after saving its state.
+    an interrupted training run exits 130 after saving its state, and one whose
+    wall-clock slice ended (:class:`~kvbench.utils.steps.SliceEnded`) exits
+    :data:`~kvbench.utils.steps.SLICE_EXIT_CODE` (3) saying how to resume.
     """
     args = build_parser().parse_args(argv)
     from kvbench.eval.methods import FatalRunError
     from kvbench.train.loop import Interrupted
+    from kvbench.utils.steps import SLICE_EXIT_CODE, SliceEnded
 
     try:
         rc = args.func(args)
     except Interrupted as e:
         print(f"kvbench {args.verb}: {e}", file=sys.stderr)
         return 130
+    except SliceEnded as e:
+        print(f"kvbench {args.verb}: {e}", file=sys.stderr)
+        return SLICE_EXIT_CODE
     except (ValueError, KeyError, FileNotFoundError, FatalRunError) as e:
         msg = e.args[0] if isinstance(e, KeyError) and e.args else e
         print(f"kvbench {args.verb}: error: {msg}", file=sys.stderr)
