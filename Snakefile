@@ -43,6 +43,7 @@ wildcard_constraints:
     model=alternation(MODELS),
     task=alternation(DATASETS),
     method=r"[A-Za-z0-9][A-Za-z0-9._-]*",
+    recipe=r"[0-9a-f]{8}",
 
 
 include: "workflow/rules/tokenizer.smk"

@@ -12,6 +12,7 @@ from kvbench.models.tiny import build_config, build_processor
 from kvbench.train.batches import PROBE_CLASSES
 from kvbench.train.loop import lr_at, run_phases, sequence_loss
 from kvbench.train.recipes import Phase, apply_overrides, lm_recipe, vlm_recipe
+from kvbench.utils.steps import SliceEnded
 
 PHASES = [Phase("copy", "copy", steps=6, lr=3e-3, warmup=2, batch=4, seq_len=32, head_supervision=1.0)]
 
@@ -28,21 +29,21 @@ def _weights(model):
 
 def test_same_seed_same_weights(tokenizer, tmp_path):
     a, b = _lm(tokenizer), _lm(tokenizer)
-    run_phases(a, tokenizer, PHASES, tmp_path / "a", seed=1, budget_s=1e9)
-    run_phases(b, tokenizer, PHASES, tmp_path / "b", seed=1, budget_s=1e9)
+    run_phases(a, tokenizer, PHASES, tmp_path / "a", seed=1)
+    run_phases(b, tokenizer, PHASES, tmp_path / "b", seed=1)
     assert torch.equal(_weights(a), _weights(b))
 
 
 def test_interrupted_run_resumes_exactly(tokenizer, tmp_path):
     ref = _lm(tokenizer)
-    run_phases(ref, tokenizer, PHASES, tmp_path / "ref", seed=3, budget_s=1e9)
+    run_phases(ref, tokenizer, PHASES, tmp_path / "ref", seed=3)
 
     first = _lm(tokenizer)
-    out = run_phases(first, tokenizer, PHASES, tmp_path / "cut", seed=3, budget_s=1e9, max_steps=4)
-    assert out["stopped_early"] and out["steps"] == 4
+    with pytest.raises(SliceEnded, match="after 4 of 6 steps.*rerun the same command"):
+        run_phases(first, tokenizer, PHASES, tmp_path / "cut", seed=3, max_steps=4)
     resumed = _lm(tokenizer, seed=99)  # fresh process: weights come from the saved state only
-    out = run_phases(resumed, tokenizer, PHASES, tmp_path / "cut", seed=3, budget_s=1e9)
-    assert out["steps"] == 6 and not out["stopped_early"]
+    out = run_phases(resumed, tokenizer, PHASES, tmp_path / "cut", seed=3)
+    assert out["steps"] == 6
     assert torch.equal(_weights(ref), _weights(resumed))
     import pandas as pd
 
@@ -50,25 +51,51 @@ def test_interrupted_run_resumes_exactly(tokenizer, tmp_path):
     assert curves["step"].is_monotonic_increasing and curves["step"].max() == 5
 
 
+def test_wall_clock_slice_saves_and_fails(tokenizer, tmp_path):
+    """A tiny slice ends the invocation after its first step, with state saved and the resume message."""
+    with pytest.raises(SliceEnded, match=r"slice ended after 1 of 6 steps") as e:
+        run_phases(_lm(tokenizer), tokenizer, PHASES, tmp_path, seed=0, slice_s=1e-9)
+    assert e.value.done == 1 and (tmp_path / "state" / "meta.json").is_file()
+
+
+def test_no_op_resume_keeps_the_last_loss(tokenizer, tmp_path):
+    """Regression: a rerun on finished state reported last_loss NaN in summary.json."""
+    first = run_phases(_lm(tokenizer), tokenizer, PHASES, tmp_path, seed=0)
+    again = run_phases(_lm(tokenizer), tokenizer, PHASES, tmp_path, seed=0)
+    assert math.isfinite(again["last_loss"]) and again["last_loss"] == first["last_loss"]
+    assert again["last_acc"] == first["last_acc"]
+
+
+def test_curves_hold_no_wall_clock(tokenizer, tmp_path):
+    run_phases(_lm(tokenizer), tokenizer, PHASES, tmp_path, seed=0)
+    import pandas as pd
+
+    assert list(pd.read_csv(tmp_path / "curves.csv").columns) == ["step", "phase", "seq_len", "lr", "loss", "acc"]
+    assert list(pd.read_csv(tmp_path / "curves.timing.csv").columns) == ["step", "wall_s"]
+
+
 def test_state_on_disk_is_not_pickle(tokenizer, tmp_path):
-    run_phases(_lm(tokenizer), tokenizer, PHASES, tmp_path, seed=0, budget_s=1e9, max_steps=2)
+    with pytest.raises(SliceEnded):
+        run_phases(_lm(tokenizer), tokenizer, PHASES, tmp_path, seed=0, max_steps=2)
     names = sorted(p.name for p in (tmp_path / "state").iterdir())
     assert names == ["meta.json", "model.safetensors", "optimizer.json", "optimizer.safetensors"]
 
 
 def test_state_of_another_recipe_is_refused(tokenizer, tmp_path):
-    run_phases(_lm(tokenizer), tokenizer, PHASES, tmp_path, seed=0, budget_s=1e9, max_steps=2)
+    with pytest.raises(SliceEnded):
+        run_phases(_lm(tokenizer), tokenizer, PHASES, tmp_path, seed=0, max_steps=2)
     other = [Phase("copy", "copy", steps=6, lr=1e-3, warmup=2, batch=4, seq_len=32, head_supervision=1.0)]
     with pytest.raises(ValueError, match=r"was trained with another recipe \(phases differing: \['copy'\]\)"):
-        run_phases(_lm(tokenizer), tokenizer, other, tmp_path, seed=0, budget_s=1e9)
+        run_phases(_lm(tokenizer), tokenizer, other, tmp_path, seed=0)
 
 
 def test_state_of_another_model_is_refused(tokenizer, tmp_path):
-    run_phases(_lm(tokenizer), tokenizer, PHASES, tmp_path, seed=0, budget_s=1e9, max_steps=2)
+    with pytest.raises(SliceEnded):
+        run_phases(_lm(tokenizer), tokenizer, PHASES, tmp_path, seed=0, max_steps=2)
     cfg = build_config("tiny-qwen2.5-vl", tokenizer)
     vlm = transformers.Qwen2_5_VLForConditionalGeneration(cfg)
     with pytest.raises(ValueError, match="does not match the model"):
-        run_phases(vlm, build_processor(tokenizer), PHASES, tmp_path, seed=0, budget_s=1e9)
+        run_phases(vlm, build_processor(tokenizer), PHASES, tmp_path, seed=0)
 
 
 def test_vision_probe_phase_learns_digits(tokenizer, tmp_path):
@@ -77,7 +104,7 @@ def test_vision_probe_phase_learns_digits(tokenizer, tmp_path):
     vlm = transformers.Qwen2_5_VLForConditionalGeneration(cfg)
     probe = torch.nn.Linear(cfg.vision_config.out_hidden_size, sum(PROBE_CLASSES.values()))
     phases = [Phase("vision_probe", "vision_probe", steps=80, lr=3e-3, warmup=5, batch=8)]
-    out = run_phases(vlm, build_processor(tokenizer), phases, tmp_path, seed=0, budget_s=1e9,
+    out = run_phases(vlm, build_processor(tokenizer), phases, tmp_path, seed=0,
                      extra_modules={"probe": probe})
     # chance: ln 10 + ln 16 + ln 7 = 7.0 summed over the digit, letter and page heads; digit accuracy 0.1
     assert out["last_loss"] < 4.0 and out["last_acc"] > 0.2, (out["last_loss"], out["last_acc"])
@@ -138,7 +165,7 @@ def test_freeze_vision_phase_leaves_the_tower_untouched(tokenizer, tmp_path):
     text = {k: v.clone() for k, v in vlm.model.language_model.state_dict().items()}
     mix = (("digitgrid", 1.0, {"n_queries": 2}),)
     phases = [Phase("grid", "tasks", steps=2, lr=1e-3, warmup=1, batch=2, mixture=mix, freeze_vision=True)]
-    run_phases(vlm, build_processor(tokenizer), phases, tmp_path, seed=0, budget_s=1e9)
+    run_phases(vlm, build_processor(tokenizer), phases, tmp_path, seed=0)
     assert all(torch.equal(v, visual[k]) for k, v in vlm.model.visual.state_dict().items())
     assert any(not torch.equal(v, text[k]) for k, v in vlm.model.language_model.state_dict().items())
 

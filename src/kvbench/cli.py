@@ -63,9 +63,11 @@ def _train(a: argparse.Namespace) -> None:
     from kvbench.train.zoo import train_zoo_model
 
     overrides = _json_object(a.overrides, "--overrides")
+    floors = _json_object(a.floors, "--floors")
     summary = train_zoo_model(
         a.model, tokenizer_dir=a.tokenizer, out_dir=a.out, workdir=a.workdir,
-        budget_s=a.budget_s, seed=a.seed, threads=a.threads, overrides=overrides,
+        slice_s=a.slice_s, seed=a.seed, threads=a.threads, overrides=overrides,
+        floors=floors, val_n=a.val_n, feeds=a.feeds,
     )
     print(json.dumps(summary, indent=2, default=str))
 
@@ -142,7 +144,7 @@ def _report(a: argparse.Namespace) -> None:
             raise ValueError(f"{a.what} needs --data-out (CSV of the plotted numbers)")
         residualkv.report(what, _json_object(a.residualkv, "--residualkv"), a.out, out_csv=a.data_out, raw=a.raw)
     elif a.what == "zoo":
-        zoo.write_zoo_table(a.runs, a.train, a.out)
+        zoo.write_zoo_table(a.runs, a.train, a.out, timing_csv=a.timing_out)
     elif a.what == "zoo-figure":
         zoo.plot_training_curves(a.train, a.out)
     else:
@@ -242,10 +244,15 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--tokenizer", required=True)
     s.add_argument("--out", required=True, help="final checkpoint directory (HF save_pretrained layout)")
     s.add_argument("--workdir", required=True, help="resumable training state, loss curves")
-    s.add_argument("--budget-s", type=float, required=True, help="wall-clock training budget in seconds")
+    s.add_argument("--slice-s", type=float, default=None,
+                   help="end this invocation after this many wall-clock seconds (state saved, exit 3); "
+                        "rerunning resumes. Training always runs every step of the recipe")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--threads", type=_positive_int, default=2)
     s.add_argument("--overrides", default="", help="JSON object of training-recipe overrides")
+    s.add_argument("--floors", default="", help="JSON object: smoke task -> minimum validation score in [0, 1]")
+    s.add_argument("--val-n", type=_positive_int, default=100, help="validation records per floored task")
+    s.add_argument("--feeds", default="", help="the targets this model feeds (named when a floor fails)")
     s.set_defaults(func=_train)
 
     s = sub.add_parser("codec-train", help="train a ResidualKV codec on a frozen LM (resumable; ResidualKV §IV-D)")
@@ -313,6 +320,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--residualkv", default="", help="residualkv-*: JSON {profile, residualkv: config section}")
     s.add_argument("--raw", default=None, help="residualkv-fig8 / -fig6: the profiling CSV to plot; "
                    "residualkv-fig11: the `bench rkv-variants` CSV (throughput panel)")
+    s.add_argument("--timing-out", default=None, help="zoo: CSV of the training wall-clock times (kept out of the table)")
     s.add_argument("--allow-missing", action="store_true",
                    help="conduit-*: a missing run gives empty cells with a note naming it (default: error)")
     s.add_argument("--out", required=True)

@@ -17,7 +17,6 @@ MODELS = config["models"]
 DATASETS = config["datasets"]
 ZOO_MODELS = [m for m, spec in MODELS.items() if "zoo" in spec]
 SMOKE_DATASETS = [d for d, spec in DATASETS.items() if "smoke" in spec]
-TOKENIZER_DIR = "zoo/tokenizer"
 
 
 def _check_matrix():
@@ -52,6 +51,10 @@ def _check_names():
         if name not in TASKS:
             raise ValueError(f"config datasets.{name}: no smoke generator named {name!r}; expected one of {sorted(TASKS)}")
     for name in ZOO_MODELS:
+        for task in MODELS[name]["zoo"]["floors"]:
+            if task not in TASKS:
+                raise ValueError(f"config models.{name}.zoo.floors: {task!r} is not a smoke task; "
+                                 f"expected one of {sorted(TASKS)}")
         overrides = {**config["training"]["overrides"], **MODELS[name]["zoo"]["overrides"]}
         try:
             apply_overrides(RECIPES[MODELS[name]["kind"]](), overrides)
@@ -78,26 +81,70 @@ def is_zoo(model):
     return "zoo" in MODELS[model]
 
 
+# --- Trained and generated artefacts, keyed by profile and recipe hash -------------------------
+# zoo/<profile>/<model>-<hash>/, data/<profile>/<task>-<hash>/: the hash covers everything that
+# determines the bytes (kvbench.utils.recipe), so a config change writes a new directory instead
+# of deleting a finished one, two configs coexist, and switching back costs nothing.
+
+def _recipes():
+    from kvbench.train.recipes import zoo_recipe
+    from kvbench.utils.recipe import recipe_hash
+
+    tok = recipe_hash({"vocab_size": config["zoo"]["tokenizer"]["vocab_size"]})
+    models = {}
+    for name in ZOO_MODELS:
+        zoo = MODELS[name]["zoo"]
+        overrides = {**config["training"]["overrides"], **zoo["overrides"]}
+        models[name] = recipe_hash(zoo_recipe(name, MODELS[name]["kind"], overrides, seed=SEED,
+                                              threads=zoo["threads"], tokenizer=tok))
+    data = {task: recipe_hash({"task": task, "seed": SEED, "tokenizer": tok, **DATASETS[task]["smoke"]})
+            for task in SMOKE_DATASETS}
+    return tok, models, data
+
+
+TOKENIZER_HASH, ZOO_HASHES, DATA_HASHES = _recipes()
+TOKENIZER_DIR = f"zoo/{PROFILE}/tokenizer-{TOKENIZER_HASH}"
+
+
+def check_recipe(kind, name, recipe):
+    """Params function guard: a path's recipe hash must be the config's (an older one has no rule)."""
+    expected = {"model": ZOO_HASHES, "data": DATA_HASHES}[kind].get(name) if kind != "tokenizer" else TOKENIZER_HASH
+    if recipe != expected:
+        raise ValueError(f"{kind} {name!r} with recipe hash {recipe!r}: this config builds recipe {expected!r}; "
+                         "the older directory is kept but is not rebuilt")
+    return recipe
+
+
 def model_dir(model):
-    """Checkpoint directory of a model: zoo/<model> for zoo models, else the local checkpoint."""
-    return f"zoo/{model}" if is_zoo(model) else local_path(MODELS[model]["checkpoint"])
+    """Checkpoint directory of a model: zoo/<profile>/<model>-<hash> for zoo models, else the local checkpoint."""
+    return f"zoo/{PROFILE}/{model}-{ZOO_HASHES[model]}" if is_zoo(model) else local_path(MODELS[model]["checkpoint"])
 
 
 def split_file(task):
     """Evaluated JSONL split of a dataset."""
     if "smoke" in DATASETS[task]:
-        return f"data/smoke/{task}/test.jsonl"
+        return f"data/{PROFILE}/{task}-{DATA_HASHES[task]}/test.jsonl"
     return local_path(DATASETS[task]["jsonl"])
 
 
 def train_dir(model):
-    """Resumable training work directory of a zoo model (curves, summary, state/)."""
-    return f"zoo/.train/{model}"
+    """Resumable training work directory of a zoo model (curves, summary, timing, state/)."""
+    return f"zoo/{PROFILE}/.train/{model}-{ZOO_HASHES[model]}"
 
 
 def train_overrides(model):
     """JSON of `training.overrides` with the model's own `zoo.overrides` merged over it."""
     return json.dumps({**config["training"]["overrides"], **MODELS[model]["zoo"]["overrides"]}, sort_keys=True)
+
+
+def model_feeds(model):
+    """The targets that read ``model``, named when its skill floor fails (kvbench.train.floors)."""
+    feeds = [f"results/{PROFILE}/zoo.csv"]
+    if model in config.get("conduit", {}).get("models", []):
+        feeds.append("the CONDUIT tables (results/conduit/)")
+    if config.get("residualkv", {}).get("model") == model:
+        feeds.append("the ResidualKV tables and figures (results/residualkv/)")
+    return ", ".join(feeds)
 
 
 def run_dir(model, task, method):
@@ -124,7 +171,7 @@ def matrix_metrics(methods=None, models=None):
 
 
 def zoo_report_targets():
-    return ["results/smoke/zoo.csv", "figures/smoke/zoo_training.pdf"]
+    return [f"results/{PROFILE}/zoo.csv", f"figures/{PROFILE}/zoo_training.pdf"]
 
 
 def default_targets():

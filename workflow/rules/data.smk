@@ -1,26 +1,27 @@
-# Materialise one smoke benchmark split (kvbench.data.smoke) into data/smoke/<task>/.
+# Materialise one smoke benchmark split (kvbench.data.smoke) into data/<profile>/<task>-<hash>/.
 # Datasets given as `jsonl:` files in the config have no rule: eval reads them directly.
 
 
 rule data:
     input:
-        tokenizer="zoo/tokenizer/tokenizer.json",
+        tokenizer=f"{TOKENIZER_DIR}/tokenizer.json",
     output:
-        test="data/smoke/{task}/test.jsonl",
-        train="data/smoke/{task}/train.jsonl",
-        meta="data/smoke/{task}/meta.json",
+        test="data/{profile}/{task}-{recipe}/test.jsonl",
+        train="data/{profile}/{task}-{recipe}/train.jsonl",
+        meta="data/{profile}/{task}-{recipe}/meta.json",
     wildcard_constraints:
         task=alternation(SMOKE_DATASETS),
     params:
+        recipe=lambda wc: check_recipe("data", wc.task, wc.recipe),
         out=lambda wc, output: os.path.dirname(output.test),
         tokenizer=lambda wc, input: os.path.dirname(input.tokenizer),
         seed=SEED,
         n_train=lambda wc: DATASETS[wc.task]["smoke"]["n_train"],
         n_test=lambda wc: DATASETS[wc.task]["smoke"]["n_test"],
     log:
-        "logs/data/{task}.log",
+        "logs/data/{profile}/{task}-{recipe}.log",
     benchmark:
-        "benchmarks/data/{task}.tsv"
+        "benchmarks/data/{profile}/{task}-{recipe}.tsv"
     threads: 1
     resources:
         mem_mb=4000,

@@ -1,6 +1,6 @@
 # Evaluate one model on one split with one method (kvbench.eval.runner).
-# The model is zoo/<model>/ (trained by models.smk) or a local checkpoint;
-# the split is data/smoke/<task>/test.jsonl (data.smk) or a local JSONL file.
+# The model is zoo/<profile>/<model>-<hash>/ (trained by models.smk) or a local checkpoint;
+# the split is data/<profile>/<task>-<hash>/test.jsonl (data.smk) or a local JSONL file.
 
 
 

@@ -1,42 +1,49 @@
-# Train one tiny zoo model (kvbench.train.zoo) into zoo/<model>/.
+# Train one tiny zoo model (kvbench.train.zoo) into zoo/<profile>/<model>-<hash>/.
 #
-# Training is resumable: its state (zoo/.train/<model>/state/ and the loss
-# curve zoo/.train/<model>/curves.csv, which a resumed run extends) is
-# deliberately NOT a declared output, so Snakemake never deletes it: not
-# before a rerun, not after a failure. Rerunning after an interruption resumes
-# from it. The declared outputs are written once, at the end, summary.json
-# last (after the final curves.csv), so consumers of the curves depend on it.
+# The hash is the model's recipe (common.smk, kvbench.utils.recipe): a config change trains into a new
+# directory and never deletes a finished one. Training always runs every step of the recipe; the
+# optional `zoo.slice_s` only ends one invocation (state saved, the job fails with exit 3 saying how
+# many steps are done; rerunning resumes to the same weights). The trained model must then reach its
+# skill floors (`zoo.floors`) on a validation slice, or the job fails naming the task, floor and the
+# targets it feeds. Training state (zoo/<profile>/.train/<model>-<hash>/state/, curves.csv) is
+# deliberately NOT a declared output, so Snakemake never deletes it. The declared outputs are written
+# once, at the end, summary.json last. Progress lines reach the console and the log.
 # Why not protected()/update()/--keep-incomplete: docs/decisions.md, "Workflow".
 # Models given as `checkpoint:` in the config have no rule: eval reads them.
 
 
 rule train:
     input:
-        tokenizer="zoo/tokenizer/tokenizer.json",
+        tokenizer=f"{TOKENIZER_DIR}/tokenizer.json",
     output:
-        config="zoo/{model}/config.json",
-        summary="zoo/.train/{model}/summary.json",
+        config="zoo/{profile}/{model}-{recipe}/config.json",
+        summary="zoo/{profile}/.train/{model}-{recipe}/summary.json",
     wildcard_constraints:
         model=alternation(ZOO_MODELS),
     params:
+        recipe=lambda wc: check_recipe("model", wc.model, wc.recipe),
         out=lambda wc, output: os.path.dirname(output.config),
         workdir=lambda wc, output: os.path.dirname(output.summary),
         tokenizer=lambda wc, input: os.path.dirname(input.tokenizer),
-        budget_s=lambda wc: MODELS[wc.model]["zoo"]["budget_s"],
+        slice=lambda wc: [] if MODELS[wc.model]["zoo"]["slice_s"] is None else ["--slice-s", MODELS[wc.model]["zoo"]["slice_s"]],
         seed=SEED,
         overrides=lambda wc: train_overrides(wc.model),
+        floors=lambda wc: json.dumps(MODELS[wc.model]["zoo"]["floors"], sort_keys=True),
+        val_n=lambda wc: MODELS[wc.model]["zoo"]["val_n"],
+        feeds=lambda wc: model_feeds(wc.model),
     log:
-        "logs/train/{model}.log",
+        "logs/train/{profile}/{model}-{recipe}.log",
     benchmark:
-        "benchmarks/train/{model}.tsv"
+        "benchmarks/train/{profile}/{model}-{recipe}.tsv"
     threads: lambda wc: MODELS[wc.model]["zoo"]["threads"]
     resources:
         mem_mb=8000,
-        runtime=lambda wc: int(MODELS[wc.model]["zoo"]["budget_s"] // 60) + 30,
+        runtime=lambda wc: MODELS[wc.model]["zoo"]["runtime_min"],
         gpu=0,
     conda:
         "../../envs/kvbench.yaml"
     shell:
-        "kvbench train --model {wildcards.model} --tokenizer {params.tokenizer} --out {params.out}"
-        " --workdir {params.workdir} --budget-s {params.budget_s} --seed {params.seed}"
-        " --threads {threads} --overrides {params.overrides:q} > {log} 2>&1"
+        "kvbench train --model {wildcards.model:q} --tokenizer {params.tokenizer:q} --out {params.out:q}"
+        " --workdir {params.workdir:q} {params.slice:q} --seed {params.seed} --threads {threads}"
+        " --overrides {params.overrides:q} --floors {params.floors:q} --val-n {params.val_n}"
+        " --feeds {params.feeds:q} 2>&1 | tee {log:q}"

@@ -5,20 +5,21 @@
 rule report_zoo:
     input:
         metrics=matrix_metrics(methods=["full"]),
-        summaries=expand("zoo/.train/{model}/summary.json", model=ZOO_MODELS),
+        summaries=[f"{train_dir(m)}/summary.json" for m in ZOO_MODELS],
     output:
-        report(
-            "results/smoke/zoo.csv",
+        table=report(
+            "results/{profile}/zoo.csv",
             caption="../report/zoo_table.rst",
             category="Smoke suite",
         ),
+        timing="results/{profile}/zoo.timing.csv",
     params:
         runs=[run_dir(m, t, k) for m, t, k in matrix_cells(methods=["full"])],
         train=[train_dir(m) for m in ZOO_MODELS],
     log:
-        "logs/report/zoo.log",
+        "logs/report/{profile}/zoo.log",
     benchmark:
-        "benchmarks/report/zoo.tsv"
+        "benchmarks/report/{profile}/zoo.tsv"
     threads: 1
     resources:
         mem_mb=2000,
@@ -27,25 +28,26 @@ rule report_zoo:
     conda:
         "../../envs/kvbench.yaml"
     shell:
-        "kvbench report zoo --runs {params.runs:q} --train {params.train:q} --out {output} > {log} 2>&1"
+        "kvbench report zoo --runs {params.runs:q} --train {params.train:q} --out {output.table:q}"
+        " --timing-out {output.timing:q} > {log:q} 2>&1"
 
 
 rule report_zoo_figure:
     input:
         # summary.json is written after the final curves.csv (models.smk).
-        summaries=expand("zoo/.train/{model}/summary.json", model=ZOO_MODELS),
+        summaries=[f"{train_dir(m)}/summary.json" for m in ZOO_MODELS],
     output:
         report(
-            "figures/smoke/zoo_training.pdf",
+            "figures/{profile}/zoo_training.pdf",
             caption="../report/zoo_training.rst",
             category="Smoke suite",
         ),
     params:
         train=[train_dir(m) for m in ZOO_MODELS],
     log:
-        "logs/report/zoo_figure.log",
+        "logs/report/{profile}/zoo_figure.log",
     benchmark:
-        "benchmarks/report/zoo_figure.tsv"
+        "benchmarks/report/{profile}/zoo_figure.tsv"
     threads: 1
     resources:
         mem_mb=2000,
@@ -54,4 +56,4 @@ rule report_zoo_figure:
     conda:
         "../../envs/kvbench.yaml"
     shell:
-        "kvbench report zoo-figure --train {params.train:q} --out {output} > {log} 2>&1"
+        "kvbench report zoo-figure --train {params.train:q} --out {output:q} > {log:q} 2>&1"

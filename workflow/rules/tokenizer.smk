@@ -1,17 +1,18 @@
-# The zoo's offline byte-level BPE tokenizer (kvbench.models.tokenizer).
+# The zoo's offline byte-level BPE tokenizer (kvbench.models.tokenizer), in zoo/<profile>/tokenizer-<hash>/.
 # Output: tokenizer.json stands for the save_pretrained directory (docs/decisions.md, "Workflow").
 
 
 rule tokenizer:
     output:
-        "zoo/tokenizer/tokenizer.json",
+        "zoo/{profile}/tokenizer-{recipe}/tokenizer.json",
     params:
+        recipe=lambda wc: check_recipe("tokenizer", "tokenizer", wc.recipe),
         out=lambda wc, output: os.path.dirname(output[0]),
         vocab_size=config["zoo"]["tokenizer"]["vocab_size"],
     log:
-        "logs/tokenizer/tokenizer.log",
+        "logs/tokenizer/{profile}/tokenizer-{recipe}.log",
     benchmark:
-        "benchmarks/tokenizer/tokenizer.tsv"
+        "benchmarks/tokenizer/{profile}/tokenizer-{recipe}.tsv"
     threads: 1
     resources:
         mem_mb=4000,

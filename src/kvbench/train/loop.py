@@ -5,7 +5,8 @@ the batch (``shared/notes/training.md``: otherwise long copy spans swamp the
 few retrieval answers). AdamW, gradient clipping at 1.0, per-phase warm-up +
 cosine schedule computed from the step (no scheduler state to save).
 State is saved every ``save_every_s`` seconds, at phase ends, on SIGTERM/SIGINT
-and when the wall-clock budget runs out; a rerun resumes from it.
+and when an invocation's wall-clock slice ends; a rerun resumes from it and
+reaches the same weights (``tests/test_train.py``).
 """
 from __future__ import annotations
 
@@ -21,7 +22,6 @@ from typing import Any
 import pandas as pd
 import torch
 import torch.nn.functional as F
-from tqdm import tqdm
 
 from kvbench.models.prompting import IGNORE_INDEX
 from kvbench.train.batches import BATCHES, PROBE_CLASSES, step_rng
@@ -30,6 +30,7 @@ from kvbench.train.readthrough import hide_prompt
 from kvbench.train.recipes import Phase
 from kvbench.train.state import load_state, save_state
 from kvbench.utils.io import atomic_path
+from kvbench.utils.steps import SliceEnded, StepProgress
 
 
 def lr_at(phase: Phase, step: int) -> float:
@@ -173,20 +174,31 @@ def probe_loss(logits: torch.Tensor, batch: dict) -> tuple[torch.Tensor, float]:
 
 def run_phases(
     model: Any, proc: Any, phases: list[Phase], workdir: str | Path, *, seed: int,
-    budget_s: float, extra_modules: dict[str, torch.nn.Module] | None = None,
+    slice_s: float | None = None, extra_modules: dict[str, torch.nn.Module] | None = None,
     save_every_s: float = 60.0, log_every: int = 5, max_steps: int | None = None,
+    progress: str | None = None,
 ) -> dict:
-    """Train ``model`` through ``phases``, resuming from ``workdir/state`` if present.
+    """Train ``model`` through every step of ``phases``, resuming from ``workdir/state`` if present.
 
-    Writes ``workdir/curves.csv`` (step, phase, seq_len, lr, loss, acc, wall_s).
-    ``max_steps`` stops (state saved, ``stopped_early`` set) after that many
-    global steps, as an interruption would; a later call resumes.
+    Work is counted in optimiser steps: the returned model has done all
+    ``sum(p.steps)`` steps, whatever the wall-clock. ``slice_s`` (seconds of
+    this invocation) and ``max_steps`` (steps of this invocation, for tests)
+    only end the *invocation*: state is saved and :class:`SliceEnded` raised,
+    and a rerun resumes to the same weights as an unsliced run (batches come
+    from :func:`step_rng`, the schedule from the step, AdamW state is saved).
+
+    Writes ``workdir/curves.csv`` (step, phase, seq_len, lr, loss, acc: no
+    wall-clock, so two runs give identical bytes) and ``workdir/curves.timing.csv``
+    (step, wall_s). ``progress``: label of the console progress lines
+    (:class:`~kvbench.utils.steps.StepProgress`, every 5%); ``None`` prints none.
 
     Returns:
-        dict with ``steps`` (global steps done), ``train_time_s`` (summed over
-        resumes), ``stopped_by_budget`` (bool), ``last_loss``, ``last_acc``.
+        dict with ``steps`` (= ``total_steps``), ``total_steps``, ``train_time_s``
+        (summed over resumes; wall-clock, for timing files only), ``last_loss``
+        and ``last_acc`` (of the last step ever done, also after a no-op resume).
 
     Raises:
+        SliceEnded: the slice or ``max_steps`` ended this invocation first (state saved).
         Interrupted: SIGTERM/SIGINT arrived (state saved first).
         ValueError: ``workdir`` holds the state of another recipe (changed phases or overrides).
     """
@@ -202,26 +214,30 @@ def run_phases(
                          | {p["name"] for p in meta["recipe"] if p not in recipe})
         raise ValueError(f"{workdir / 'state'} was trained with another recipe (phases differing: {changed}); "
                          "resuming would mix the two. Use a new --workdir, or delete that one to start over")
-    curves_path = workdir / "curves.csv"
-    rows = []
+    curves_path, timing_path = workdir / "curves.csv", workdir / "curves.timing.csv"
+    rows, times = [], []
     if meta["global_step"] and curves_path.exists():
         rows = pd.read_csv(curves_path).query(f"step < {meta['global_step']}").to_dict("records")
+        if timing_path.exists():
+            times = pd.read_csv(timing_path).query(f"step < {meta['global_step']}").to_dict("records")
     done, elapsed0 = meta["global_step"], meta["train_time_s"]
     total = sum(p.steps for p in phases)
     t0 = time.monotonic()
     last_save = t0
-    stopped_by_budget = stopped_early = False
-    loss_v = acc = float("nan")
+    last = meta.get("last", {"loss": float("nan"), "acc": float("nan")})
+    bar = StepProgress(progress or "train", total, done) if progress else None
 
     def save() -> None:
-        m = {"global_step": g, "train_time_s": elapsed0 + time.monotonic() - t0, "recipe": recipe}
+        m = {"global_step": g, "train_time_s": elapsed0 + time.monotonic() - t0, "recipe": recipe, "last": last}
         save_state(workdir / "state", modules, opt, m)
         with atomic_path(curves_path) as tmp:
             pd.DataFrame(rows).to_csv(tmp, index=False)
+        with atomic_path(timing_path) as tmp:
+            pd.DataFrame(times).to_csv(tmp, index=False)
 
     model.train()
     g = 0
-    with _Stop() as stop, tqdm(total=total, initial=done, desc=workdir.name, unit="step") as bar:
+    with _Stop() as stop:
         for phase in phases:
             if phase.freeze_vision:  # also on resume, before any skipped step
                 for p in model.model.visual.parameters():
@@ -247,27 +263,28 @@ def run_phases(
                 torch.nn.utils.clip_grad_norm_([p for p in params if p.requires_grad], 1.0)
                 opt.step()
                 g += 1
-                loss_v = loss.item()
-                bar.update(1)
-                bar.set_postfix(phase=phase.name, loss=f"{loss_v:.3f}", acc=f"{acc:.2f}")
+                last = {"loss": loss.item(), "acc": acc}
                 wall = elapsed0 + time.monotonic() - t0
+                if bar:
+                    bar.update(g, phase=phase.name, loss=last["loss"], acc=acc)
                 if s % log_every == 0 or s == phase.steps - 1:
                     rows.append({"step": g - 1, "phase": phase.name, "seq_len": phase.seq_len,
-                                 "lr": opt.param_groups[0]["lr"], "loss": loss_v, "acc": acc, "wall_s": round(wall, 2)})
+                                 "lr": opt.param_groups[0]["lr"], "loss": last["loss"], "acc": acc})
+                    times.append({"step": g - 1, "wall_s": round(wall, 2)})
                 if stop.requested:
                     save()
                     raise Interrupted(f"training interrupted at step {g}; state saved in {workdir / 'state'}")
-                if (wall >= budget_s or (max_steps is not None and g >= max_steps)) and g < total:
-                    stopped_by_budget = wall >= budget_s
-                    stopped_early = True
-                    break
+                this_call = time.monotonic() - t0
+                if g < total and ((slice_s is not None and this_call >= slice_s)
+                                  or (max_steps is not None and g - done >= max_steps)):
+                    save()
+                    raise SliceEnded(f"training {workdir.name}", g, total, str(workdir / "state"),
+                                     slice_s if slice_s is not None and this_call >= slice_s else this_call)
                 if time.monotonic() - last_save >= save_every_s or s == phase.steps - 1:
                     save()
                     last_save = time.monotonic()
-            if stopped_early:
-                break
-    save()
+    if g > done or not (workdir / "state" / "meta.json").is_file():
+        save()
     model.eval()
     return {"steps": g, "total_steps": total, "train_time_s": round(elapsed0 + time.monotonic() - t0, 1),
-            "stopped_by_budget": stopped_by_budget,
-            "stopped_early": stopped_early, "last_loss": loss_v, "last_acc": acc}
+            "last_loss": last["loss"], "last_acc": last["acc"]}

@@ -1,7 +1,7 @@
 """Training recipes of the zoo: phases of steps, each a data mixture at one length.
 
 Recipes are counted in optimiser steps, not seconds, so a run is a function of
-its seed alone (``--budget-s`` only caps wall time and is recorded when hit).
+its seed alone (``--slice-s`` only ends one invocation; a rerun resumes).
 The LM recipe follows the measured trial in ``shared/notes/training.md``:
 induction heads form on a random-offset copy task at 32 tokens (lr 3e-3),
 helped by supervising where a previous-token and an induction head attend
@@ -16,7 +16,8 @@ the pages are read.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+import json
+from dataclasses import asdict, dataclass, field, replace
 
 
 @dataclass(frozen=True)
@@ -136,6 +137,24 @@ def vlm_recipe() -> list[Phase]:
 
 
 RECIPES = {"lm": lm_recipe, "vlm": vlm_recipe}
+
+
+def zoo_recipe(name: str, kind: str, overrides: dict, *, seed: int, threads: int, tokenizer: str) -> dict:
+    """Everything that determines a zoo model's trained weights, as plain JSON.
+
+    The resolved phases (after ``overrides``), the seed, the torch thread count
+    (intra-op reductions round differently with more threads) and the
+    tokenizer's own recipe hash. Its :func:`kvbench.utils.recipe.recipe_hash`
+    names the model's directory (``zoo/<profile>/<name>-<hash>/``); slices,
+    floors and scheduler settings are not part of it.
+
+    Raises:
+        KeyError: unknown ``kind``.
+        ValueError: bad overrides (:func:`apply_overrides`).
+    """
+    phases = apply_overrides(RECIPES[kind](), overrides)
+    return {"model": name, "kind": kind, "seed": seed, "threads": threads, "tokenizer": tokenizer,
+            "phases": json.loads(json.dumps([asdict(p) for p in phases]))}
 
 
 def apply_overrides(phases: list[Phase], overrides: dict) -> list[Phase]:

@@ -9,7 +9,7 @@ through :func:`kvbench.models.load_model` exactly like a real checkpoint.
 from __future__ import annotations
 
 import platform
-import time
+import sys
 from pathlib import Path
 
 import torch
@@ -20,6 +20,7 @@ from kvbench.models.loader import save_checkpoint
 from kvbench.models.tiny import build_config, build_processor, zoo_spec
 from kvbench.models.tokenizer import load_tokenizer_dir
 from kvbench.train.batches import PROBE_CLASSES
+from kvbench.train.floors import check_floor_values, check_floors, validation_scores
 from kvbench.train.loop import run_phases
 from kvbench.train.recipes import RECIPES, apply_overrides
 from kvbench.utils.io import write_json
@@ -27,28 +28,44 @@ from kvbench.utils.io import write_json
 
 def train_zoo_model(
     name: str, *, tokenizer_dir: str | Path, out_dir: str | Path, workdir: str | Path,
-    budget_s: float, seed: int = 0, threads: int = 2, overrides: dict | None = None,
+    slice_s: float | None = None, seed: int = 0, threads: int = 2, overrides: dict | None = None,
+    floors: dict[str, float] | None = None, val_n: int = 100, feeds: str = "",
+    max_steps: int | None = None,
 ) -> dict:
-    """Train zoo model ``name`` and save it; returns the summary also written to ``workdir/summary.json``.
+    """Train zoo model ``name`` through every step of its recipe, check its floors, save it.
+
+    Nothing final is written until all steps are done and every floor holds:
+    ``out_dir`` (the checkpoint, atomically) and then ``workdir/summary.json``
+    (deterministic: steps, losses, validation scores, versions; no wall-clock).
+    Wall-clock figures go to ``workdir/timing.json``. The validation scores are
+    also written to ``workdir/validation.json`` whether or not they pass.
 
     Args:
         name: a key of :data:`kvbench.models.tiny.ZOO`.
         tokenizer_dir: the zoo tokenizer (``kvbench tokenizer``).
         out_dir: final checkpoint directory (written atomically at the end).
-        workdir: resumable state and ``curves.csv``; rerunning after an
-            interruption continues from the last saved step.
-        budget_s: wall-clock cap in seconds over all resumes (recorded if hit).
-        seed: model initialisation and batch seed.
+        workdir: resumable state, ``curves.csv``, ``curves.timing.csv``;
+            rerunning after an interruption or a slice continues from the last saved step.
+        slice_s: optional wall-clock slice of this invocation, in seconds; when it
+            ends first, state is saved and :class:`~kvbench.utils.steps.SliceEnded` raised.
+        seed: model initialisation, batch and validation seed.
         threads: torch intra-op threads.
         overrides: recipe overrides (:func:`kvbench.train.recipes.apply_overrides`).
+        floors: smoke task -> minimum validation score (:mod:`kvbench.train.floors`).
+        val_n: validation records per floored task.
+        feeds: the targets this model feeds, named when a floor fails.
+        max_steps: steps of this invocation (tests; like a slice).
 
     Raises:
         KeyError: unknown zoo name.
-        ValueError: bad overrides, a budget <= 0, or a ``workdir`` state of another model or recipe.
+        ValueError: bad overrides, a slice <= 0, or a ``workdir`` state of another model or recipe.
+        BelowFloor: a validation score below its floor (nothing written).
+        SliceEnded: the slice ended before the last step (state saved; rerun resumes).
         FileNotFoundError: ``tokenizer_dir`` is not a directory.
     """
-    if not budget_s > 0:
-        raise ValueError(f"budget_s must be a positive number of seconds, got {budget_s!r}")
+    if slice_s is not None and not slice_s > 0:
+        raise ValueError(f"slice_s must be a positive number of seconds (or None), got {slice_s!r}")
+    check_floor_values(floors or {})  # before training, not after it
     spec = zoo_spec(name)
     phases = apply_overrides(RECIPES[spec.kind](), overrides or {})
     torch.set_num_threads(threads)
@@ -64,22 +81,31 @@ def train_zoo_model(
         extra["probe"] = torch.nn.Linear(config.vision_config.out_hidden_size, sum(PROBE_CLASSES.values()))
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    started = time.time()
-    result = run_phases(model, proc, phases, workdir, seed=seed, budget_s=budget_s, extra_modules=extra)
+    result = run_phases(model, proc, phases, workdir, seed=seed, slice_s=slice_s, extra_modules=extra,
+                        max_steps=max_steps, progress=f"train {name}")
+    scores = {}
+    if floors:
+        print(f"[train {name}] checking skill floors {floors} on {val_n} validation records per task",
+              file=sys.stderr, flush=True)
+        scores = validation_scores(model, proc, list(floors), seed=seed, n=val_n)
+        write_json(workdir / "validation.json", {"floors": floors, "n": val_n, "scores": scores})
+        check_floors(scores, floors, n=val_n, model_name=name, feeds=feeds)
     save_checkpoint(model, proc, out_dir)
+    timing = {"train_time_s": result.pop("train_time_s"), "threads": threads}
     summary = {
         "model": name,
         "architecture": spec.architecture,
         "params": sum(p.numel() for p in model.parameters()),
         "seed": seed,
         "threads": threads,
-        "budget_s": budget_s,
         "phases": [p.__dict__ | {"mixture": [list(m[:2]) for m in p.mixture]} for p in phases],
         "overrides": overrides or {},
+        "floors": floors or {},
+        "validation": scores,
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
                      "kvbench": kvbench.__version__, "python": platform.python_version()},
-        "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(started)),
         **result,
     }
+    write_json(workdir / "timing.json", timing)
     write_json(workdir / "summary.json", summary)
     return summary

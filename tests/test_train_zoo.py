@@ -1,0 +1,61 @@
+"""Zoo training end to end on a few steps: sliced = unsliced to the byte, floors gate the output."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvbench.train.floors import BelowFloor, validation_records
+from kvbench.train.zoo import train_zoo_model
+from kvbench.utils.steps import SliceEnded
+
+# One or two steps per phase of the real LM recipe: every phase kind runs, in seconds.
+TINY = {"steps_scale": 0.002}
+
+
+def _train(tokenizer_dir, root, **kw):
+    return train_zoo_model("tiny-qwen2-lm", tokenizer_dir=tokenizer_dir, out_dir=root / "model",
+                           workdir=root / "work", seed=0, threads=1, overrides=TINY, **kw)
+
+
+def test_sliced_run_gives_the_same_bytes(tokenizer_dir, tmp_path):
+    whole = _train(tokenizer_dir, tmp_path / "whole")
+    total = whole["total_steps"]
+    assert whole["steps"] == total > 3
+    cut = tmp_path / "cut"
+    with pytest.raises(SliceEnded, match=f"after 2 of {total} steps"):
+        _train(tokenizer_dir, cut, max_steps=2)
+    assert not (cut / "model").exists() and not (cut / "work" / "summary.json").exists()  # nothing final yet
+    with pytest.raises(SliceEnded, match=f"after 3 of {total} steps"):
+        _train(tokenizer_dir, cut, max_steps=1)
+    _train(tokenizer_dir, cut)
+    for name in ("model/model.safetensors", "model/config.json", "work/summary.json", "work/curves.csv"):
+        assert (tmp_path / "whole" / name).read_bytes() == (cut / name).read_bytes(), name
+    summary = json.loads((cut / "work" / "summary.json").read_text())
+    assert "train_time_s" not in summary and "train_time_s" in json.loads((cut / "work" / "timing.json").read_text())
+
+
+def test_below_floor_fails_and_writes_nothing(tokenizer_dir, tmp_path):
+    with pytest.raises(BelowFloor, match=r"'tiny-qwen2-lm'.*niah_1k scored 0\.\d+ < floor 1\. It would feed zoo\.csv"):
+        _train(tokenizer_dir, tmp_path, floors={"niah_1k": 1.0}, val_n=2, feeds="zoo.csv")
+    assert not (tmp_path / "model").exists() and not (tmp_path / "work" / "summary.json").exists()
+    assert json.loads((tmp_path / "work" / "validation.json").read_text())["scores"]["niah_1k"] < 1.0
+    out = _train(tokenizer_dir, tmp_path, floors={"niah_1k": 0.0}, val_n=2)  # resumes: no step is redone
+    assert out["validation"]["niah_1k"] >= 0.0 and (tmp_path / "model" / "config.json").is_file()
+
+
+def test_floor_outside_unit_interval_is_refused(tokenizer_dir, tmp_path):
+    with pytest.raises(ValueError, match=r"skill floor of 'niah_1k' must be a number in \[0, 1\], got 80"):
+        _train(tokenizer_dir, tmp_path, floors={"niah_1k": 80}, val_n=1)
+
+
+def test_validation_slice_is_not_the_test_split(tokenizer):
+    from kvbench.data.smoke import TASKS, record_rng, sample
+
+    val = validation_records("niah_1k", tokenizer, seed=0, n=3)
+    test = [sample("niah", record_rng("niah_1k", "test", 0, i), "test", tokenizer, **TASKS["niah_1k"].params)
+            for i in range(3)]
+    assert [r["id"] for r in val] == ["niah_1k-val-00000", "niah_1k-val-00001", "niah_1k-val-00002"]
+    assert {r["context"] for r in val}.isdisjoint({r["context"] for r in test})
+    with pytest.raises(ValueError, match="floor task 'nope' is not a smoke task"):
+        validation_records("nope", tokenizer, seed=0, n=1)
