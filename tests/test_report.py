@@ -21,13 +21,13 @@ def _run(root: Path, model: str, task: str, score: float, ci: list[float], n: in
 
 
 def _train(root: Path, model: str, time_s: float, steps: int, params: int, evals: bool = False) -> Path:
-    d = root / "zoo" / ".train" / model
+    d = root / "zoo" / "smoke" / ".train" / f"{model}-0123abcd"
     d.mkdir(parents=True)
-    (d / "summary.json").write_text(json.dumps(
-        {"model": model, "train_time_s": time_s, "steps": steps, "params": params}))
+    (d / "summary.json").write_text(json.dumps({"model": model, "steps": steps, "params": params}))
+    (d / "timing.json").write_text(json.dumps({"train_time_s": time_s, "threads": 2}))
     rows = []
     for step in range(40):
-        row = {"step": step, "wall_s": 3.0 * step, "loss": 8.0 / (1 + step), "phase": "copy" if step < 20 else "retrieval",
+        row = {"step": step, "loss": 8.0 / (1 + step), "phase": "copy" if step < 20 else "retrieval",
                "seq_len": 256 if step < 20 else 512}
         if evals:
             row["eval_niah_1k"] = (step / 40) if step % 10 == 9 else None
@@ -43,8 +43,11 @@ def test_zoo_table_round_trips(tmp_path):
     trains = [_train(tmp_path, "tiny-qwen2-lm", 1234.5, 1500, 1_600_000),
               _train(tmp_path, "tiny-qwen2.5-vl", 99.25, 80, 1_767_872)]
     out = tmp_path / "results" / "smoke" / "zoo.csv"
-    write_zoo_table(runs, trains, out)
+    write_zoo_table(runs, trains, out, timing_csv=tmp_path / "zoo.timing.csv")
     assert out.read_text().splitlines()[0] == ZOO_HEADER.format(profile="smoke")
+    assert "time" not in out.read_text()  # wall-clock lives in the timing file only
+    timing = pd.read_csv(tmp_path / "zoo.timing.csv").set_index("model")
+    assert timing.loc["tiny-qwen2-lm", "train_time_s"] == 1234.5 and timing.loc["tiny-qwen2.5-vl", "train_steps"] == 80
     df = pd.read_csv(out, comment="#")
     assert list(df.columns) == ZOO_COLUMNS
     assert list(zip(df["model"], df["task"])) == [
@@ -53,9 +56,9 @@ def test_zoo_table_round_trips(tmp_path):
     assert r["profile"] == "smoke" and r["metric"] == "exact_match"
     assert r["score"] == 0.123456789 and r["ci95_lo"] == 0.05 and r["ci95_hi"] == 0.2345678901234
     assert (r["n"], r["n_error"], r["chance"]) == (200, 1, 0.1)
-    assert (r["train_time_s"], r["train_steps"], r["params"]) == (1234.5, 1500, 1_600_000)
+    assert (r["train_steps"], r["params"]) == (1500, 1_600_000)
     vl = df.set_index(["model", "task"]).loc[("tiny-qwen2.5-vl", "docpages")]
-    assert vl["score"] == 1 / 3 and vl["train_time_s"] == 99.25 and vl["train_steps"] == 80
+    assert vl["score"] == 1 / 3 and vl["train_steps"] == 80
 
 
 def test_zoo_table_errors(tmp_path):
@@ -66,7 +69,7 @@ def test_zoo_table_errors(tmp_path):
         write_zoo_table([tmp_path / "nowhere"], [], tmp_path / "z.csv")
     # a model without a training dir (a real checkpoint) gets empty training columns
     write_zoo_table([run], [], tmp_path / "z.csv")
-    assert pd.read_csv(tmp_path / "z.csv", comment="#")["train_time_s"].isna().all()
+    assert pd.read_csv(tmp_path / "z.csv", comment="#")["train_steps"].isna().all()
 
 
 def test_training_figure_written(tmp_path):

@@ -58,9 +58,11 @@ def test_lint_is_clean(tmp_path):
 
 
 @pytest.mark.parametrize("configfile", [None, CI_CONFIG], ids=["smoke", "ci"])
-@pytest.mark.parametrize("targets", [["all"], ["results/smoke/zoo.csv", "figures/smoke/zoo_training.pdf", "runs"]],
+@pytest.mark.parametrize("targets", [["all"], ["results/{p}/zoo.csv", "figures/{p}/zoo_training.pdf", "runs"]],
                          ids=["all", "named"])
 def test_dry_run_resolves(tmp_path, configfile, targets):
+    profile = load(configfile or CONFIG)["profile"]
+    targets = [t.format(p=profile) for t in targets]
     args = ["-n", *targets] + (["--configfile", str(configfile)] if configfile else [])
     r = snakemake(tmp_path, *args)
     assert r.returncode == 0, r.stdout
@@ -84,8 +86,8 @@ def test_configfile_replaces_the_default(tmp_path):
     cfg = load(CI_CONFIG)
     assert planned_jobs(r.stdout)["data"] == len(cfg["datasets"])
     assert "niah_4k" not in r.stdout
-    assert "--budget-s 900" in r.stdout and "--budget-s 840" not in r.stdout
-    assert "results/runs/ci/" in r.stdout
+    assert "steps_scale" in r.stdout and "--slice-s" not in r.stdout
+    assert "results/runs/ci/" in r.stdout and "zoo/ci/tiny-qwen2-lm-" in r.stdout and "results/ci/zoo.csv" in r.stdout
 
 
 # --- short target names ------------------------------------------------------------------------
@@ -152,8 +154,8 @@ def test_unknown_top_level_key_is_named(tmp_path):
 
 def test_unknown_nested_key_is_named(tmp_path):
     cfg = load(CONFIG)
-    cfg["models"]["tiny-qwen2-lm"]["zoo"]["budget"] = 10
-    assert "'budget' was unexpected" in _validation_error(tmp_path, cfg)
+    cfg["models"]["tiny-qwen2-lm"]["zoo"]["budget_s"] = 10
+    assert "'budget_s' was unexpected" in _validation_error(tmp_path, cfg)
 
 
 def test_wrong_type_is_named(tmp_path):
@@ -271,21 +273,32 @@ def test_conda_env_matches_pyproject():
 @pytest.mark.slow
 def test_ci_end_to_end(tmp_path):
     """CI's real slice: tokenizer, data, two trainings, evals and the zoo report (~10 minutes on 2 cores)."""
-    r = snakemake(tmp_path, "results/smoke/zoo.csv", "figures/smoke/zoo_training.pdf", "--cores", "2",
+    r = snakemake(tmp_path, "results/ci/zoo.csv", "figures/ci/zoo_training.pdf", "--cores", "2",
                   "--configfile", str(CI_CONFIG), timeout=3600)
     assert r.returncode == 0, r.stdout[-20000:]
-    table = (tmp_path / "results" / "smoke" / "zoo.csv").read_text().splitlines()
+    assert "[train tiny-qwen2-lm] step" in r.stdout + r.stderr  # progress reaches the console
+    table = (tmp_path / "results" / "ci" / "zoo.csv").read_text()
     cfg = load(CI_CONFIG)
-    assert len(table) - 1 >= sum(len(t) for t in cfg["eval"]["matrix"].values())
+    assert len(table.splitlines()) - 1 >= sum(len(t) for t in cfg["eval"]["matrix"].values())
+    assert "time" not in table and (tmp_path / "results" / "ci" / "zoo.timing.csv").is_file()
     for model, tasks in cfg["eval"]["matrix"].items():
         for task in tasks:
             run = tmp_path / "results" / "runs" / "ci" / model / task / "full"
             assert {"metrics.json", "predictions.jsonl", "run_info.json"} <= {p.name for p in run.iterdir()}
-        assert (tmp_path / "zoo" / ".train" / model / "summary.json").exists()
-    assert (tmp_path / "figures" / "smoke" / "zoo_training.pdf").read_bytes().startswith(b"%PDF")
+        (train,) = (tmp_path / "zoo" / "ci" / ".train").glob(f"{model}-*")
+        summary = json.loads((train / "summary.json").read_text())
+        assert summary["steps"] == summary["total_steps"] and summary["validation"]
+    assert (tmp_path / "figures" / "ci" / "zoo_training.pdf").read_bytes().startswith(b"%PDF")
     # Everything is up to date: a second invocation has nothing to do.
-    again = snakemake(tmp_path, "results/smoke/zoo.csv", "-n", "--configfile", str(CI_CONFIG))
+    again = snakemake(tmp_path, "results/ci/zoo.csv", "-n", "--configfile", str(CI_CONFIG))
     assert "Nothing to be done" in again.stdout, again.stdout[-3000:]
+    # A changed recipe trains into a new directory; the finished one is neither deleted nor rebuilt.
+    changed = load(CI_CONFIG)
+    changed["training"]["overrides"]["steps_scale"] = 0.04
+    other = snakemake(tmp_path, "results/ci/zoo.csv", "-n", "--configfile", str(write_config(tmp_path / "c.yaml", changed)))
+    assert other.returncode == 0 and planned_jobs(other.stdout)["train"] == 2, other.stdout[-3000:]
+    old_dirs = {p.name for p in (tmp_path / "zoo" / "ci").iterdir()}
+    assert all(d not in other.stdout for d in old_dirs if d.startswith("tiny-")), "old model directories rebuilt"
 
 
 def test_ci_runs_the_readme_test_command():
