@@ -164,6 +164,46 @@ def test_invalid_records_raise(tmp_path):
             run_eval("does-not-matter", write_split(tmp_path / "t.jsonl", bad), out_dir=tmp_path / "run")
 
 
+@pytest.mark.parametrize("chance", [1.5, -0.1, "x", None, True, float("nan")])
+def test_chance_outside_unit_interval_is_refused(tmp_path, chance):
+    split = write_split(tmp_path / "t.jsonl", [text_record(0), text_record(1, chance=chance)])
+    with pytest.raises(ValueError, match=rf"'t1': field 'chance' must be a number in \[0, 1\].*got {chance!r}"):
+        run_eval("does-not-matter", split, out_dir=tmp_path / "run")
+
+
+@pytest.mark.parametrize("line, kind", [("[1, 2]", "an array"), ("3", "a number"), ('"t"', "a string"),
+                                        ("null", "null")])
+def test_jsonl_line_that_is_not_an_object_is_named(tmp_path, line, kind):
+    """Bug: a line such as ``[1, 2]`` passed read_jsonl and failed later with an AttributeError far from the file."""
+    path = tmp_path / "t.jsonl"
+    path.write_text(json.dumps(text_record(0)) + "\n" + line + "\n")
+    with pytest.raises(ValueError, match=rf"t\.jsonl:2: expected a JSON object .*got {kind}"):
+        read_jsonl(path)
+
+
+def test_jsonl_that_is_not_utf8_is_named(tmp_path, capsys):
+    """Bug: a Latin-1 split gave a bare UnicodeDecodeError with neither file nor line."""
+    from kvbench.cli import main
+
+    first = (json.dumps(text_record(0)) + "\n").encode()
+    path = tmp_path / "t.jsonl"
+    path.write_bytes(first + '{"id": "caf\u00e9"}\n'.encode("latin-1"))
+    with pytest.raises(ValueError, match=rf"t\.jsonl:2: not UTF-8 text \(byte {len(first) + 11} of the file is b'\\xe9'\)"):
+        read_jsonl(path)
+    assert main(["eval", "--model", "x", "--split", str(path), "--out", str(tmp_path / "run")]) == 2
+    assert "t.jsonl:2: not UTF-8" in capsys.readouterr().err
+
+
+def test_lmms_task_checks_its_split(tmp_path):
+    """Bug: write_task read only the first line with json.loads, so ``[1, 2]`` gave an AttributeError."""
+    from kvbench.lmms.task import write_task
+
+    bad = tmp_path / "t.jsonl"
+    bad.write_text("[1, 2]\n")
+    with pytest.raises(ValueError, match=r"t\.jsonl:1: expected a JSON object"):
+        write_task(tmp_path / "tasks", bad)
+
+
 def test_eval_cli_verb(tiny_lm_dir, tmp_path, capsys):
     from kvbench.cli import main
 

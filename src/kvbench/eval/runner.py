@@ -54,7 +54,7 @@ def validate_records(records: list[dict], path: str | os.PathLike = "") -> None:
     Raises:
         ValueError: naming the record id (or line number) and the offending field:
             a missing field, unknown ``kind`` or ``metric``, a non-positive
-            ``max_new_tokens``, a duplicate ``id``.
+            ``max_new_tokens``, a ``chance`` that is not a number in [0, 1], a duplicate ``id``.
     """
     seen: set[str] = set()
     for i, r in enumerate(records, 1):
@@ -72,6 +72,10 @@ def validate_records(records: list[dict], path: str | os.PathLike = "") -> None:
             raise ValueError(f"{where}: field 'metric' must be one of {sorted(METRICS)}, got {r['metric']!r}")
         if not isinstance(r["max_new_tokens"], int) or r["max_new_tokens"] < 1:
             raise ValueError(f"{where}: field 'max_new_tokens' must be a positive int, got {r['max_new_tokens']!r}")
+        c = r["chance"]
+        if isinstance(c, bool) or not isinstance(c, int | float) or not 0 <= c <= 1:  # NaN fails the range too
+            raise ValueError(f"{where}: field 'chance' must be a number in [0, 1] (the record's chance-level "
+                             f"score), got {c!r}")
         if rid in seen:
             raise ValueError(f"{where}: duplicate record id {rid!r} (ids must be unique in a split)")
         seen.add(rid)

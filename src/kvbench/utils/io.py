@@ -60,20 +60,38 @@ def write_jsonl(path: str | os.PathLike, rows: Iterable[dict]) -> int:
     return n
 
 
+_JSON_TYPES = {list: "an array", str: "a string", bool: "a boolean", int: "a number", float: "a number",
+               type(None): "null"}
+
+
 def read_jsonl(path: str | os.PathLike) -> list[dict]:
-    """Read a JSON Lines file.
+    """Read a JSON Lines file of objects (one ``dict`` per non-blank line).
+
+    Lines are decoded one at a time (split on ``\\n`` only), so a bad byte is
+    reported with its line rather than as a bare ``UnicodeDecodeError``.
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
-        ValueError: a line is not valid JSON (the message names file and line).
+        ValueError: naming file and line: a line that is not UTF-8 (with its byte
+            offset in the file), not valid JSON, or valid JSON but not an object.
     """
-    rows = []
-    with open(path, encoding="utf-8") as f:
-        for i, line in enumerate(f, 1):
+    rows, offset = [], 0
+    with open(path, "rb") as f:
+        for i, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{path}:{i}: not UTF-8 text (byte {offset + e.start} of the file is "
+                                 f"{raw[e.start:e.start + 1]!r}); splits must be UTF-8 JSON Lines") from None
+            offset += len(raw)
             if not line.strip():
                 continue
             try:
-                rows.append(json.loads(line))
+                row = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}:{i}: not valid JSON ({e.msg})") from e
+            if not isinstance(row, dict):  # bad file content: a ValueError, not a caller's TypeError
+                raise ValueError(f"{path}:{i}: expected a JSON object ({{...}}) per line, got "  # noqa: TRY004
+                                 f"{_JSON_TYPES.get(type(row), type(row).__name__)}: {line.strip()[:60]}")
+            rows.append(row)
     return rows
