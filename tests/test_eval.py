@@ -94,16 +94,19 @@ def test_run_eval_text_end_to_end(tiny_lm_dir, tmp_path):
     split = write_split(tmp_path / "data" / "test.jsonl", recs)
     out = tmp_path / "run"
     m = run_eval(tiny_lm_dir, split, method="full", out_dir=out, seed=0, threads=1)
-    assert {p.name for p in out.iterdir()} == {"predictions.jsonl", "metrics.json", "run_info.json"}
+    assert {p.name for p in out.iterdir()} == {"predictions.jsonl", "metrics.json", "run_info.json", "timing.csv"}
     assert json.loads((out / "metrics.json").read_text()) == m
     assert (m["n"], m["n_ok"], m["n_error"], m["task"], m["method"], m["model"]) == (3, 3, 0, "toy", "full", "tiny-qwen2-lm")
     assert 0.0 <= m["score"] <= 1.0 and m["chance"] == pytest.approx(0.1)
     preds = read_jsonl(out / "predictions.jsonl")
     assert [p["id"] for p in preds] == ["t0", "t1", "t2"]
     for p, r in zip(preds, recs):
-        assert set(p) >= {"id", "prediction", "gold", "score", "chance", "status", "error", "latency_ms"}
+        assert set(p) >= {"id", "prediction", "gold", "score", "chance", "status", "error"}
         assert p["status"] == "ok" and p["error"] is None and isinstance(p["prediction"], str)
-        assert p["gold"] == r["answer"] and 0.0 <= p["score"] <= 1.0 and p["latency_ms"] > 0
+        assert p["gold"] == r["answer"] and 0.0 <= p["score"] <= 1.0
+    timing = (out / "timing.csv").read_text().splitlines()
+    assert timing[0] == "id,latency_ms" and [t.split(",")[0] for t in timing[1:]] == ["t0", "t1", "t2"]
+    assert all(float(t.split(",")[1]) > 0 for t in timing[1:])
     info = json.loads((out / "run_info.json").read_text())
     assert info["seed"] == 0 and info["threads"] == 1 and info["args"]["method"] == "full"
     assert info["model"]["attn_implementation"] == "sdpa" and len(info["model"]["config_sha256"]) == 64
@@ -137,7 +140,7 @@ def test_failing_sample_is_recorded_not_fatal(tiny_vlm_dir, tmp_path):
     assert (m["n"], m["n_ok"], m["n_error"]) == (2, 1, 1)
     with pytest.raises(RuntimeError, match="all 1 samples failed"):
         run_eval(tiny_vlm_dir, write_split(data / "bad.jsonl", [bad]), out_dir=tmp_path / "run_bad")
-    assert not (tmp_path / "run_bad" / "metrics.json").exists()
+    assert not any((tmp_path / "run_bad").iterdir())  # nor work files: a rerun after the fix starts over
 
 
 def test_unknown_method_raises(tmp_path):
@@ -162,6 +165,46 @@ def test_invalid_records_raise(tmp_path):
                      ([text_record(0, kind="audio")], "kind")]:
         with pytest.raises(ValueError, match=msg):
             run_eval("does-not-matter", write_split(tmp_path / "t.jsonl", bad), out_dir=tmp_path / "run")
+
+
+@pytest.mark.parametrize("chance", [1.5, -0.1, "x", None, True, float("nan")])
+def test_chance_outside_unit_interval_is_refused(tmp_path, chance):
+    split = write_split(tmp_path / "t.jsonl", [text_record(0), text_record(1, chance=chance)])
+    with pytest.raises(ValueError, match=rf"'t1': field 'chance' must be a number in \[0, 1\].*got {chance!r}"):
+        run_eval("does-not-matter", split, out_dir=tmp_path / "run")
+
+
+@pytest.mark.parametrize("line, kind", [("[1, 2]", "an array"), ("3", "a number"), ('"t"', "a string"),
+                                        ("null", "null")])
+def test_jsonl_line_that_is_not_an_object_is_named(tmp_path, line, kind):
+    """Bug: a line such as ``[1, 2]`` passed read_jsonl and failed later with an AttributeError far from the file."""
+    path = tmp_path / "t.jsonl"
+    path.write_text(json.dumps(text_record(0)) + "\n" + line + "\n")
+    with pytest.raises(ValueError, match=rf"t\.jsonl:2: expected a JSON object .*got {kind}"):
+        read_jsonl(path)
+
+
+def test_jsonl_that_is_not_utf8_is_named(tmp_path, capsys):
+    """Bug: a Latin-1 split gave a bare UnicodeDecodeError with neither file nor line."""
+    from kvbench.cli import main
+
+    first = (json.dumps(text_record(0)) + "\n").encode()
+    path = tmp_path / "t.jsonl"
+    path.write_bytes(first + '{"id": "caf\u00e9"}\n'.encode("latin-1"))
+    with pytest.raises(ValueError, match=rf"t\.jsonl:2: not UTF-8 text \(byte {len(first) + 11} of the file is b'\\xe9'\)"):
+        read_jsonl(path)
+    assert main(["eval", "--model", "x", "--split", str(path), "--out", str(tmp_path / "run")]) == 2
+    assert "t.jsonl:2: not UTF-8" in capsys.readouterr().err
+
+
+def test_lmms_task_checks_its_split(tmp_path):
+    """Bug: write_task read only the first line with json.loads, so ``[1, 2]`` gave an AttributeError."""
+    from kvbench.lmms.task import write_task
+
+    bad = tmp_path / "t.jsonl"
+    bad.write_text("[1, 2]\n")
+    with pytest.raises(ValueError, match=r"t\.jsonl:1: expected a JSON object"):
+        write_task(tmp_path / "tasks", bad)
 
 
 def test_eval_cli_verb(tiny_lm_dir, tmp_path, capsys):

@@ -284,7 +284,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "prophetkv@0.05, mpic-first@0.1, or a compression press spec such as fullkv, snapkv:keep=0.3, "
                         "kivi:bits=2, residualkv:mode=omnikv,full_layers=0+1,keep=0.2 (needs --method-params '{\"codec_dir\": ...}') "
                         "(default: full)")
-    s.add_argument("--out", required=True, help="run directory: predictions.jsonl, metrics.json, run_info.json")
+    s.add_argument("--out", required=True, help="run directory: predictions.jsonl, metrics.json, timing.csv, run_info.json "
+                                           "(an unfinished run there with the same arguments resumes)")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--limit", type=int, default=None, help="evaluate only the first N samples")
     s.add_argument("--threads", type=_positive_int, default=1)

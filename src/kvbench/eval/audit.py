@@ -175,11 +175,11 @@ class ReplayPolicy(RefreshPolicy):
 
 
 def _find_row(run_dir: Path, record_id: str) -> dict:
-    with open(run_dir / "predictions.jsonl", encoding="utf-8") as f:
-        for line in f:
-            row = json.loads(line)
-            if row["id"] == record_id:
-                return row
+    from kvbench.utils.io import read_jsonl
+
+    row = next((r for r in read_jsonl(run_dir / "predictions.jsonl") if r.get("id") == record_id), None)
+    if row is not None:
+        return row
     raise KeyError(f"{run_dir}/predictions.jsonl has no row with id {record_id!r}")
 
 

@@ -80,7 +80,8 @@ class CompressMethod(EvalMethod):
     Parameters:
         spec: press spec.
         codec_dir: trained codec directory, for presses that take one (ResidualKV).
-        audit_requests: samples whose OmniKV selections are kept in the audit row (>= 0).
+        audit_requests: samples whose OmniKV selections are kept in the audit row (>= 0): the first
+            records of the run by position (:meth:`start`), whether or not earlier ones failed.
 
     Raises:
         ValueError: unknown press or parameter, ``codec_dir`` given to a press without a codec,
@@ -126,6 +127,10 @@ class CompressMethod(EvalMethod):
                 raise ValueError(f"record {r.get('id')!r}: compression methods run on text records with a "
                                  f"'context' field (kind {r.get('kind')!r})")
         self.press()
+
+    def start(self, index: int) -> None:
+        # the run's record index, not a count of this process's calls: a resumed run audits the same records
+        self._n = index
 
     def predict(self, model: Any, proc: Any, record: dict, base_dir: str | Path | None) -> str:
         from kvbench.compress.generate import greedy_generate, split_prompt

@@ -34,7 +34,8 @@ def _tokenizer(proc: Any) -> Any:
 
 class FatalRunError(RuntimeError):
     """A failure of the run's inputs rather than of one sample (e.g. a missing or corrupt image cache):
-    the runner stops and writes nothing, instead of scoring the sample 0."""
+    the runner stops and writes no result file, instead of scoring the sample 0 (rows already finished
+    stay in the run's work files, so a rerun after the fix resumes)."""
 
 
 @dataclass
@@ -60,6 +61,14 @@ class EvalMethod(abc.ABC):
 
         Raises:
             ValueError: naming the first record that cannot be served and why.
+        """
+
+    def start(self, index: int) -> None:
+        """Called by the runner before :meth:`predict` of the run's ``index``-th record (0-based).
+
+        Whatever differs between records (e.g. "audit only the first N") must follow from ``index``,
+        not from a count of calls: a resumed run skips the records already done, and its rows must
+        equal an uninterrupted run's. Default: nothing.
         """
 
     def audit(self) -> dict | None:

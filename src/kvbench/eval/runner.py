@@ -5,18 +5,24 @@
 
 - ``predictions.jsonl``: one row per sample: ``id``, ``prediction``, ``gold``,
   ``score`` (float in [0, 1]), ``chance``, ``metric``, ``status`` (``"ok"`` or
-  ``"error"``), ``error`` (message or ``None``), ``latency_ms`` (wall time of
-  ``predict``, ms).
+  ``"error"``), ``error`` (message or ``None``) and, for refresh and compression
+  methods, ``plan``. No wall-clock value: two runs give the same bytes.
 - ``metrics.json``: :func:`kvbench.eval.metrics.aggregate` plus ``task``,
-  ``method``, ``model``, ``metric``, ``split``.
-- ``run_info.json``: everything needed to reproduce or audit the run (full
-  arguments, method hyper-parameters, package versions, git revision, model
+  ``method``, ``model``, ``metric``, ``split`` (no wall-clock value either).
+- ``timing.csv``: ``id, latency_ms`` (wall time of ``predict``, ms), one line per
+  sample, also for samples scored before a resume (each timed in the invocation
+  that scored it); the only per-sample figure that differs between two runs.
+- ``run_info.json``: provenance, everything needed to reproduce or audit the run
+  (full arguments, method hyper-parameters, package versions, git revision, model
   checkpoint path and hashes, attention implementation, dtype, device, seed,
-  threads, host, timestamps, wall time).
+  threads, host, timestamps, wall time); it differs between runs by design.
 
 A sample that raises is recorded with ``status="error"`` and score 0 (a
 :class:`~kvbench.eval.methods.FatalRunError`, such as a missing image cache, stops the run instead); the run
-fails only when every sample fails. All files are written atomically.
+fails only when every sample fails. An interrupted run resumes: finished rows are kept in hidden work
+files (:mod:`kvbench.eval.resume`) and a rerun with the same arguments continues after the last one, giving
+the same bytes as an uninterrupted run. ``predictions.jsonl`` is moved into place when every sample is done,
+then ``timing.csv``, ``run_info.json`` and, last, ``metrics.json`` are written, each atomically.
 """
 from __future__ import annotations
 
@@ -34,12 +40,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm.auto import tqdm
 
 from kvbench.eval.methods import FatalRunError, get_method
 from kvbench.eval.metrics import METRICS, aggregate
+from kvbench.eval.resume import RunLog
 from kvbench.models.loader import load_model, resolve_spec
-from kvbench.utils.io import read_jsonl, write_json, write_jsonl
+from kvbench.utils.io import read_jsonl, write_json
+from kvbench.utils.steps import StepProgress
 
 #: Fields every record must have, and those its ``kind`` adds.
 REQUIRED_FIELDS = ("id", "task", "kind", "question", "answer", "max_new_tokens", "metric", "chance")
@@ -54,7 +61,7 @@ def validate_records(records: list[dict], path: str | os.PathLike = "") -> None:
     Raises:
         ValueError: naming the record id (or line number) and the offending field:
             a missing field, unknown ``kind`` or ``metric``, a non-positive
-            ``max_new_tokens``, a duplicate ``id``.
+            ``max_new_tokens``, a ``chance`` that is not a number in [0, 1], a duplicate ``id``.
     """
     seen: set[str] = set()
     for i, r in enumerate(records, 1):
@@ -72,6 +79,10 @@ def validate_records(records: list[dict], path: str | os.PathLike = "") -> None:
             raise ValueError(f"{where}: field 'metric' must be one of {sorted(METRICS)}, got {r['metric']!r}")
         if not isinstance(r["max_new_tokens"], int) or r["max_new_tokens"] < 1:
             raise ValueError(f"{where}: field 'max_new_tokens' must be a positive int, got {r['max_new_tokens']!r}")
+        c = r["chance"]
+        if isinstance(c, bool) or not isinstance(c, int | float) or not 0 <= c <= 1:  # NaN fails the range too
+            raise ValueError(f"{where}: field 'chance' must be a number in [0, 1] (the record's chance-level "
+                             f"score), got {c!r}")
         if rid in seen:
             raise ValueError(f"{where}: duplicate record id {rid!r} (ids must be unique in a split)")
         seen.add(rid)
@@ -139,6 +150,40 @@ def _model_info(spec: str | os.PathLike, model: Any) -> dict:
     }
 
 
+def _file_identity(path: Path) -> str:
+    """SHA-256 of a file, or its size and modification time when it is too large to hash on every start."""
+    st = path.stat()
+    return _sha256(path) or f"{st.st_size} bytes, mtime_ns {st.st_mtime_ns}"
+
+
+def _run_identity(args: dict, split_path: Path, model_spec: str | os.PathLike) -> dict:
+    """What a run's rows depend on: its arguments (``out_dir`` aside), the split and checkpoint contents, the
+    code. A resumed run must match it (:class:`~kvbench.eval.resume.RunLog`): Snakemake reruns a job whose
+    inputs changed without deleting hidden work files, so rows of the old inputs must be refused, not reused.
+    Uncommitted edits of the package are not seen (the git revision is).
+    """
+    ckpt = resolve_spec(model_spec)
+    files = [ckpt / "config.json", *sorted(ckpt.glob("*.safetensors"))]
+    return {
+        "args": {k: v for k, v in args.items() if k != "out_dir"},
+        "split_sha256": _sha256(split_path),
+        "checkpoint": {f.name: _file_identity(f) for f in files if f.is_file()},
+        "git_commit": _git_revision()["commit"],
+        "versions": _versions(),
+    }
+
+
+def record_seed(seed: int, index: int) -> int:
+    """Seed of torch's generators before the ``index``-th record (0-based) of a run with ``seed``.
+
+    Greedy decoding draws no random numbers, but a method that does must not depend on how many
+    records ran before it in this process, or a resumed run would differ from an uninterrupted one.
+    A hash keeps ``(seed, index)`` pairs apart (``seed + index`` would give seed 1's record 0 the
+    generator state of seed 0's record 1). Returns an int in [0, 2**63).
+    """
+    return int.from_bytes(hashlib.sha256(f"{seed}:{index}".encode()).digest()[:8], "little") >> 1
+
+
 def _tasks(records: list[dict]) -> str:
     tasks = sorted({r["task"] for r in records})
     return tasks[0] if len(tasks) == 1 else ",".join(tasks)
@@ -162,8 +207,10 @@ def run_eval(
         model_spec: checkpoint directory or zoo name (:func:`kvbench.models.load_model`).
         split_path: JSONL split; relative image paths resolve against its directory.
         method: name in :data:`kvbench.eval.methods.METHODS`.
-        out_dir: run directory (created).
-        seed: ``torch.manual_seed`` before loading and evaluating.
+        out_dir: run directory (created). Holding an unfinished run with the same arguments, the run
+            resumes after its last finished record (:mod:`kvbench.eval.resume`).
+        seed: ``torch.manual_seed(seed)`` before loading, ``torch.manual_seed(record_seed(seed, i))``
+            before record ``i``.
         limit: evaluate only the first ``limit`` records.
         threads: ``torch.set_num_threads``.
         method_params: the method's hyper-parameters (dataclass fields).
@@ -173,7 +220,8 @@ def run_eval(
         The ``metrics.json`` dict.
 
     Raises:
-        ValueError: unknown method, invalid records, empty split.
+        ValueError: unknown method, invalid records, empty split, or ``out_dir`` holds an unfinished
+            run with other arguments or inputs (names what differs and the files to delete).
         RuntimeError: every sample failed (the first error is chained).
     """
     t0, started = time.perf_counter(), datetime.now(UTC)
@@ -189,14 +237,27 @@ def run_eval(
     validate_records(records, split_path)
     evaluator.check_records(records)
 
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    args = {"model_spec": str(model_spec), "split_path": str(split_path), "method": method,
+            "out_dir": str(out_dir), "seed": seed, "limit": limit, "threads": threads,
+            "method_params": method_params or {}, "device": device}
+    ids = [r["id"] for r in records]
+    log = RunLog(out_dir, _run_identity(args, split_path, model_spec))
+    rows = log.resume(ids)  # before loading: arguments that do not match the unfinished run fail at once
+
     torch.manual_seed(seed)
     torch.set_num_threads(int(threads))
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     model, proc = load_model(model_spec, device=device)
     model_info = _model_info(model_spec, model)
 
-    rows, first_exc = [], None
-    for r in tqdm(records, desc=f"{method} {model_info['name']} {_tasks(records)}", unit="sample", file=sys.stderr):
+    first_exc, n_resumed = None, len(rows)
+    progress = StepProgress(f"eval {method} {model_info['name']} {_tasks(records)}", len(records), done=len(rows))
+    if rows:
+        print(f"[kvbench eval] resuming {out_dir} after {len(rows)} of {len(records)} records", file=sys.stderr)
+    for i in range(len(rows), len(records)):
+        r = records[i]
+        torch.manual_seed(record_seed(seed, i))
+        evaluator.start(i)
         ts = time.perf_counter()
         try:
             pred = evaluator.predict(model, proc, r, split_path.parent)
@@ -207,14 +268,16 @@ def run_eval(
             first_exc = first_exc or e
             pred, score, status, err = None, 0.0, "error", f"{type(e).__name__}: {e}"
             print(f"[kvbench eval] sample {r['id']!r} failed:\n{traceback.format_exc()}", file=sys.stderr)
-        rows.append({
-            "id": r["id"], "prediction": pred, "gold": r["answer"], "score": score, "chance": r["chance"],
-            "metric": r["metric"], "status": status, "error": err,
-            "latency_ms": (time.perf_counter() - ts) * 1e3,
-        })
+        latency_ms = (time.perf_counter() - ts) * 1e3
+        row = {"id": r["id"], "prediction": pred, "gold": r["answer"], "score": score, "chance": r["chance"],
+               "metric": r["metric"], "status": status, "error": err}
         if status == "ok" and (audit := evaluator.audit()) is not None:
-            rows[-1]["plan"] = audit  # refresh runs: the executed plan (kvbench.eval.audit)
+            row["plan"] = audit  # refresh runs: the executed plan (kvbench.eval.audit)
+        log.append(row, latency_ms)
+        rows.append(row)
+        progress.update(i + 1, errors=sum(x["status"] == "error" for x in rows))
     if all(row["status"] == "error" for row in rows):
+        log.discard()  # nothing worth resuming: a rerun after the fix starts over
         raise RuntimeError(f"{split_path}: all {len(rows)} samples failed; first: {rows[0]['error']}") from first_exc
 
     metrics = {
@@ -227,14 +290,13 @@ def run_eval(
     }
     ended = datetime.now(UTC)
     run_info = {
-        "args": {"model_spec": str(model_spec), "split_path": str(split_path), "method": method,
-                 "out_dir": str(out_dir), "seed": seed, "limit": limit, "threads": threads,
-                 "method_params": method_params or {}, "device": device},
+        "args": args,
         "method": evaluator.config(),
         "decoding": "greedy (do_sample=False, num_beams=1, repetition_penalty=1.0), stop at EOS",
         "model": model_info,
         "split": {"path": str(split_path.resolve()), "sha256": _sha256(split_path), "n_records": len(records)},
         "seed": seed,
+        "record_seeds": "torch.manual_seed(record_seed(seed, index)) before each record (kvbench.eval.runner)",
         "threads": int(threads),
         "torch_threads": torch.get_num_threads(),
         "versions": _versions(),
@@ -242,11 +304,12 @@ def run_eval(
         "hostname": socket.gethostname(),
         "platform": platform.platform(),
         "argv": sys.argv,
-        "started_at": started.isoformat(),
+        "started_at": started.isoformat(),  # of this invocation: a resumed run started earlier
         "ended_at": ended.isoformat(),
         "wall_s": time.perf_counter() - t0,
+        "resumed_after": n_resumed,
     }
-    write_jsonl(out_dir / "predictions.jsonl", rows)
+    log.finish(ids)
     write_json(out_dir / "run_info.json", run_info)
     write_json(out_dir / "metrics.json", metrics)
     return metrics
