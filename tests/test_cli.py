@@ -126,3 +126,30 @@ def test_bench_device_and_dtype_are_checked(capsys):
         with pytest.raises(ValueError, match="device 'cuda' requested, but this machine has no CUDA device"):
             resolve_device("cuda", "auto")
     assert resolve_device("cpu", "auto") == (torch.device("cpu"), torch.float32)
+
+
+@pytest.mark.parametrize("flag, value, needle", [
+    ("--slice-s", "-1", "--slice-s must be a number of seconds >= 0 (0: no slice), got -1.0"),
+    ("--lr", "0", "--lr must be > 0, got 0.0"),  # bug: checked only after the (possibly 8B) model had loaded
+])
+def test_codec_train_flags_are_checked_before_loading(flag, value, needle, tmp_path, capsys):
+    assert main(["codec-train", "--model", str(tmp_path / "no-model"), "--out", str(tmp_path / "c"), "--steps", "2",
+                 flag, value]) == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_codec_train_slice_fails_then_a_rerun_finishes(lm_dir, tmp_path, capsys):
+    """Issue #11: a slice that ends before --steps saves the state and exits 3 saying how to resume, with no
+    codec or summary written; the rerun (no slice: 0) finishes."""
+    out = tmp_path / "c"
+    argv = ["codec-train", "--model", str(lm_dir), "--out", str(out), "--steps", "2", "--seq-len", "32",
+            "--overrides", '{"n_sink": 4, "stride": 5}']
+    assert main([*argv, "--slice-s", "1e-9"]) == 3
+    err = capsys.readouterr().err
+    assert f"training codec {out}: the 1e-09 s wall-clock slice ended after 1 of 2 steps; state saved in" in err
+    assert "rerun the same command" in err and "codec c:" not in err  # no tqdm bar (its prefix is "codec c:")
+    assert not (out / "summary.json").exists() and not (out / "codec").exists()
+    assert main([*argv, "--slice-s", "0"]) == 0
+    err = capsys.readouterr().err
+    assert "[codec c] step 2/2 (100%)" in err  # StepProgress lines on stderr, no tqdm bar
+    assert (out / "summary.json").is_file() and (out / "codec" / "codec.json").is_file()

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pandas as pd
 import pytest
@@ -15,12 +16,16 @@ from kvbench.utils.io import write_jsonl
 SECTION = {
     "model": "tiny-qwen2-lm", "tasks": ["kv_1k", "niah_1k"], "n_test": 2,
     "codec": {"d_c": 32, "d_ff": 192, "n_sink": 8, "stride": 10, "window": 32},
-    "train": {"objective": "joint", "steps": 10, "seq_len": 64, "budget_s": 10, "lr": 0.001, "data": "tasks"},
+    "train": {"objective": "joint", "steps": 10, "seq_len": 64, "lr": 0.001, "data": "tasks"},
     "variants": {"norefs": {"overrides": {"references": False}}},
     "tableIII": [{"label": "Full cache", "method": "fullkv"},
                  {"label": "ResidualKV", "method": "residualkv:mode=omnikv,full_layers=0+1,keep=0.2"}],
     "stride_sweep": {"method": "residualkv:mode=omnikv,full_layers=0+1", "alpha": [0, 0.1], "stride": [5]},
 }
+
+
+#: What the workflow passes an RKVPlan that names codec directories (common.smk: SEED, model_dir()).
+CODEC_KW = {"seed": 0, "model_dir": "zoo/tiny-qwen2-lm"}
 
 
 def test_press_specs_parse_and_canonicalise():
@@ -234,7 +239,8 @@ def test_fig11_merges_throughput_per_variant(tmp_path):
     names = FIGURE_VARIANTS["fig11"]
     over = {"dc_low": {"d_c": 16}, "dc_high": {"d_c": 64}, "dff_low": {"d_ff": 96}, "dff_high": {"d_ff": 384}, "k_low": {"k": 1},
             "k_high": {"k": 8}, "s_low": {"stride": 5}, "s_high": {"stride": 20}}
-    plan = RKVPlan({**SECTION, "variants": {v: {"overrides": over.get(v, {}), "steps": 3} for v in names}}, "smoke")
+    plan = RKVPlan({**SECTION, "variants": {v: {"overrides": over.get(v, {}), "steps": 3} for v in names}}, "smoke",
+                   **CODEC_KW)
     for i, v in enumerate(names):
         _fake_variant(tmp_path, plan, v, steps_done=3, i=i)
     tp = tmp_path / "tp.csv"
@@ -250,14 +256,13 @@ def test_fig11_merges_throughput_per_variant(tmp_path):
         rkv_figures.fig11(plan, tmp_path / "f.pdf", tmp_path / "f.csv", tmp_path, throughput=tp)
     with pytest.raises(ValueError, match="--raw is not read by residualkv-tableIII"):
         residualkv.report("tableIII", {"profile": "smoke", "residualkv": SECTION}, tmp_path / "t.csv", raw=tp)
-    # review findings: the value column is what the codec was trained with (codec.json), not the config's
-    # current overrides; unequal training is flagged; a missing variant names the figure that needs it
-    changed = RKVPlan({**plan.s, "variants": {**plan.s["variants"], "dc_low": {"overrides": {"d_c": 8}}}}, "smoke")
-    _fake_variant(tmp_path, plan, "k_low", steps_done=2, i=0)
-    df = rkv_figures.fig11(changed, tmp_path / "f.pdf", tmp_path / "f.csv", tmp_path)
-    assert df[df["parameter"] == "d_c"]["value"].tolist() == [16, 32, 64]
-    assert "# UNEQUAL TRAINING: steps done per variant dc_low 3, base 3" in (tmp_path / "f.csv").read_text()
-    assert "k_low 2" in (tmp_path / "f.csv").read_text()
+    # review findings: the value column is what the codec was trained with (codec.json); a missing variant names
+    # the figure that needs it
+    assert df["steps"].tolist() == [3] * len(df)
+    (tmp_path / plan.codec_dir("dc_low") / "codec" / "codec.json").write_text(
+        (tmp_path / plan.codec_dir("dc_high") / "codec" / "codec.json").read_text())
+    df = rkv_figures.fig11(plan, tmp_path / "f.pdf", tmp_path / "f.csv", tmp_path)
+    assert df[df["parameter"] == "d_c"]["value"].tolist() == [64, 32, 64]
     (tmp_path / plan.codec_dir("s_high") / "summary.json").unlink()
     with pytest.raises(FileNotFoundError, match=r"Fig. 11 needs codec variant 's_high'.*summary.json is missing"):
         rkv_figures.fig11(plan, tmp_path / "f.pdf", tmp_path / "f.csv", tmp_path)
@@ -270,25 +275,79 @@ def _fake_variant(root, plan, variant, steps_done, i):
     d = root / plan.codec_dir(variant)
     (d / "codec").mkdir(parents=True, exist_ok=True)
     (d / "codec" / "codec.json").write_text(codec_config_for_shape(8, 128, **plan.codec_overrides(variant)).to_json())
-    (d / "summary.json").write_text(json.dumps({"codec_params": 100 + i, "steps_done": steps_done,
+    (d / "summary.json").write_text(json.dumps({"codec_params": 100 + i, "steps": steps_done,
                                                 "eval_final": {"eval_ntp": 4.0 + i, "eval_rec": 1.0}}))
-    (d / "curves.csv").write_text("step,ntp,rec,eval_ntp,eval_rec\n"
-                                  + "".join(f"{s},{5 - s},{2},{5.5 - s},{2.5}\n" for s in range(1, steps_done + 1)))
+    (d / "curves.csv").write_text("step,loss,ntp,rec,lr,eval_ntp,eval_rec\n"
+                                  + "".join(f"{s},{7 - s},{5 - s},{2},0.1,{5.5 - s},{2.5}\n" for s in range(1, steps_done + 1)))
 
 
-def test_fig10_curves_and_unequal_steps(tmp_path):
+def test_fig10_curves(tmp_path):
     from kvbench.report import rkv_figures
 
     plan = RKVPlan({**SECTION, "variants": {"base": {"steps": 3}, "separate": {"overrides": {"joint": False}, "steps": 3}}},
-                   "smoke")
+                   "smoke", **CODEC_KW)
     _fake_variant(tmp_path, plan, "base", steps_done=3, i=0)
     _fake_variant(tmp_path, plan, "separate", steps_done=3, i=1)
     ev = rkv_figures.fig10(plan, tmp_path / "f.pdf", tmp_path / "f.csv", tmp_path)
     assert ev.groupby("variant")["step"].max().to_dict() == {"base": 3, "separate": 3}
-    assert "UNEQUAL" not in (tmp_path / "f.csv").read_text()
-    _fake_variant(tmp_path, plan, "separate", steps_done=2, i=1)
-    rkv_figures.fig10(plan, tmp_path / "f.pdf", tmp_path / "f.csv", tmp_path)
-    assert "# UNEQUAL TRAINING: steps done per variant base 3, separate 2" in (tmp_path / "f.csv").read_text()
+    text = (tmp_path / "f.csv").read_text()
+    assert text.splitlines()[3] == "variant,params,step,eval_ntp,eval_rec,ntp,rec" and "elapsed" not in text
+
+
+def test_codec_figures_refuse_an_unfinished_codec(tmp_path):
+    """Training can no longer end early; a summary of an unfinished codec (an older kvbench's budget cap) fails
+    the figure, naming the directory to delete, instead of drawing it with an UNEQUAL TRAINING note."""
+    from kvbench.report import rkv_figures
+
+    plan = RKVPlan({**SECTION, "variants": {"base": {"steps": 3}, "separate": {"overrides": {"joint": False}, "steps": 3}}},
+                   "smoke", **CODEC_KW)
+    _fake_variant(tmp_path, plan, "base", steps_done=3, i=0)
+    _fake_variant(tmp_path, plan, "separate", steps_done=3, i=1)
+    path = tmp_path / plan.codec_dir("separate") / "summary.json"
+    path.write_text(json.dumps({"steps_done": 2, "steps": 3, "finished": False, "codec_params": 1}))
+    with pytest.raises(ValueError, match=r"separate-[0-9a-f]{8}/summary.json: an unfinished codec \(2 of 3 steps.*delete"):
+        rkv_figures.fig10(plan, tmp_path / "f.pdf", tmp_path / "f.csv", tmp_path)
+
+
+def test_plan_refuses_figure_variants_with_unequal_steps():
+    with pytest.raises(ValueError, match="fig12 compares its codec variants at equal training steps, but they train "
+                                         "ntp 200, mse 100 steps"):
+        RKVPlan({**SECTION, "variants": {"ntp": {"objective": "ntp", "steps": 200}, "mse": {"objective": "mse", "steps": 100}}},
+                "smoke")
+
+
+def test_codec_dirs_are_keyed_by_recipe_hash():
+    """Issue #11 item 4: a config change trains into a new directory (never over a finished codec); slice_s,
+    which only cuts invocations, keeps the directory."""
+    plan = RKVPlan(SECTION, "smoke", **CODEC_KW)
+    main, norefs = plan.codec_dir("main"), plan.codec_dir("norefs")
+    assert re.fullmatch(r"codecs/smoke/tiny-qwen2-lm/main-[0-9a-f]{8}", main) and norefs.startswith("codecs/smoke/tiny-qwen2-lm/norefs-")
+    assert plan.codec_names() == {main.rsplit("/", 1)[1]: "main", norefs.rsplit("/", 1)[1]: "norefs"}
+    assert plan.codec_recipe("norefs") == {"codec": {**SECTION["codec"], "references": False}, **SECTION["train"],
+                                           "seed": 0, "model": "zoo/tiny-qwen2-lm"}
+    assert RKVPlan(SECTION, "smoke", **CODEC_KW).codec_dir("main") == main  # stable
+    same = [{**SECTION, "train": {**SECTION["train"], "slice_s": 60}},
+            {**SECTION, "variants": {"norefs": {"overrides": {"references": False}, "slice_s": 5}}}]
+    assert all(RKVPlan(s, "smoke", **CODEC_KW).codec_dir("main") == main for s in same)
+    changed = [({**SECTION, "codec": {**SECTION["codec"], "d_c": 64}}, {}),
+               *(({**SECTION, "train": {**SECTION["train"], k: v}}, {}) for k, v in
+                 [("steps", 11), ("seq_len", 128), ("lr", 0.002), ("objective", "ntp"), ("data", "text")]),
+               (SECTION, {"seed": 1}), (SECTION, {"model_dir": "zoo/tiny-qwen2-lm-0123abcd"})]
+    dirs = {RKVPlan(s, "smoke", **{**CODEC_KW, **kw}).codec_dir("main") for s, kw in changed}
+    assert len(dirs) == len(changed) and main not in dirs
+    assert RKVPlan(SECTION, "paper", **CODEC_KW).codec_dir("main").startswith("codecs/paper/")
+    with pytest.raises(ValueError, match="needs seed= and model_dir="):
+        RKVPlan(SECTION, "smoke").codec_dir("main")
+
+
+def test_codec_slice_and_runtime():
+    plan = RKVPlan({**SECTION, "train": {**SECTION["train"], "steps": 600, "seq_len": 512, "slice_s": 900},
+                    "variants": {"norefs": {"slice_s": None}, "x": {"steps": 200, "slice_s": 61}}}, "smoke", **CODEC_KW)
+    assert [plan.codec_slice_s(v) for v in ("main", "norefs", "x")] == [900, None, 61]
+    assert plan.codec_runtime_min("main") == 15 + 30 and plan.codec_runtime_min("x") == 2 + 30
+    # no slice: 4 x 600 x 512 tokens at 930 tokens/s = 22.02 min -> 23, plus 10
+    assert plan.codec_runtime_min("norefs") == 23 + 10
+    assert RKVPlan({**plan.s, "model": "llama"}, "paper", zoo=False, **CODEC_KW).codec_runtime_min("norefs") == 24 * 60
 
 
 def test_header_describes_zoo_or_checkpoint():

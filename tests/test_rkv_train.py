@@ -1,11 +1,12 @@
 """ResidualKV codec training (paper §IV-D) on a tiny random Qwen2: the compressed pass, losses, resume."""
 from __future__ import annotations
 
+import json
+
 import pandas as pd
 import pytest
 import torch
 import transformers
-from safetensors.torch import load_file
 
 from kvbench.compress.residualkv.codec import ResidualCodec
 from kvbench.compress.residualkv.references import reference_mask
@@ -18,6 +19,7 @@ from kvbench.compress.residualkv.train import (
     rec_loss,
     train_codec,
 )
+from kvbench.utils.steps import SliceEnded
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -154,35 +156,73 @@ def _train(model, tok, out, **kw):
 def test_training_lowers_rec_and_leaves_backbone_alone(model, tok, tmp_path):
     before = {k: v.clone() for k, v in model.state_dict().items()}
     codec, summary = _train(model, tok, tmp_path / "run", steps=30, eval_every=30, lr=1e-2)
-    assert summary["finished"] and summary["steps_done"] == 30
+    assert summary["steps"] == 30
     assert summary["eval_final"]["eval_rec"] < 0.8 * summary["eval_before"]["eval_rec"]
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
     assert all(p.requires_grad for p in model.parameters())  # flags restored after the call
     assert not model.training and _no_hooks(model)
     curves = pd.read_csv(tmp_path / "run" / "curves.csv")
+    assert list(curves.columns) == ["step", "loss", "ntp", "rec", "lr", "eval_ntp", "eval_rec"]  # no wall-clock
     assert list(curves.step) == list(range(1, 31))
-    assert curves[["ntp", "rec", "lr", "elapsed_s"]].notna().all().all()  # both terms logged under "mse"
+    assert curves[["ntp", "rec", "lr"]].notna().all().all()  # both terms logged under "mse"
     assert curves.eval_rec.notna().sum() == 1
+    timing = pd.read_csv(tmp_path / "run" / "curves.timing.csv")
+    assert list(timing.columns) == ["step", "elapsed_s"] and list(timing.step) == list(range(1, 31))
+    assert timing.elapsed_s.is_monotonic_increasing
+    assert not {"wall_s", "steps_per_s", "elapsed_s"} & set(summary)
+    assert set(json.loads((tmp_path / "run" / "summary.timing.json").read_text())) == {"wall_s", "steps_per_s"}
     saved = ResidualCodec.load(tmp_path / "run" / "codec", model=model)
     assert all(torch.equal(a, b) for a, b in zip(saved.state_dict().values(), codec.state_dict().values()))
     assert summary["baseline_ntp"] > 0 and summary["n_val_windows"] == 4
 
 
-def test_resume_is_bit_identical(model, tok, tmp_path):
-    _, full = _train(model, tok, tmp_path / "full", objective="joint")
-    assert full["finished"]
-    for done in (1, 2):  # budget 0: one step per call, state saved, rerun resumes
-        _, part = _train(model, tok, tmp_path / "parts", objective="joint", budget_s=0.0)
-        assert (part["steps_done"], part["finished"]) == (done, False)
-    _, last = _train(model, tok, tmp_path / "parts", objective="joint")
-    assert last["finished"] and last["steps_done"] == 4
-    a = load_file(str(tmp_path / "full" / "codec" / "codec.safetensors"))
-    b = load_file(str(tmp_path / "parts" / "codec" / "codec.safetensors"))
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    ca, cb = pd.read_csv(tmp_path / "full" / "curves.csv"), pd.read_csv(tmp_path / "parts" / "curves.csv")
-    assert list(ca.step) == list(cb.step) and ca.loss.tolist() == cb.loss.tolist()
+FINAL_FILES = ("codec/codec.safetensors", "codec/codec.json", "curves.csv", "summary.json")
+
+
+def test_sliced_run_gives_the_same_bytes_as_a_straight_one(model, tok, tmp_path):
+    """Issue #11: a slice ends an invocation (state saved, SliceEnded, no final file), never the work; the
+    resumed run's codec, curves and summary are byte-identical to an uninterrupted run's."""
+    _train(model, tok, tmp_path / "full", objective="joint")
+    for done in (1, 2):  # a slice that ends at once: one step per call (checked after each step)
+        with pytest.raises(SliceEnded, match=f"after {done} of 4 steps; state saved in .*rerun"):
+            _train(model, tok, tmp_path / "parts", objective="joint", slice_s=1e-9)
+        assert json.loads((tmp_path / "parts" / "state" / "meta.json").read_text())["step"] == done
+        assert not any((tmp_path / "parts" / f).exists() for f in (*FINAL_FILES, "curves.timing.csv"))
+    _train(model, tok, tmp_path / "parts", objective="joint", slice_s=3600)  # a slice long enough: finishes
+    for f in FINAL_FILES:
+        assert (tmp_path / "full" / f).read_bytes() == (tmp_path / "parts" / f).read_bytes(), f
     with pytest.raises(ValueError, match=r"another configuration \(differs in \['lr'\]\)"):
         _train(model, tok, tmp_path / "parts", objective="joint", lr=1e-3)
+
+
+def test_training_rng_comes_from_the_seed_not_the_caller(model, tok, tmp_path):
+    """Bug: the state's RNG was the caller's global RNG at the first call, so a sliced run and a straight one
+    started from different streams whenever the caller had drawn numbers in between (e.g. loading a model)."""
+    states = []
+    for i, caller_seed in enumerate((1, 2)):
+        torch.manual_seed(caller_seed)
+        before = torch.get_rng_state()
+        _train(model, tok, tmp_path / str(i), steps=1)
+        assert torch.equal(torch.get_rng_state(), before)  # the caller's RNG is left alone
+        states.append(json.loads((tmp_path / str(i) / "state" / "meta.json").read_text())["rng"])
+    assert states[0] == states[1] == torch.Generator().manual_seed(0).get_state().tolist()
+
+
+def test_noop_resume_rewrites_the_same_summary(model, tok, tmp_path):
+    """A rerun over a state already at ``steps`` (e.g. after Snakemake removed the outputs) writes the same
+    codec and summary, with the last step's real losses."""
+    _, first = _train(model, tok, tmp_path / "w")
+    old = {f: (tmp_path / "w" / f).read_bytes() for f in FINAL_FILES}
+    for f in FINAL_FILES:
+        (tmp_path / "w" / f).unlink()
+    _, again = _train(model, tok, tmp_path / "w")
+    assert again == first and isinstance(again["final_loss"], float) and again["final_loss"] > 0
+    assert {f: (tmp_path / "w" / f).read_bytes() for f in FINAL_FILES} == old
+
+
+def test_bad_slice_is_refused(model, tok, tmp_path):
+    with pytest.raises(ValueError, match="slice_s must be a positive number of seconds"):
+        _train(model, tok, tmp_path / "a", slice_s=0)
 
 
 def test_bad_objective(model, tok, tmp_path):
@@ -213,7 +253,8 @@ def test_task_stream_gives_answer_labels_and_is_deterministic(tokenizer):
 
 def test_resume_with_another_codec_shape_is_refused_before_loading(model, tok, tmp_path):
     """Bug: a changed d_c crashed in load_state_dict with a size mismatch instead of naming the change."""
-    _train(model, tok, tmp_path / "w", budget_s=0.0)
+    with pytest.raises(SliceEnded):
+        _train(model, tok, tmp_path / "w", slice_s=1e-9)
     codec = ResidualCodec.for_model(model, seed=0, n_sink=4, stride=5, d_c=8)
     with pytest.raises(ValueError, match=r"differs in \['codec', 'codec.d_c', 'codec.group'\]"):
         train_codec(model, tok, codec, out_dir=tmp_path / "w", objective="mse", steps=4, seq_len=48, lr=5e-3,

@@ -217,13 +217,28 @@ def test_paper_residualkv_targets_resolve(tmp_path):
     jobs = planned_jobs(r.stdout)
     assert jobs["rkv_codec"] == 1 + len(cfg["residualkv"]["variants"]) == 14
     assert jobs["rkv_variant_throughput"] == 1 and jobs["rkv_codec_figures"] == 3
-    assert "--default base" in r.stdout and "dc_high=codecs/paper/llama-3.1-8b/dc_high/codec" in r.stdout
+    assert "--default base" in r.stdout and re.search(r"dc_high=codecs/paper/llama-3\.1-8b/dc_high-[0-9a-f]{8}/codec", r.stdout)
+    # slice_s (one day) cuts each codec job, as a resource: runtime = slice + 30 min, not a param
+    assert "--slice-s 86400 " in r.stdout and "runtime=1470" in r.stdout
     assert "full_kv_bits=4" in r.stdout
     # a checkpoint whose config.json lacks the KV fields is named while the DAG is built
     llama = root / cfg["models"][cfg["residualkv"]["model"]]["checkpoint"] / "config.json"
     llama.write_text("{}\n")
     r = snakemake(tmp_path, "-n", "residualkv", "--configfile", str(PAPER_CONFIG), "--config", f"paths={{root: {root}}}")
     assert r.returncode != 0 and "its config lacks 'num_attention_heads'" in r.stdout
+
+
+def test_codec_rule_takes_only_current_recipe_hashes(tmp_path):
+    """Issue #11 item 4: codecs/<profile>/<model>/<variant>-<recipe hash>/; a directory of another recipe (an older
+    config) is no target, so Snakemake never retrains (and deletes) it under the current config."""
+    r = snakemake(tmp_path, "-n", "-p", "residualkv")
+    assert r.returncode == 0, r.stdout[-2000:]
+    dirs = set(re.findall(r"--out (codecs/smoke/tiny-qwen2-lm/[a-z_]+-[0-9a-f]{8}) ", r.stdout))
+    assert len(dirs) == 1 + len(load(CONFIG)["residualkv"]["variants"]), dirs
+    dc_low = next(d for d in dirs if "/dc_low-" in d)
+    assert re.search(rf"--out {dc_low} .*--steps 200 .*--slice-s 0 ", r.stdout)
+    r = snakemake(tmp_path, "-n", f"{dc_low[:-8]}00000000/summary.json")
+    assert r.returncode != 0 and "MissingRuleException" in r.stdout, r.stdout[-2000:]
 
 
 def test_paper_dry_run_names_a_missing_checkpoint(tmp_path):

@@ -80,17 +80,16 @@ def _codec_train(a: argparse.Namespace) -> None:
     from kvbench.models.loader import load_model
 
     overrides = _json_object(a.overrides, "--overrides")
-    if a.budget_s is not None and a.budget_s <= 0:
-        raise ValueError(f"--budget-s must be a positive number of seconds, got {a.budget_s}")
+    if a.slice_s is not None and not a.slice_s >= 0:
+        raise ValueError(f"--slice-s must be a number of seconds >= 0 (0: no slice), got {a.slice_s}")
+    if not a.lr > 0:
+        raise ValueError(f"--lr must be > 0, got {a.lr}")
     torch.manual_seed(a.seed)
     torch.set_num_threads(a.threads)
     model, tok = load_model(a.model, dtype=torch.float32)
     codec = ResidualCodec.for_model(model, seed=a.seed, **overrides)
-    if a.lr <= 0:
-        raise ValueError(f"--lr must be > 0, got {a.lr}")
     summary = train_codec(model, tok, codec, out_dir=a.out, objective=a.objective, steps=a.steps, seq_len=a.seq_len,
-                          budget_s=a.budget_s, seed=a.seed, lr=a.lr, progress=True, save_unfinished=a.finish,
-                          data=a.data)
+                          slice_s=a.slice_s or None, seed=a.seed, lr=a.lr, progress=True, data=a.data)
     print(json.dumps(summary, indent=2, default=str))
 
 
@@ -257,21 +256,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("codec-train", help="train a ResidualKV codec on a frozen LM (resumable; ResidualKV §IV-D)")
     s.add_argument("--model", required=True, help="HF checkpoint directory or zoo name (the frozen backbone)")
-    s.add_argument("--out", required=True, help="work directory: state/, curves.csv, codec/, summary.json")
+    s.add_argument("--out", required=True, help="work directory: state/, then codec/, curves.csv, summary.json (+ *.timing.*)")
     s.add_argument("--overrides", default="", help="JSON object of CodecConfig fields, e.g. '{\"d_c\": 32, \"stride\": 10}'")
     s.add_argument("--objective", default="joint", choices=["joint", "ntp", "mse"],
                    help="joint = next-token CE + reconstruction MSE (paper); ntp / mse: Fig. 12 variants")
     s.add_argument("--steps", type=_positive_int, required=True, help="optimiser steps (one packed window each)")
     s.add_argument("--seq-len", type=_positive_int, default=512, help="tokens per packed training window")
-    s.add_argument("--budget-s", type=float, default=None,
-                   help="stop once this many seconds of training have run, counted over all resumes of --out "
-                        "(a rerun continues until the total is reached; delete --out/state to start over)")
+    s.add_argument("--slice-s", type=float, default=None, metavar="SECONDS",
+                   help="wall-clock slice of this invocation: when it ends before --steps, the state is saved and "
+                        "the command fails (exit 3) saying how many steps are done; rerunning resumes. The codec "
+                        "and summary.json are written only when all steps are done (default, or 0: no slice)")
     s.add_argument("--lr", type=float, default=2e-4, help="AdamW peak learning rate (paper §V-A: 2e-4)")
     s.add_argument("--data", default="text", choices=["text", "tasks"],
                    help="text: packed corpus windows (the paper's kind of data); tasks: the zoo LM's own task mixture")
-    s.add_argument("--finish", action="store_true",
-                   help="save the codec also when --budget-s stops training early (summary.json says how many "
-                        "steps ran); without it only a finished run saves codec/")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--threads", type=_positive_int, default=1)
     s.set_defaults(func=_codec_train)

@@ -320,13 +320,15 @@ def _rkv_plan():
         shape = known_model_shape(section["model"], MODELS[section["model"]],
                                   None if is_zoo(section["model"]) else model_dir(section["model"]))
         check_table_i(section["model"], MODELS[section["model"]], shape)
-        return RKVPlan(section, PROFILE, shape, zoo=is_zoo(section["model"]))
+        return RKVPlan(section, PROFILE, shape, zoo=is_zoo(section["model"]), seed=SEED,
+                       model_dir=model_dir(section["model"]))
     except ValueError as e:
         raise ValueError(f"config residualkv: {e}") from e
 
 
 RKV = _rkv_plan()
 RKV_RUNS = RKV.run_slugs() if RKV else {}
+RKV_CODECS = RKV.codec_names() if RKV else {}  # "<variant>-<recipe hash>" -> variant (codecs/ directory names)
 RKV_TABLES = ["tableIII", "tableVI", "tableVII", "tableVIII"]
 
 
@@ -369,8 +371,9 @@ def rkv_run_inputs(target):
 
 
 def rkv_report_spec():
-    return json.dumps({"profile": PROFILE, "residualkv": config["residualkv"], "zoo": is_zoo(config["residualkv"]["model"])},
-                      sort_keys=True)
+    model = config["residualkv"]["model"]
+    return json.dumps({"profile": PROFILE, "residualkv": config["residualkv"], "zoo": is_zoo(model), "seed": SEED,
+                       "model_dir": model_dir(model)}, sort_keys=True)
 
 
 def rkv_variant_summaries(variants):

@@ -1,7 +1,8 @@
 # ResidualKV (issue #4): codec training, compression runs, tables and figures.
 #
 #   rkv_codec       one per codec variant: `kvbench codec-train` on the frozen zoo LM
-#                   -> codecs/<profile>/<model>/<variant>/{codec/,curves.csv,summary.json} (state/ resumes)
+#                   -> codecs/<profile>/<model>/<variant>-<recipe hash>/{codec/,curves.csv,summary.json} (state/ resumes;
+#                   the hash covers what determines the weights, so a config change trains into a new directory)
 #   rkv_eval        one per task x press spec: `kvbench eval` -> results/runs/<profile>/<model>/<task>/residualkv/<slug>/
 #   rkv_table       results/residualkv/table{III,VI,VII,VIII}.csv
 #   rkv_fig5, rkv_codec_figures (fig10, fig11, fig12)   figures/residualkv/fig<N>.pdf (+ results/residualkv/fig<N>.csv)
@@ -13,34 +14,39 @@
 
 
 rule rkv_codec:
+    """One codec; `{codec}` is `<variant>-<recipe hash>` of a configured variant (RKVPlan.codec_dir). A job whose
+    `slice_s` ends first saves its state and fails (exit 3); rerunning resumes. `slice_s` is a resource, not a
+    param, so changing it never reruns a finished codec."""
     input:
         model=lambda wc: os.path.join(model_dir(wc.model), "config.json"),
     output:
-        codec="codecs/{profile}/{model}/{variant}/codec/codec.json",
-        summary="codecs/{profile}/{model}/{variant}/summary.json",
+        codec="codecs/{profile}/{model}/{codec}/codec/codec.json",
+        summary="codecs/{profile}/{model}/{codec}/summary.json",
+    wildcard_constraints:
+        codec=alternation(RKV_CODECS),
     params:
         model=lambda wc: model_dir(wc.model),
-        out=lambda wc: rkv_plan().codec_dir(wc.variant),
-        overrides=lambda wc: json.dumps(rkv_plan().codec_overrides(wc.variant), sort_keys=True),
-        train=lambda wc: rkv_plan().codec_training(wc.variant),
+        out=lambda wc, output: os.path.dirname(output.summary),
+        overrides=lambda wc: json.dumps(rkv_plan().codec_overrides(RKV_CODECS[wc.codec]), sort_keys=True),
+        train=lambda wc: rkv_plan().codec_training(RKV_CODECS[wc.codec]),
         seed=SEED,
     log:
-        "logs/residualkv/codec/{profile}/{model}/{variant}.log",
+        "logs/residualkv/codec/{profile}/{model}/{codec}.log",
     benchmark:
-        "benchmarks/residualkv/codec/{profile}/{model}/{variant}.tsv"
+        "benchmarks/residualkv/codec/{profile}/{model}/{codec}.tsv"
     threads: 2
     resources:
         mem_mb=model_resource("mem_mb", 8000, 64000),
-        runtime=lambda wc: 30 + int(rkv_plan().codec_training(wc.variant)["budget_s"]) // 60,  # minutes: the cap + load/save
+        runtime=lambda wc: rkv_plan().codec_runtime_min(RKV_CODECS[wc.codec]),  # minutes: slice + load/save, or estimate
+        slice_s=lambda wc: rkv_plan().codec_slice_s(RKV_CODECS[wc.codec]) or 0,  # seconds; 0: no slice
         gpu=0,  # codec-train runs on the CPU (float32); see README, "config/paper.yaml"
     conda:
         "../../envs/kvbench.yaml"
     shell:
         "kvbench codec-train --model {params.model:q} --out {params.out:q} --overrides {params.overrides:q}"
         " --objective {params.train[objective]} --steps {params.train[steps]} --seq-len {params.train[seq_len]}"
-        " --budget-s {params.train[budget_s]} --lr {params.train[lr]} --data {params.train[data]} --seed {params.seed}"
-        " --threads {threads}"
-        " --finish > {log} 2>&1"
+        " --slice-s {resources.slice_s} --lr {params.train[lr]} --data {params.train[data]} --seed {params.seed}"
+        " --threads {threads} > {log} 2>&1"
 
 
 rule rkv_eval:

@@ -105,8 +105,8 @@ def score_table(plan: RKVPlan, target: str, root: str | Path = ".", model_shape:
 
 
 def _model_shape(plan: RKVPlan, root: str | Path) -> tuple[int, int]:
-    cfg = json.loads((Path(root) / "zoo" / plan.model / "config.json").read_text()) if (
-        Path(root) / "zoo" / plan.model / "config.json").is_file() else None
+    path = Path(root) / (plan.model_dir or Path("zoo", plan.model)) / "config.json"
+    cfg = json.loads(path.read_text()) if path.is_file() else None
     if cfg is None:
         codec = json.loads((Path(root) / plan.codec_dir("main") / "codec" / "codec.json").read_text())
         return codec["n_layers"], codec["d_kv"]
@@ -162,6 +162,9 @@ def report(target: str, spec: str | dict, out: str | Path, root: str | Path = ".
            raw: str | Path | None = None) -> None:
     """Entry point of ``kvbench report residualkv-<target>``.
 
+    ``spec``: ``{profile, residualkv, zoo, seed, model_dir}`` (``common.smk``'s ``rkv_report_spec``); the codec
+    figures need ``seed`` and ``model_dir`` to find the codec directories (:meth:`RKVPlan.codec_dir`).
+
     ``raw`` is Fig. 11's throughput CSV (``kvbench bench rkv-variants``); other targets take none.
 
     Raises:
@@ -177,7 +180,8 @@ def report(target: str, spec: str | dict, out: str | Path, root: str | Path = ".
             raise ValueError(f"--residualkv must be JSON {{profile, residualkv}}, got {spec[:80]!r} ({e.msg})") from e
     if raw is not None and target != "fig11":
         raise ValueError(f"--raw is not read by residualkv-{target} (only fig11's throughput CSV, fig6, fig8)")
-    plan = RKVPlan(spec["residualkv"], spec["profile"], zoo=spec.get("zoo", True))
+    plan = RKVPlan(spec["residualkv"], spec["profile"], zoo=spec.get("zoo", True), seed=spec.get("seed"),
+                   model_dir=spec.get("model_dir"))
     if target == "fig11":
         rkv_figures.fig11(plan, out, out_csv, root, throughput=raw)
     elif target in TITLES:

@@ -64,7 +64,7 @@ def fig5(plan: RKVPlan, out: str | Path, out_csv: str | Path, root: str | Path =
 
 
 def _variant_file(plan: RKVPlan, variant: str, name: str, fig: str, root: str | Path) -> Path:
-    """``codecs/.../<variant>/<name>``, or a FileNotFoundError naming the figure that needs the variant."""
+    """``codecs/.../<variant>-<recipe>/<name>``, or a FileNotFoundError naming the figure that needs the variant."""
     path = Path(root) / plan.codec_dir(variant) / name
     if not path.is_file():
         raise FileNotFoundError(f"{fig} needs codec variant {variant!r}, but {path} is missing (train it: "
@@ -72,21 +72,29 @@ def _variant_file(plan: RKVPlan, variant: str, name: str, fig: str, root: str | 
     return path
 
 
-def _summaries(plan: RKVPlan, variants: list[str], fig: str, root: str | Path) -> tuple[dict[str, dict], list[str]]:
-    """Each variant's training ``summary.json`` and the note lines that flag unequal training: the figures
-    compare codecs at matched steps (paper §V-C), so a variant stopped early by its ``budget_s`` cap is said."""
-    summaries = {v: json.loads(_variant_file(plan, v, "summary.json", fig, root).read_text()) for v in variants}
-    steps = {v: s.get("steps_done") for v, s in summaries.items()}
-    notes = []
-    if len(set(steps.values())) > 1:
-        notes.append("# UNEQUAL TRAINING: steps done per variant " + ", ".join(f"{v} {n}" for v, n in steps.items())
-                     + " (a budget_s cap was reached); final losses are not at matched steps")
-    return summaries, notes
+def _summaries(plan: RKVPlan, variants: list[str], fig: str, root: str | Path) -> dict[str, dict]:
+    """Each variant's training ``summary.json``. ``kvbench codec-train`` writes one only when all steps are
+    done, and the plan gives a figure's variants equal steps (paper §V-C compares them at matched steps).
+
+    Raises:
+        FileNotFoundError: a variant's summary is missing.
+        ValueError: a summary of an unfinished codec (``finished: false``, written by an older kvbench).
+    """
+    summaries = {}
+    for v in variants:
+        path = _variant_file(plan, v, "summary.json", fig, root)
+        summary = json.loads(path.read_text())
+        if summary.get("finished") is False:
+            raise ValueError(f"{path}: an unfinished codec ({summary.get('steps_done')} of {summary.get('steps')} steps, "
+                             f"written by an older kvbench's budget cap); {fig} compares finished codecs only: "
+                             f"delete {path.parent} and rerun")
+        summaries[v] = summary
+    return summaries
 
 
 def _curve_figure(plan, variants, labels, title, out, out_csv, root) -> pd.DataFrame:
     fig_name = title.split(" (")[0]
-    summaries, notes = _summaries(plan, variants, fig_name, root)
+    summaries = _summaries(plan, variants, fig_name, root)
     frames = []
     for v in variants:
         d = pd.read_csv(_variant_file(plan, v, "curves.csv", fig_name, root))
@@ -94,7 +102,7 @@ def _curve_figure(plan, variants, labels, title, out, out_csv, root) -> pd.DataF
     df = pd.concat(frames, ignore_index=True)
     ev = df.dropna(subset=["eval_ntp"])
     write_csv(ev[["variant", "params", "step", "eval_ntp", "eval_rec", "ntp", "rec"]],
-              plan.header(title) + ["# eval_*: 4 held-out windows of the corpus 'test' split"] + notes, out_csv)
+              plan.header(title) + ["# eval_*: 4 held-out windows of the corpus 'test' split"], out_csv)
     fig, axes = plt.subplots(1, 2, figsize=(8, 3.2))
     for v in variants:
         d = ev[ev["variant"] == v]
@@ -106,7 +114,7 @@ def _curve_figure(plan, variants, labels, title, out, out_csv, root) -> pd.DataF
     for ax in axes:
         ax.set_xlabel("training step")
         ax.legend(fontsize=7)
-    fig.suptitle(f"{title}: {SMOKE_NOTE}" + ("\nUNEQUAL TRAINING STEPS (see CSV)" if notes else ""), fontsize=8)
+    fig.suptitle(f"{title}: {SMOKE_NOTE}", fontsize=8)
     _save(fig, out)
     return ev
 
@@ -131,8 +139,8 @@ def fig11(plan: RKVPlan, out, out_csv, root=".", throughput: str | Path | None =
     """
     from kvbench.compress.residualkv.codec import CodecConfig
 
-    summaries, unequal = _summaries(plan, FIGURE_VARIANTS["fig11"], "Fig. 11", root)
-    notes = list(unequal)
+    summaries = _summaries(plan, FIGURE_VARIANTS["fig11"], "Fig. 11", root)
+    notes = []
     rows = []
     for param, variants in FIG11_PANELS.items():
         for v in variants:
@@ -142,7 +150,7 @@ def fig11(plan: RKVPlan, out, out_csv, root=".", throughput: str | Path | None =
             value = getattr(cfg, {"s": "stride"}.get(param, param))
             final = summary.get("eval_final") or {}
             rows.append({"parameter": param, "value": value, "variant": v, "params": summary.get("codec_params"),
-                         "steps": summary.get("steps_done"), "eval_ntp": final.get("eval_ntp"),
+                         "steps": summary["steps"], "eval_ntp": final.get("eval_ntp"),
                          "eval_rec": final.get("eval_rec"), "default": v == DEFAULT_VARIANT})
     df = pd.DataFrame(rows)
     if throughput is not None:
@@ -168,8 +176,7 @@ def fig11(plan: RKVPlan, out, out_csv, root=".", throughput: str | Path | None =
             ax.plot(dd["value"], dd[col], "o", color="red")
             ax.set_xlabel(param)
             ax.set_ylabel(label)
-    fig.suptitle(f"Fig. 11 (smoke; red = default; throughput on a random-weight timing LM): {SMOKE_NOTE}"
-                 + ("\nUNEQUAL TRAINING STEPS (see CSV)" if unequal else ""), fontsize=8)
+    fig.suptitle(f"Fig. 11 (smoke; red = default; throughput on a random-weight timing LM): {SMOKE_NOTE}", fontsize=8)
     _save(fig, out)
     return df
 

@@ -5,8 +5,11 @@ the same :class:`RKVPlan`, so paths cannot drift apart.
 
 Layout:
 
-- codec variants: ``codecs/<profile>/<model>/<variant>/`` (``codec/``, ``curves.csv``, ``summary.json``);
-  ``main`` is the codec of the tables; the others feed Figs. 10-12 (and Table VIII);
+- codec variants: ``codecs/<profile>/<model>/<variant>-<recipe>/`` (``codec/``, ``curves.csv``, ``summary.json``,
+  their ``*.timing.*`` wall-clock, ``state/``), ``<recipe>`` the first 8 hex digits of the sha256 of everything that
+  determines the trained weights (:meth:`RKVPlan.codec_recipe`), so a changed config trains into a new directory
+  and never overwrites a finished codec; ``main`` is the codec of the tables; the others feed Figs. 10-12 (and
+  Table VIII);
 - runs: ``results/runs/<profile>/<model>/<task>/residualkv/<slug>/`` (``kvbench eval`` of a press spec,
   :mod:`kvbench.eval.compress`).
 
@@ -15,6 +18,9 @@ A press spec that takes a codec names its variant with ``codec=<variant>`` (defa
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
+import math
 import re
 from dataclasses import dataclass
 
@@ -31,6 +37,12 @@ FIGURE_VARIANTS = {"fig10": ["base", "separate"],
                    "fig11": list(dict.fromkeys(v for vs in FIG11_PANELS.values() for v in vs)),
                    "fig12": ["base", "ntp", "mse"]}
 DEFAULT_VARIANT = "base"
+#: Training keys of a codec recipe (config ``residualkv.train``, overridable per variant); ``slice_s`` is not one
+#: of them: it only cuts invocations, never the work.
+TRAIN_KEYS = ("objective", "steps", "seq_len", "lr", "data")
+#: Codec-training throughput on the zoo LM, tokens/s (main codec: 600 steps x 512 tokens in about 330 s on 2 idle
+#: cores), and the slow-down allowed for a loaded machine: the runtime estimate of a run without a slice.
+ZOO_CODEC_TOKENS_PER_S, LOAD_FACTOR = 930, 4
 #: Profiling figures: config key -> ``kvbench bench`` verb, and the flags the config may set (the rule sets
 #: ``--out``, ``--tokenizer``, ``--threads`` and, for Fig. 11, ``--codecs`` / ``--default`` itself).
 BENCH_FIGURES = {
@@ -42,6 +54,12 @@ BENCH_FIGURES = {
 }
 
 
+def recipe_hash(recipe: dict) -> str:
+    """First 8 hex digits of the sha256 of ``recipe`` as canonical JSON (sorted keys, no spaces)."""
+    text = json.dumps(recipe, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    return hashlib.sha256(text.encode()).hexdigest()[:8]
+
+
 def known_model_shape(model: str, entry: dict, checkpoint_dir: str | None = None) -> tuple[int, int] | None:
     """``(n_layers, d_kv)`` of a config's model before anything is built: a zoo model's from its
     :data:`~kvbench.models.tiny.ZOO` entry, a checkpoint's from its ``config.json`` when the file exists
@@ -50,7 +68,6 @@ def known_model_shape(model: str, entry: dict, checkpoint_dir: str | None = None
     Raises:
         ValueError: ``config.json`` exists but is not JSON or lacks the layer/head fields.
     """
-    import json
     from pathlib import Path
 
     if "zoo" in entry:
@@ -131,14 +148,19 @@ class RKVPlan:
         shape: ``(n_layers, d_kv)`` of the backbone where it is known before anything runs
             (:func:`known_model_shape`); then codec sizes and layer indices are checked against it.
         zoo: the model is a zoo model (the headers say so) rather than a local checkpoint.
+        seed: the config's ``seed`` (codecs are trained with it); needed for codec directories.
+        model_dir: the backbone's checkpoint directory as the workflow names it (``common.smk``'s
+            ``model_dir``); part of each codec's recipe, needed for codec directories.
 
     Raises:
         ValueError: a row's spec is invalid, names a codec variant that is not configured or a layer
             the model does not have; a codec variant's settings are invalid (e.g. ``d_c`` not a
-            multiple of the quantisation group, ``k`` or ``stride`` below 1).
+            multiple of the quantisation group, ``k`` or ``stride`` below 1); the variants of one codec
+            figure train different numbers of steps.
     """
 
-    def __init__(self, section: dict, profile: str, shape: tuple[int, int] | None = None, zoo: bool = True):
+    def __init__(self, section: dict, profile: str, shape: tuple[int, int] | None = None, zoo: bool = True, *,
+                 seed: int | None = None, model_dir: str | None = None):
         missing = [k for k in ("model", "tasks", "codec", "train", "tableIII") if k not in section]
         if missing:
             raise ValueError(f"the residualkv section misses key(s) {missing}")
@@ -149,7 +171,10 @@ class RKVPlan:
         self.variants: dict[str, dict] = {"main": {}, **(section.get("variants") or {})}
         self.shape = shape
         self.zoo = zoo
+        self.seed = seed
+        self.model_dir = model_dir
         self._check_codecs()
+        self._check_figure_steps()
         for fig in BENCH_FIGURES:
             self.bench_args(fig)
         for target in TARGETS:
@@ -180,6 +205,14 @@ class RKVPlan:
                 codec_config_for_shape(*shape, **over)
             except (ValueError, TypeError) as e:
                 raise ValueError(f"codec variant {variant!r} ({over}): {e}") from None
+
+    def _check_figure_steps(self) -> None:
+        """Figs. 10-12 compare codecs at matched steps (paper §V-C): their configured variants train equally long."""
+        for fig, variants in FIGURE_VARIANTS.items():
+            steps = {v: self.codec_training(v).get("steps") for v in variants if v in self.variants}
+            if len(set(steps.values())) > 1:
+                raise ValueError(f"{fig} compares its codec variants at equal training steps, but they train "
+                                 + ", ".join(f"{v} {n}" for v, n in steps.items()) + " steps")
 
     def _check_spec(self, spec: str) -> None:
         from kvbench.compress.registry import PRESSES
@@ -264,16 +297,55 @@ class RKVPlan:
 
     # -- codecs -------------------------------------------------------------------------------------
     def codec_dir(self, variant: str) -> str:
-        return f"codecs/{self.profile}/{self.model}/{variant}"
+        """``codecs/<profile>/<model>/<variant>-<recipe hash>`` (module doc)."""
+        return f"codecs/{self.profile}/{self.model}/{self.codec_name(variant)}"
+
+    def codec_name(self, variant: str) -> str:
+        """``<variant>-<recipe hash>``: the last component of :meth:`codec_dir`."""
+        return f"{variant}-{recipe_hash(self.codec_recipe(variant))}"
+
+    def codec_names(self) -> dict[str, str]:
+        """``{codec_name: variant}`` of every configured variant (the rule's wildcard values)."""
+        return {self.codec_name(v): v for v in self.variants}
+
+    def codec_recipe(self, variant: str) -> dict:
+        """Everything that determines ``variant``'s trained weights: CodecConfig overrides, training keys
+        (:data:`TRAIN_KEYS`), seed and backbone directory; not ``slice_s`` (where invocations are cut).
+
+        Raises:
+            ValueError: the plan was built without ``seed`` or ``model_dir``.
+        """
+        if self.seed is None or self.model_dir is None:
+            raise ValueError("RKVPlan needs seed= and model_dir= to name codec directories (their recipe includes both)")
+        return {"codec": self.codec_overrides(variant), **self.codec_training(variant), "seed": self.seed,
+                "model": str(self.model_dir)}
+
+    def codec_slice_s(self, variant: str) -> int | None:
+        """``slice_s`` of ``variant`` (its own key, else ``train``'s): seconds one invocation of
+        ``kvbench codec-train`` may run before it saves its state and fails, to be rerun; None: no slice."""
+        v = self.variants[variant]
+        return v["slice_s"] if "slice_s" in v else self.s["train"].get("slice_s")
+
+    def codec_runtime_min(self, variant: str) -> int:
+        """Scheduler runtime (minutes) of one ``rkv_codec`` job: the slice plus 30 minutes to load the model,
+        evaluate and save; without a slice, for a zoo model :data:`LOAD_FACTOR` x the measured time of its
+        tokens at :data:`ZOO_CODEC_TOKENS_PER_S` plus 10, for a checkpoint one day (set ``slice_s`` there)."""
+        slice_s = self.codec_slice_s(variant)
+        if slice_s is not None:
+            return math.ceil(slice_s / 60) + 30
+        if not self.zoo:
+            return 24 * 60
+        t = self.codec_training(variant)
+        return math.ceil(LOAD_FACTOR * t["steps"] * t["seq_len"] / ZOO_CODEC_TOKENS_PER_S / 60) + 10
 
     def codec_overrides(self, variant: str) -> dict:
         """CodecConfig fields of ``variant``: the main codec's, updated by the variant's ``overrides``."""
         return {**self.s["codec"], **self.variants[variant].get("overrides", {})}
 
     def codec_training(self, variant: str) -> dict:
-        """``{objective, steps, seq_len, budget_s, lr, data}`` of ``variant`` (the ``train`` section, then its own keys)."""
+        """``{objective, steps, seq_len, lr, data}`` of ``variant`` (its own keys, else the ``train`` section's)."""
         v = self.variants[variant]
-        return {**self.s["train"], **{k: v[k] for k in ("objective", "steps", "seq_len", "budget_s", "lr", "data") if k in v}}
+        return {k: v[k] if k in v else self.s["train"][k] for k in TRAIN_KEYS if k in v or k in self.s["train"]}
 
     def codec_of(self, spec: str) -> str | None:
         """The codec variant a press spec reads (None for presses without a codec)."""

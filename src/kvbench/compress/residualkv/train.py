@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import random
 import time
 from collections.abc import Iterator
@@ -33,7 +32,6 @@ from typing import Any
 import pandas as pd
 import torch
 import torch.nn.functional as F
-from tqdm import tqdm
 
 from kvbench.compress.residualkv.codec import CodecConfig, ResidualCodec, model_kv_shape
 from kvbench.compress.residualkv.references import (
@@ -44,6 +42,7 @@ from kvbench.compress.residualkv.references import (
 from kvbench.train.loop import Interrupted, _Stop
 from kvbench.train.state import load_state, save_state
 from kvbench.utils.io import atomic_path, write_json
+from kvbench.utils.steps import SliceEnded, StepProgress
 
 OBJECTIVES = ("joint", "ntp", "mse")
 #: Share of steps spent warming the learning rate up (paper §V-A: 2%).
@@ -52,7 +51,7 @@ WARMUP_SHARE = 0.02
 N_VAL_WINDOWS = 4
 #: Seed of the validation windows' document order: fixed, so every run evaluates the same text.
 VAL_SEED = 0
-#: Seconds between state saves (also saved at the end, at a budget stop and on SIGTERM/SIGINT).
+#: Seconds between state saves (also saved at the end, when the slice ends and on SIGTERM/SIGINT).
 SAVE_EVERY_S = 60.0
 
 
@@ -312,44 +311,51 @@ def _model_signature(model: Any) -> dict:
 
 
 def train_codec(model: Any, tokenizer: Any, codec: ResidualCodec, *, out_dir: str | Path, objective: str = "joint",
-                steps: int, seq_len: int = 512, budget_s: float | None = None, seed: int = 0, lr: float = 2e-4,
-                log_every: int = 10, eval_every: int = 50, progress: bool = True, data: str = "text",
-                save_unfinished: bool = False) -> dict:
-    """Train ``codec`` on the frozen ``model`` (paper §IV-D, §V-A), resuming from ``out_dir/state``.
+                steps: int, seq_len: int = 512, slice_s: float | None = None, seed: int = 0, lr: float = 2e-4,
+                log_every: int = 10, eval_every: int = 50, progress: bool = True, data: str = "text") -> dict:
+    """Train ``codec`` on the frozen ``model`` for ``steps`` steps (paper §IV-D, §V-A), resuming from ``out_dir/state``.
 
-    AdamW (lr ``lr``, 2% warm-up then linear decay), gradient clipping at 1.0, batch 1, one packed
-    ``seq_len`` window of the 'train' corpus split per step (:class:`TokenStream`, order from ``seed``).
-    The backbone's parameters are frozen for the call (flags restored after) and never updated;
-    hooks are removed on exit even after an exception.
+    AdamW (lr ``lr``, 2% warm-up then linear decay), gradient clipping at 1.0, batch 1, one sequence per
+    step: window ``i`` of the 'train' split at step ``i`` (:class:`TokenStream` / :class:`TaskStream`, order
+    from ``seed``), so the data does not depend on where a run was interrupted. The backbone's parameters are
+    frozen for the call (flags restored after) and never updated; hooks are removed on exit even after an
+    exception. The weights depend on the seed and the arguments alone (not on ``slice_s`` or on resumes):
+    the state saves codec, AdamW and torch RNG, and the curves rows, so a resumed run continues bit-exactly.
 
-    Writes under ``out_dir``: ``state/`` (codec + AdamW tensors in safetensors, step/config/eval in
-    JSON; nothing pickled), ``curves.csv`` (step, loss, ntp, rec, lr, elapsed_s every ``log_every``
-    steps, plus eval_ntp / eval_rec every ``eval_every`` steps on :data:`N_VAL_WINDOWS` fixed
-    windows of the 'test' split), ``codec/`` (:meth:`ResidualCodec.save`, when all steps are done)
-    and ``summary.json``.
+    Writes under ``out_dir``: ``state/`` (codec + AdamW tensors in safetensors; step, RNG, curve rows in
+    ``meta.json``; nothing pickled) whenever it stops, and only once all ``steps`` are done: ``codec/``
+    (:meth:`ResidualCodec.save`), ``curves.csv`` (step, loss, ntp, rec, lr every ``log_every`` steps, plus
+    eval_ntp / eval_rec every ``eval_every`` steps on :data:`N_VAL_WINDOWS` fixed windows of the 'test'
+    split), ``summary.json`` (written last) and the wall-clock beside them, ``curves.timing.csv`` (step,
+    elapsed_s) and ``summary.timing.json`` (wall_s, steps_per_s), kept out of the files results are built
+    from so that two runs give byte-identical results.
 
     Args:
-        budget_s: stop (state saved) once this many seconds of training have elapsed, summed over
-            resumes; a rerun continues. ``None``: no limit.
+        slice_s: wall-clock seconds this call may train (checked after each step, so at least one step
+            runs); when they are up before ``steps``, the state is saved and :class:`SliceEnded` raised,
+            and a rerun resumes. ``None``: train to the end.
         data: ``"text"`` (packed corpus windows, :class:`TokenStream`) or ``"tasks"`` (:class:`TaskStream`).
-        save_unfinished: also save ``codec/`` when the budget stopped training early (``summary.json``
-            records ``finished: false`` and the steps done).
 
     Returns:
-        the summary dict: steps_done, steps, finished, wall_s, steps_per_s, final_loss/ntp/rec,
-        baseline_ntp (uncompressed model, validation windows), eval_before (fresh codec) and
-        eval_final (the weights at return, finished or stopped by the budget).
+        the summary dict: steps, objective, data, final_loss/ntp/rec (of the last step), baseline_ntp
+        (uncompressed model, validation windows), eval_before (fresh codec), eval_final, n_val_windows,
+        codec_params.
 
     Raises:
-        ValueError: unknown ``objective``, non-positive ``steps``/``seq_len``, ``seq_len`` above the model's
-            ``max_position_embeddings``, ``out_dir`` an existing file, codec not fitting the model, or
-            ``out_dir/state`` written with another configuration.
+        ValueError: unknown ``objective`` or ``data``, non-positive ``steps``/``seq_len``/``slice_s``,
+            ``seq_len`` above the model's ``max_position_embeddings``, ``out_dir`` an existing file, codec not
+            fitting the model, or ``out_dir/state`` written with another configuration.
+        SliceEnded: ``slice_s`` ran out before ``steps`` (state saved; rerun to resume).
         Interrupted: SIGTERM/SIGINT arrived (state saved first; rerun to resume).
     """
     if objective not in OBJECTIVES:
         raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
+    if data not in DATA:
+        raise ValueError(f"data must be one of {sorted(DATA)}, got {data!r}")
     if steps <= 0 or seq_len <= 1:
         raise ValueError(f"steps must be > 0 and seq_len > 1, got steps={steps}, seq_len={seq_len}")
+    if slice_s is not None and not slice_s > 0:
+        raise ValueError(f"slice_s must be a positive number of seconds (or None: no slice), got {slice_s}")
     max_pos = getattr(model.config.get_text_config(), "max_position_embeddings", None)
     if max_pos is not None and seq_len > max_pos:
         raise ValueError(f"seq_len={seq_len} exceeds the model's max_position_embeddings={max_pos}")
@@ -362,19 +368,10 @@ def train_codec(model: Any, tokenizer: Any, codec: ResidualCodec, *, out_dir: st
     modules = {"codec": codec}
     saved = out_dir / "state" / "meta.json"
     if saved.is_file():  # refuse another configuration before loading tensors of other shapes
-        old = json.loads(saved.read_text()).get("run", {})
-        if old != run_cfg:
-            diff = sorted(k for k in run_cfg if old.get(k) != run_cfg[k])
-            diff += sorted(f"codec.{k}" for k in run_cfg["codec"] if old.get("codec", {}).get(k) != run_cfg["codec"][k])
-            raise ValueError(f"{out_dir / 'state'} was written by another configuration (differs in {diff}); "
-                             "use a new out_dir or delete it to start over")
+        _check_same_run(json.loads(saved.read_text()), run_cfg, out_dir)
     meta = load_state(out_dir / "state", modules, opt)
-    if meta is not None and meta["run"] != run_cfg:
-        diff = sorted(k for k in run_cfg if meta["run"].get(k) != run_cfg[k])
-        raise ValueError(f"{out_dir / 'state'} was written by another configuration (differs in {diff}); "
-                         "use a new out_dir or delete it to start over")
-    if data not in DATA:
-        raise ValueError(f"data must be one of {sorted(DATA)}, got {data!r}")
+    if meta is not None:
+        _check_same_run(meta, run_cfg, out_dir)
     stream = DATA[data](tokenizer, "train", seq_len, seed)
     val_stream = DATA[data](tokenizer, "test", seq_len, VAL_SEED)
     val = [val_stream.batch(i) for i in range(N_VAL_WINDOWS)]
@@ -387,11 +384,14 @@ def train_codec(model: Any, tokenizer: Any, codec: ResidualCodec, *, out_dir: st
     try:
         if meta is None:
             meta = {"run": run_cfg, "step": 0, "elapsed_s": 0.0, "baseline_ntp": baseline_ntp(model, val),
-                    "eval_before": evaluate(model, codec, val), "rng": torch.get_rng_state().tolist()}
-        else:
+                    "eval_before": evaluate(model, codec, val), "last": {}, "curves": [], "timing": [],
+                    "rng": torch.Generator().manual_seed(seed).get_state().tolist()}
+        # The training's CPU RNG stream starts from ``seed`` and continues from the state on a resume; the
+        # caller's global RNG is left as it was.
+        with torch.random.fork_rng(devices=[]):
             torch.set_rng_state(torch.tensor(meta["rng"], dtype=torch.uint8))
-        summary = _loop(model, codec, opt, stream, val, meta, out_dir, objective, steps, lr, budget_s,
-                        log_every, eval_every, progress, save_unfinished)
+            summary = _loop(model, codec, opt, stream, val, meta, out_dir, objective, steps, lr, slice_s,
+                            log_every, eval_every, progress)
     finally:
         for n, p in model.named_parameters():
             p.requires_grad_(frozen[n])
@@ -399,28 +399,37 @@ def train_codec(model: Any, tokenizer: Any, codec: ResidualCodec, *, out_dir: st
     return summary
 
 
-def _loop(model, codec, opt, stream, val, meta, out_dir, objective, steps, lr, budget_s,
-          log_every, eval_every, progress, save_unfinished=False) -> dict:
-    """The step loop of :func:`train_codec` (state in ``meta``)."""
-    curves_path = out_dir / "curves.csv"
-    rows = []
+def _check_same_run(meta: dict, run_cfg: dict, out_dir: Path) -> None:
+    """Refuse a state written by another configuration (or by a kvbench without curve rows in its state)."""
+    old = meta.get("run", {})
+    if old != run_cfg:
+        diff = sorted(k for k in run_cfg if old.get(k) != run_cfg[k])
+        diff += sorted(f"codec.{k}" for k in run_cfg["codec"] if old.get("codec", {}).get(k) != run_cfg["codec"][k])
+        raise ValueError(f"{out_dir / 'state'} was written by another configuration (differs in {diff}); "
+                         "use a new out_dir or delete it to start over")
+    if "curves" not in meta:
+        raise ValueError(f"{out_dir / 'state'} was written by an older kvbench (no curve rows in its meta.json); "
+                         "delete it to start over")
+
+
+def _loop(model, codec, opt, stream, val, meta, out_dir, objective, steps, lr, slice_s,
+          log_every, eval_every, progress) -> dict:
+    """The step loop of :func:`train_codec` (state in ``meta``); writes the final files once ``steps`` are done."""
     done = meta["step"]
-    if done and curves_path.exists():
-        rows = pd.read_csv(curves_path).query(f"step <= {done}").to_dict("records")
+    rows, timing = meta["curves"], meta["timing"]
     t0, elapsed0 = time.monotonic(), meta["elapsed_s"]
     last_save = t0
-    step, last = done, meta.get("last", {})
+    step, last = done, meta["last"]
     evals: dict[int, dict] = {}  # step -> eval result, so the final eval is not run twice
+    bar = StepProgress(f"codec {out_dir.name}", steps, done) if progress else None
 
     def save() -> None:
-        meta.update(step=step, last=last, elapsed_s=elapsed0 + time.monotonic() - t0, rng=torch.get_rng_state().tolist())
+        meta.update(step=step, last=last, elapsed_s=elapsed0 + time.monotonic() - t0,
+                    rng=torch.get_rng_state().tolist())
         save_state(out_dir / "state", {"codec": codec}, opt, meta)
-        with atomic_path(curves_path) as tmp:
-            pd.DataFrame(rows).to_csv(tmp, index=False)
 
     codec.train()
-    with _Stop() as stop, tqdm(total=steps, initial=done, desc=f"codec {out_dir.name}", unit="step",
-                               disable=not progress) as bar:
+    with _Stop() as stop:
         while step < steps:
             for group in opt.param_groups:
                 group["lr"] = lr_at(step, steps, lr)
@@ -434,39 +443,41 @@ def _loop(model, codec, opt, stream, val, meta, out_dir, objective, steps, lr, b
             opt.step()
             step += 1
             last = {"loss": loss.item(), "ntp": ntp.item(), "rec": rec.item()}
-            bar.update(1)
-            bar.set_postfix(ntp=f"{last['ntp']:.3f}", rec=f"{last['rec']:.4f}")
-            elapsed = elapsed0 + time.monotonic() - t0
+            if bar is not None:
+                bar.update(step, ntp=last["ntp"], rec=last["rec"])
             is_eval = eval_every > 0 and (step % eval_every == 0 or step == steps)
             if step % log_every == 0 or step == steps or is_eval or step == 1:
-                row = {"step": step, **last, "lr": opt.param_groups[0]["lr"], "elapsed_s": round(elapsed, 3),
-                       "eval_ntp": math.nan, "eval_rec": math.nan}
+                row = {"step": step, **last, "lr": opt.param_groups[0]["lr"], "eval_ntp": None, "eval_rec": None}
                 if is_eval:
                     codec.eval()
                     evals[step] = evaluate(model, codec, val)
                     row.update(evals[step])
                     codec.train()
                 rows.append(row)
+                timing.append({"step": step, "elapsed_s": round(elapsed0 + time.monotonic() - t0, 3)})
             if stop.requested:
                 save()
                 raise Interrupted(f"codec training interrupted at step {step}; state saved in {out_dir / 'state'}")
-            if budget_s is not None and elapsed >= budget_s and step < steps:
-                break
+            if slice_s is not None and step < steps and time.monotonic() - t0 >= slice_s:
+                save()
+                raise SliceEnded(f"training codec {out_dir}", step, steps, str(out_dir / "state"), slice_s)
             if time.monotonic() - last_save >= SAVE_EVERY_S:
                 save()
                 last_save = time.monotonic()
-    save()
+    if step > done:
+        save()
     codec.eval()
-    finished = step >= steps
-    wall = meta["elapsed_s"]
-    summary = {"steps_done": step, "steps": steps, "finished": finished, "objective": objective,
-               "data": meta["run"].get("data", "text"),
-               "wall_s": round(wall, 2), "steps_per_s": round(step / wall, 3) if wall > 0 else None,
-               "final_loss": last.get("loss"), "final_ntp": last.get("ntp"), "final_rec": last.get("rec"),
+    summary = {"steps": steps, "objective": objective, "data": meta["run"]["data"],
+               "final_loss": last["loss"], "final_ntp": last["ntp"], "final_rec": last["rec"],
                "baseline_ntp": meta["baseline_ntp"], "eval_before": meta["eval_before"],
                "eval_final": evals.get(step) or evaluate(model, codec, val),
                "n_val_windows": len(val), "codec_params": codec.n_params()}
-    if finished or save_unfinished:
-        codec.save(out_dir / "codec")
-    write_json(out_dir / "summary.json", summary)
+    wall = meta["elapsed_s"]
+    codec.save(out_dir / "codec")
+    for name, table in (("curves.csv", rows), ("curves.timing.csv", timing)):
+        with atomic_path(out_dir / name) as tmp:
+            pd.DataFrame(table).to_csv(tmp, index=False)
+    write_json(out_dir / "summary.timing.json",
+               {"wall_s": round(wall, 2), "steps_per_s": round(steps / wall, 3) if wall > 0 else None})
+    write_json(out_dir / "summary.json", summary)  # last: the rule's output says everything is there
     return summary
