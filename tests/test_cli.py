@@ -16,7 +16,7 @@ from kvbench.cli import main
     (["data", "--task", "nope", "--tokenizer", "x", "--out", "o"], "nope"),
     (["report", "zoo-figure", "--out", "x.png"], "must end in .pdf"),
     (["train", "--model", "tiny-qwen2-lm", "--tokenizer", "x", "--out", "o", "--workdir", "w", "--slice-s", "-5"],
-     "slice_s must be a positive number of seconds (or None), got -5.0"),
+     "slice_s must be a positive number of seconds (or None: no slice), got -5.0"),
     (["train", "--model", "tiny-qwen2-lm", "--tokenizer", "x", "--out", "o", "--workdir", "w",
       "--floors", '{"niah_1k": 1.5}'], "skill floor of 'niah_1k' must be a number in [0, 1], got 1.5"),
     (["train", "--model", "tiny-qwen2-lm", "--tokenizer", "nowhere", "--out", "o", "--workdir", "w"],

@@ -86,7 +86,7 @@ def test_configfile_replaces_the_default(tmp_path):
     cfg = load(CI_CONFIG)
     assert planned_jobs(r.stdout)["data"] == len(cfg["datasets"])
     assert "niah_4k" not in r.stdout
-    assert "steps_scale" in r.stdout and "--slice-s" not in r.stdout
+    assert "steps_scale" in r.stdout and "--slice-s 0 " in r.stdout
     assert "results/runs/ci/" in r.stdout and "zoo/ci/tiny-qwen2-lm-" in r.stdout and "results/ci/zoo.csv" in r.stdout
 
 

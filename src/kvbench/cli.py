@@ -66,7 +66,7 @@ def _train(a: argparse.Namespace) -> None:
     floors = _json_object(a.floors, "--floors")
     summary = train_zoo_model(
         a.model, tokenizer_dir=a.tokenizer, out_dir=a.out, workdir=a.workdir,
-        slice_s=a.slice_s, seed=a.seed, threads=a.threads, overrides=overrides,
+        slice_s=a.slice_s or None, seed=a.seed, threads=a.threads, overrides=overrides,
         floors=floors, val_n=a.val_n, feeds=a.feeds,
     )
     print(json.dumps(summary, indent=2, default=str))
@@ -245,7 +245,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--workdir", required=True, help="resumable training state, loss curves")
     s.add_argument("--slice-s", type=float, default=None,
                    help="end this invocation after this many wall-clock seconds (state saved, exit 3); "
-                        "rerunning resumes. Training always runs every step of the recipe")
+                        "rerunning resumes. Training always runs every step of the recipe (default, or 0: no slice)")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--threads", type=_positive_int, default=2)
     s.add_argument("--overrides", default="", help="JSON object of training-recipe overrides")

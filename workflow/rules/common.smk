@@ -138,13 +138,14 @@ def train_overrides(model):
 
 
 def model_feeds(model):
-    """The targets that read ``model``, named when its skill floor fails (kvbench.train.floors)."""
-    feeds = [f"results/{PROFILE}/zoo.csv"]
-    if model in config.get("conduit", {}).get("models", []):
-        feeds.append("the CONDUIT tables (results/conduit/)")
-    if config.get("residualkv", {}).get("model") == model:
-        feeds.append("the ResidualKV tables and figures (results/residualkv/)")
-    return ", ".join(feeds)
+    """The targets a zoo model of this kind feeds, named when its skill floor fails (kvbench.train.floors).
+
+    From the model's kind only: a param that followed the conduit/residualkv sections would rerun
+    (and first delete) a finished model whenever those sections change.
+    """
+    kind = {"lm": "ResidualKV Tables III, VI-VIII and Figs. 5, 10-12 (when it is residualkv.model)",
+            "vlm": "CONDUIT Tables 1, 2, 4, 5, the staleness gap and Fig. 3 (when it is in conduit.models)"}
+    return f"results/{PROFILE}/zoo.csv and {kind[MODELS[model]['kind']]}"
 
 
 def run_dir(model, task, method):

@@ -25,7 +25,6 @@ rule train:
         out=lambda wc, output: os.path.dirname(output.config),
         workdir=lambda wc, output: os.path.dirname(output.summary),
         tokenizer=lambda wc, input: os.path.dirname(input.tokenizer),
-        slice=lambda wc: [] if MODELS[wc.model]["zoo"]["slice_s"] is None else ["--slice-s", MODELS[wc.model]["zoo"]["slice_s"]],
         seed=SEED,
         overrides=lambda wc: train_overrides(wc.model),
         floors=lambda wc: json.dumps(MODELS[wc.model]["zoo"]["floors"], sort_keys=True),
@@ -40,10 +39,12 @@ rule train:
         mem_mb=8000,
         runtime=lambda wc: MODELS[wc.model]["zoo"]["runtime_min"],
         gpu=0,
+        # A resource, not a param: changing the slice must not rerun (and first delete) a finished model.
+        slice_s=lambda wc: MODELS[wc.model]["zoo"]["slice_s"] or 0,  # seconds; 0: no slice
     conda:
         "../../envs/kvbench.yaml"
     shell:
         "kvbench train --model {wildcards.model:q} --tokenizer {params.tokenizer:q} --out {params.out:q}"
-        " --workdir {params.workdir:q} {params.slice:q} --seed {params.seed} --threads {threads}"
+        " --workdir {params.workdir:q} --slice-s {resources.slice_s} --seed {params.seed} --threads {threads}"
         " --overrides {params.overrides:q} --floors {params.floors:q} --val-n {params.val_n}"
         " --feeds {params.feeds:q} 2>&1 | tee {log:q}"

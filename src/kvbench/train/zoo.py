@@ -64,7 +64,7 @@ def train_zoo_model(
         FileNotFoundError: ``tokenizer_dir`` is not a directory.
     """
     if slice_s is not None and not slice_s > 0:
-        raise ValueError(f"slice_s must be a positive number of seconds (or None), got {slice_s!r}")
+        raise ValueError(f"slice_s must be a positive number of seconds (or None: no slice), got {slice_s!r}")
     check_floor_values(floors or {})  # before training, not after it
     spec = zoo_spec(name)
     phases = apply_overrides(RECIPES[spec.kind](), overrides or {})
