@@ -11,6 +11,7 @@ rule report_zoo:
             "results/smoke/zoo.csv",
             caption="../report/zoo_table.rst",
             category="Smoke suite",
+            subcategory="Tables",
         ),
     params:
         runs=[run_dir(m, t, k) for m, t, k in matrix_cells(methods=["full"])],
@@ -39,6 +40,7 @@ rule report_zoo_figure:
             "figures/smoke/zoo_training.pdf",
             caption="../report/zoo_training.rst",
             category="Smoke suite",
+            subcategory="Figures",
         ),
     params:
         train=[train_dir(m) for m in ZOO_MODELS],
