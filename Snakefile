@@ -61,7 +61,8 @@ localrules:
     all,
 
 
+# `snakemake --report report.html` reports what has been built (common.smk, "The report").
 rule all:
     default_target: True
     input:
-        default_targets(),
+        built_report_files() if report_only() else default_targets(),

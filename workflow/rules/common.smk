@@ -9,6 +9,7 @@ JSONL files on disk (`jsonl:`). Relative local paths are under `paths.root`.
 import json
 import os
 import re
+import sys
 
 PROFILE = config["profile"]
 SEED = config["seed"]
@@ -404,3 +405,49 @@ def rkv_default_variant():
     from kvbench.report.rkv_plan import DEFAULT_VARIANT
 
     return DEFAULT_VARIANT
+
+
+# --- The report (`snakemake --report report.html`) ----------------------------------------------
+
+def report_only():
+    """Whether this invocation only writes the report (`--report [FILE]` without `--report-after-run`).
+
+    Snakemake refuses a report whose DAG holds a report-marked file that does not exist, and the DAG
+    of `--report` is that of the targets (`all` by default). So `all` then asks for what has been
+    built (:func:`built_report_files`) instead of what a run builds. Snakemake does not tell a
+    Snakefile its mode, so the command line is read (the Python API is not seen here).
+    """
+    args = sys.argv[1:]
+    return "--report-after-run" not in args and any(a == "--report" or a.startswith("--report=") for a in args)
+
+
+def report_items():
+    """Every table and figure this config can build, each with the report-marked files its DAG also holds.
+
+    A figure and the CSV of its numbers come from one job; Figs. 6 and 8 read their measurement CSV,
+    Fig. 11 its throughput CSV. Short-name copies (targets.smk) are not listed: they repeat these.
+    """
+    items = [[f] for f in zoo_report_targets()] if ZOO_MODELS else []
+    if CONDUIT:
+        items += [[f] for f in conduit_targets() if f.endswith(".csv")]
+        items.append(["figures/conduit/fig3.pdf", "results/conduit/fig3.csv"])
+    if "conduit_latency" in config:
+        items.append(["results/conduit/table3.csv"])
+    if RKV:
+        items += [[f"results/residualkv/{t}.csv"] for t in RKV_TABLES]
+        items += [["results/residualkv/fig11_throughput.csv"]]
+        for n in RESIDUALKV_ONLY_FIGURES:
+            item = [f"figures/residualkv/fig{n}.pdf", f"results/residualkv/fig{n}.csv"]
+            items += [item + (["results/residualkv/fig11_throughput.csv"] if n == "11" else [])]
+            if n in ("6", "8"):
+                items.append([f"results/residualkv/fig{n}.csv"])
+    return items
+
+
+def built_report_files():
+    """The files of every :func:`report_items` entry whose files all exist (input of `all` under `--report`)."""
+    files = []
+    for item in report_items():
+        if all(os.path.exists(f) for f in item):
+            files += [f for f in item if f not in files]
+    return files

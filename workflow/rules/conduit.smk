@@ -73,7 +73,12 @@ rule conduit_table:
     input:
         lambda wc: conduit_run_inputs(wc.table)(wc),
     output:
-        "results/conduit/{table}.csv",
+        report(
+            "results/conduit/{table}.csv",
+            caption="../report/conduit_table.rst",
+            category="CONDUIT",
+            subcategory="Tables",
+        ),
     wildcard_constraints:
         table=alternation(CONDUIT_TABLES),
     params:
@@ -97,7 +102,12 @@ rule conduit_gap:
     input:
         conduit_run_inputs("gap"),
     output:
-        "results/conduit/staleness_gap.csv",
+        report(
+            "results/conduit/staleness_gap.csv",
+            caption="../report/conduit_staleness_gap.rst",
+            category="CONDUIT",
+            subcategory="Tables",
+        ),
     params:
         spec=lambda wc: conduit_report_spec("gap"),
     log:
@@ -119,8 +129,18 @@ rule conduit_fig3:
     input:
         conduit_run_inputs("fig3"),
     output:
-        pdf=report("figures/conduit/fig3.pdf", caption="../report/conduit_fig3.rst", category="CONDUIT"),
-        csv="results/conduit/fig3.csv",
+        pdf=report(
+            "figures/conduit/fig3.pdf",
+            caption="../report/conduit_fig3.rst",
+            category="CONDUIT",
+            subcategory="Figures",
+        ),
+        csv=report(
+            "results/conduit/fig3.csv",
+            caption="../report/conduit_fig3_data.rst",
+            category="CONDUIT",
+            subcategory="Figure data",
+        ),
     params:
         spec=lambda wc: conduit_report_spec("fig3"),
     log:

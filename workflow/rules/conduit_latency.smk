@@ -42,6 +42,7 @@ rule conduit_table3:
             "results/conduit/table3.csv",
             caption="../report/conduit_table3.rst",
             category="CONDUIT",
+            subcategory="Tables",
         ),
     params:
         profile=PROFILE,

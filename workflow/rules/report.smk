@@ -11,6 +11,7 @@ rule report_zoo:
             "results/{profile}/zoo.csv",
             caption="../report/zoo_table.rst",
             category="Smoke suite",
+            subcategory="Tables",
         ),
         timing="results/{profile}/zoo.timing.csv",
     params:
@@ -41,6 +42,7 @@ rule report_zoo_figure:
             "figures/{profile}/zoo_training.pdf",
             caption="../report/zoo_training.rst",
             category="Smoke suite",
+            subcategory="Figures",
         ),
     params:
         train=[train_dir(m) for m in ZOO_MODELS],

@@ -86,7 +86,12 @@ rule rkv_table:
     input:
         lambda wc: rkv_run_inputs(wc.table)(wc),
     output:
-        "results/residualkv/{table}.csv",
+        report(
+            "results/residualkv/{table}.csv",
+            caption="../report/rkv_table.rst",
+            category="ResidualKV",
+            subcategory="Tables",
+        ),
     wildcard_constraints:
         table=alternation(RKV_TABLES),
     params:
@@ -110,8 +115,18 @@ rule rkv_fig5:
     input:
         rkv_run_inputs("fig5"),
     output:
-        pdf="figures/residualkv/fig5.pdf",
-        csv="results/residualkv/fig5.csv",
+        pdf=report(
+            "figures/residualkv/fig5.pdf",
+            caption="../report/rkv_fig5.rst",
+            category="ResidualKV",
+            subcategory="Figures",
+        ),
+        csv=report(
+            "results/residualkv/fig5.csv",
+            caption="../report/rkv_fig5_data.rst",
+            category="ResidualKV",
+            subcategory="Figure data",
+        ),
     params:
         spec=lambda wc: rkv_report_spec(),
     log:
@@ -134,8 +149,18 @@ rule rkv_codec_figures:
         summaries=lambda wc: rkv_variant_summaries(rkv_figure_variants(wc.fig))(wc),
         throughput=lambda wc: ["results/residualkv/fig11_throughput.csv"] if wc.fig == "fig11" else [],
     output:
-        pdf="figures/residualkv/{fig}.pdf",
-        csv="results/residualkv/{fig}.csv",
+        pdf=report(
+            "figures/residualkv/{fig}.pdf",
+            caption="../report/rkv_codec_figure.rst",
+            category="ResidualKV",
+            subcategory="Figures",
+        ),
+        csv=report(
+            "results/residualkv/{fig}.csv",
+            caption="../report/rkv_codec_figure_data.rst",
+            category="ResidualKV",
+            subcategory="Figure data",
+        ),
     wildcard_constraints:
         fig="fig10|fig11|fig12",
     params:
@@ -163,7 +188,12 @@ rule rkv_variant_throughput:
         codecs=lambda wc: [f"{rkv_plan().codec_dir(v)}/codec/codec.json" for v in rkv_figure_variants("fig11")],
         tokenizer=f"{TOKENIZER_DIR}/tokenizer.json",
     output:
-        "results/residualkv/fig11_throughput.csv",
+        report(
+            "results/residualkv/fig11_throughput.csv",
+            caption="../report/rkv_fig11_throughput.rst",
+            category="ResidualKV",
+            subcategory="Figure data",
+        ),
     params:
         codecs=lambda wc, input: " ".join(f"{v}={os.path.dirname(c)}" for v, c in zip(rkv_figure_variants("fig11"), input.codecs)),
         tokenizer=lambda wc, input: os.path.dirname(input.tokenizer),
@@ -201,7 +231,12 @@ rule rkv_throughput:
     input:
         tokenizer=f"{TOKENIZER_DIR}/tokenizer.json",
     output:
-        "results/residualkv/fig8.csv",
+        report(
+            "results/residualkv/fig8.csv",
+            caption="../report/rkv_fig8_data.rst",
+            category="ResidualKV",
+            subcategory="Figure data",
+        ),
     params:
         tokenizer=lambda wc, input: os.path.dirname(input.tokenizer),
         args=lambda wc: rkv_bench_args("fig8"),
@@ -224,7 +259,12 @@ rule rkv_throughput:
 rule rkv_codec_cost:
     """Fig. 6's measurements: codec cost, SwiGLU encoder + linear decoder vs the reverse, matched parameters."""
     output:
-        "results/residualkv/fig6.csv",
+        report(
+            "results/residualkv/fig6.csv",
+            caption="../report/rkv_fig6_data.rst",
+            category="ResidualKV",
+            subcategory="Figure data",
+        ),
     params:
         args=lambda wc: rkv_bench_args("fig6"),
     log:
@@ -246,7 +286,12 @@ rule rkv_profile_figure:
     input:
         "results/residualkv/{fig}.csv",
     output:
-        "figures/residualkv/{fig}.pdf",
+        report(
+            "figures/residualkv/{fig}.pdf",
+            caption="../report/rkv_profile_figure.rst",
+            category="ResidualKV",
+            subcategory="Figures",
+        ),
     wildcard_constraints:
         fig="fig8|fig6",
     log:
