@@ -43,6 +43,7 @@ rule conduit_eval:
         metrics="results/runs/{profile}/{model}/{task}/conduit/{run}/metrics.json",
         predictions="results/runs/{profile}/{model}/{task}/conduit/{run}/predictions.jsonl",
         run_info="results/runs/{profile}/{model}/{task}/conduit/{run}/run_info.json",
+        timing="results/runs/{profile}/{model}/{task}/conduit/{run}/timing.csv",  # latency per record (wall-clock, kept out of the results)
     wildcard_constraints:
         run=alternation(CONDUIT_RUNS),
     params:

@@ -11,6 +11,7 @@ rule eval:
         metrics="results/runs/{profile}/{model}/{task}/{method}/metrics.json",
         predictions="results/runs/{profile}/{model}/{task}/{method}/predictions.jsonl",
         run_info="results/runs/{profile}/{model}/{task}/{method}/run_info.json",
+        timing="results/runs/{profile}/{model}/{task}/{method}/timing.csv",  # latency per record (wall-clock, kept out of the results)
     params:
         model=lambda wc: model_dir(wc.model),
         out=lambda wc, output: os.path.dirname(output.metrics),

@@ -56,6 +56,7 @@ rule rkv_eval:
         metrics="results/runs/{profile}/{model}/{task}/residualkv/{run}/metrics.json",
         predictions="results/runs/{profile}/{model}/{task}/residualkv/{run}/predictions.jsonl",
         run_info="results/runs/{profile}/{model}/{task}/residualkv/{run}/run_info.json",
+        timing="results/runs/{profile}/{model}/{task}/residualkv/{run}/timing.csv",  # latency per record (wall-clock, kept out of the results)
     wildcard_constraints:
         run=alternation(RKV_RUNS),
     params:
