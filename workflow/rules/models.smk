@@ -37,6 +37,6 @@ rule train:
     conda:
         "../../envs/kvbench.yaml"
     shell:
-        "kvbench train --model {wildcards.model} --tokenizer {params.tokenizer} --out {params.out}"
-        " --workdir {params.workdir} --budget-s {params.budget_s} --seed {params.seed}"
-        " --threads {threads} --overrides {params.overrides:q} > {log} 2>&1"
+        "kvbench train --model {wildcards.model:q} --tokenizer {params.tokenizer:q} --out {params.out:q}"
+        " --workdir {params.workdir:q} --budget-s {params.budget_s:q} --seed {params.seed:q}"
+        " --threads {threads} --overrides {params.overrides:q} > {log:q} 2>&1"

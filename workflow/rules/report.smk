@@ -27,7 +27,7 @@ rule report_zoo:
     conda:
         "../../envs/kvbench.yaml"
     shell:
-        "kvbench report zoo --runs {params.runs:q} --train {params.train:q} --out {output} > {log} 2>&1"
+        "kvbench report zoo --runs {params.runs:q} --train {params.train:q} --out {output:q} > {log:q} 2>&1"
 
 
 rule report_zoo_figure:
@@ -54,4 +54,4 @@ rule report_zoo_figure:
     conda:
         "../../envs/kvbench.yaml"
     shell:
-        "kvbench report zoo-figure --train {params.train:q} --out {output} > {log} 2>&1"
+        "kvbench report zoo-figure --train {params.train:q} --out {output:q} > {log:q} 2>&1"
