@@ -203,7 +203,7 @@ def conduit_cache_dir(wc):
 
 
 def conduit_limit():
-    """`--limit N` arguments for `conduit.n_test` (none: every record); the rule quotes each (`:q`)."""
+    """`--limit N` arguments for `conduit.n_test` (none: every record), each quoted in the command (`{params.limit:q}`)."""
     n = config.get("conduit", {}).get("n_test")
     return [] if n is None else ["--limit", str(n)]
 
