@@ -252,9 +252,9 @@ def conduit_cache_dir(wc):
 
 
 def conduit_limit():
-    """`--limit N` for `conduit.n_test` (empty: every record)."""
+    """`--limit N` arguments for `conduit.n_test` (none: every record), each quoted in the command (`{params.limit:q}`)."""
     n = config.get("conduit", {}).get("n_test")
-    return "" if n is None else f"--limit {n}"
+    return [] if n is None else ["--limit", str(n)]
 
 
 def conduit_is_refresh(wc):
@@ -362,7 +362,7 @@ def rkv_method_params(wc):
 
 def rkv_limit():
     n = config.get("residualkv", {}).get("n_test")
-    return "" if n is None else f"--limit {n}"
+    return [] if n is None else ["--limit", str(n)]
 
 
 def rkv_run_inputs(target):

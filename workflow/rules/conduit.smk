@@ -33,7 +33,7 @@ rule conduit_cache:
         "../../envs/kvbench.yaml"
     shell:
         "kvbench cache --model {params.model:q} --split {input.split:q} --cache-dir {params.cache_dir:q}"
-        " --out {output} --threads {threads} {params.limit} > {log} 2>&1"
+        " --out {output:q} --threads {threads} {params.limit:q} > {log:q} 2>&1"
 
 
 rule conduit_eval:
@@ -66,8 +66,8 @@ rule conduit_eval:
         "../../envs/kvbench.yaml"
     shell:
         "kvbench eval --model {params.model:q} --split {input.split:q} --method {params.spec:q}"
-        " --method-params {params.method_params:q} --out {params.out} --seed {params.seed}"
-        " --threads {threads} {params.limit} > {log} 2>&1"
+        " --method-params {params.method_params:q} --out {params.out:q} --seed {params.seed:q}"
+        " --threads {threads} {params.limit:q} > {log:q} 2>&1"
 
 
 rule conduit_table:
@@ -96,7 +96,7 @@ rule conduit_table:
     conda:
         "../../envs/kvbench.yaml"
     shell:
-        "kvbench report conduit-{wildcards.table} --conduit {params.spec:q} --out {output} > {log} 2>&1"
+        "kvbench report conduit-{wildcards.table:q} --conduit {params.spec:q} --out {output:q} > {log:q} 2>&1"
 
 
 rule conduit_gap:
@@ -123,7 +123,7 @@ rule conduit_gap:
     conda:
         "../../envs/kvbench.yaml"
     shell:
-        "kvbench report conduit-gap --conduit {params.spec:q} --out {output} > {log} 2>&1"
+        "kvbench report conduit-gap --conduit {params.spec:q} --out {output:q} > {log:q} 2>&1"
 
 
 rule conduit_fig3:
@@ -156,7 +156,7 @@ rule conduit_fig3:
     conda:
         "../../envs/kvbench.yaml"
     shell:
-        "kvbench report conduit-fig3 --conduit {params.spec:q} --out {output.pdf} --data-out {output.csv} > {log} 2>&1"
+        "kvbench report conduit-fig3 --conduit {params.spec:q} --out {output.pdf:q} --data-out {output.csv:q} > {log:q} 2>&1"
 
 
 localrules:

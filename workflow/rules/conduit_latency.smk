@@ -11,6 +11,9 @@
 
 from kvbench.bench.workflow import latency_job
 
+if "conduit_latency" in config:  # a value the bench would refuse fails here, before Snakemake removes the old CSV
+    latency_job(config, model_dir, TOKENIZER_DIR)
+
 
 rule conduit_latency:
     input:
@@ -31,7 +34,7 @@ rule conduit_latency:
     conda:
         "../../envs/kvbench.yaml"
     shell:
-        "kvbench bench conduit-latency --out {output} {params.args} > {log} 2>&1"
+        "kvbench bench conduit-latency --out {output:q} {params.args} > {log:q} 2>&1"
 
 
 rule conduit_table3:
@@ -58,4 +61,4 @@ rule conduit_table3:
     conda:
         "../../envs/kvbench.yaml"
     shell:
-        "kvbench bench conduit-table3 --raw {input} --profile {params.profile} --out {output} > {log} 2>&1"
+        "kvbench bench conduit-table3 --raw {input:q} --profile {params.profile:q} --out {output:q} > {log:q} 2>&1"

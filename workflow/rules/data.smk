@@ -30,5 +30,5 @@ rule data:
     conda:
         "../../envs/kvbench.yaml"
     shell:
-        "kvbench data --task {wildcards.task} --tokenizer {params.tokenizer} --out {params.out}"
-        " --seed {params.seed} --n-train {params.n_train} --n-test {params.n_test} > {log} 2>&1"
+        "kvbench data --task {wildcards.task:q} --tokenizer {params.tokenizer:q} --out {params.out:q}"
+        " --seed {params.seed:q} --n-train {params.n_train:q} --n-test {params.n_test:q} > {log:q} 2>&1"

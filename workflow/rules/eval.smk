@@ -16,7 +16,7 @@ rule eval:
         model=lambda wc: model_dir(wc.model),
         out=lambda wc, output: os.path.dirname(output.metrics),
         seed=SEED,
-        limit=lambda wc: "" if config["eval"]["limit"] is None else f"--limit {config['eval']['limit']}",
+        limit=lambda wc: [] if config["eval"]["limit"] is None else ["--limit", config["eval"]["limit"]],
     log:
         "logs/eval/{profile}/{model}/{task}/{method}.log",
     benchmark:
@@ -29,8 +29,8 @@ rule eval:
     conda:
         "../../envs/kvbench.yaml"
     shell:
-        "kvbench eval --model {params.model:q} --split {input.split:q} --method {wildcards.method}"
-        " --out {params.out} --seed {params.seed} --threads {threads} {params.limit} > {log} 2>&1"
+        "kvbench eval --model {params.model:q} --split {input.split:q} --method {wildcards.method:q}"
+        " --out {params.out:q} --seed {params.seed:q} --threads {threads} {params.limit:q} > {log:q} 2>&1"
 
 
 localrules:

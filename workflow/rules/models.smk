@@ -45,6 +45,6 @@ rule train:
         "../../envs/kvbench.yaml"
     shell:
         "kvbench train --model {wildcards.model:q} --tokenizer {params.tokenizer:q} --out {params.out:q}"
-        " --workdir {params.workdir:q} --slice-s {resources.slice_s} --seed {params.seed} --threads {threads}"
-        " --overrides {params.overrides:q} --floors {params.floors:q} --val-n {params.val_n}"
+        " --workdir {params.workdir:q} --slice-s {resources.slice_s:q} --seed {params.seed:q} --threads {threads}"
+        " --overrides {params.overrides:q} --floors {params.floors:q} --val-n {params.val_n:q}"
         " --feeds {params.feeds:q} 2>&1 | tee {log:q}"

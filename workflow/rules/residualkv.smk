@@ -44,9 +44,9 @@ rule rkv_codec:
         "../../envs/kvbench.yaml"
     shell:
         "kvbench codec-train --model {params.model:q} --out {params.out:q} --overrides {params.overrides:q}"
-        " --objective {params.train[objective]} --steps {params.train[steps]} --seq-len {params.train[seq_len]}"
-        " --slice-s {resources.slice_s} --lr {params.train[lr]} --data {params.train[data]} --seed {params.seed}"
-        " --threads {threads} > {log} 2>&1"
+        " --objective {params.train[objective]:q} --steps {params.train[steps]:q} --seq-len {params.train[seq_len]:q}"
+        " --slice-s {resources.slice_s} --lr {params.train[lr]:q} --data {params.train[data]:q} --seed {params.seed:q}"
+        " --threads {threads} > {log:q} 2>&1"
 
 
 rule rkv_eval:
@@ -79,8 +79,8 @@ rule rkv_eval:
         "../../envs/kvbench.yaml"
     shell:
         "kvbench eval --model {params.model:q} --split {input.split:q} --method {params.spec:q}"
-        " --method-params {params.method_params:q} --out {params.out} --seed {params.seed}"
-        " --threads {threads} {params.limit} > {log} 2>&1"
+        " --method-params {params.method_params:q} --out {params.out:q} --seed {params.seed:q}"
+        " --threads {threads} {params.limit:q} > {log:q} 2>&1"
 
 
 rule rkv_table:
@@ -109,7 +109,7 @@ rule rkv_table:
     conda:
         "../../envs/kvbench.yaml"
     shell:
-        "kvbench report residualkv-{wildcards.table} --residualkv {params.spec:q} --out {output} > {log} 2>&1"
+        "kvbench report residualkv-{wildcards.table:q} --residualkv {params.spec:q} --out {output:q} > {log:q} 2>&1"
 
 
 rule rkv_fig5:
@@ -142,7 +142,7 @@ rule rkv_fig5:
     conda:
         "../../envs/kvbench.yaml"
     shell:
-        "kvbench report residualkv-fig5 --residualkv {params.spec:q} --out {output.pdf} --data-out {output.csv} > {log} 2>&1"
+        "kvbench report residualkv-fig5 --residualkv {params.spec:q} --out {output.pdf:q} --data-out {output.csv:q} > {log:q} 2>&1"
 
 
 rule rkv_codec_figures:
@@ -166,7 +166,7 @@ rule rkv_codec_figures:
         fig="fig10|fig11|fig12",
     params:
         spec=lambda wc: rkv_report_spec(),
-        raw=lambda wc, input: f"--raw {input.throughput}" if input.throughput else "",
+        raw=lambda wc, input: ["--raw", *input.throughput] if input.throughput else [],
     log:
         "logs/residualkv/{fig}.log",
     benchmark:
@@ -179,8 +179,8 @@ rule rkv_codec_figures:
     conda:
         "../../envs/kvbench.yaml"
     shell:
-        "kvbench report residualkv-{wildcards.fig} --residualkv {params.spec:q} --out {output.pdf}"
-        " --data-out {output.csv} {params.raw} > {log} 2>&1"
+        "kvbench report residualkv-{wildcards.fig:q} --residualkv {params.spec:q} --out {output.pdf:q}"
+        " --data-out {output.csv:q} {params.raw:q} > {log:q} 2>&1"
 
 
 rule rkv_variant_throughput:
@@ -196,7 +196,7 @@ rule rkv_variant_throughput:
             subcategory="Figure data",
         ),
     params:
-        codecs=lambda wc, input: " ".join(f"{v}={os.path.dirname(c)}" for v, c in zip(rkv_figure_variants("fig11"), input.codecs)),
+        codecs=lambda wc, input: [f"{v}={os.path.dirname(c)}" for v, c in zip(rkv_figure_variants("fig11"), input.codecs)],
         tokenizer=lambda wc, input: os.path.dirname(input.tokenizer),
         args=lambda wc: rkv_bench_args("fig11"),
         default=lambda wc: rkv_default_variant(),
@@ -212,8 +212,8 @@ rule rkv_variant_throughput:
     conda:
         "../../envs/kvbench.yaml"
     shell:
-        "kvbench bench rkv-variants --out {output} --codecs {params.codecs} --default {params.default}"
-        " --tokenizer {params.tokenizer} --threads {threads} {params.args} > {log} 2>&1"
+        "kvbench bench rkv-variants --out {output:q} --codecs {params.codecs:q} --default {params.default:q}"
+        " --tokenizer {params.tokenizer:q} --threads {threads} {params.args} > {log:q} 2>&1"
 
 
 localrules:
@@ -253,8 +253,8 @@ rule rkv_throughput:
     conda:
         "../../envs/kvbench.yaml"
     shell:
-        "kvbench bench rkv-throughput --out {output} --tokenizer {params.tokenizer} --threads {threads} {params.args}"
-        " > {log} 2>&1"
+        "kvbench bench rkv-throughput --out {output:q} --tokenizer {params.tokenizer:q} --threads {threads} {params.args}"
+        " > {log:q} 2>&1"
 
 
 rule rkv_codec_cost:
@@ -280,7 +280,7 @@ rule rkv_codec_cost:
     conda:
         "../../envs/kvbench.yaml"
     shell:
-        "kvbench bench codec-cost --out {output} --threads {threads} {params.args} > {log} 2>&1"
+        "kvbench bench codec-cost --out {output:q} --threads {threads} {params.args} > {log:q} 2>&1"
 
 
 rule rkv_profile_figure:
@@ -307,4 +307,4 @@ rule rkv_profile_figure:
     conda:
         "../../envs/kvbench.yaml"
     shell:
-        "kvbench report residualkv-{wildcards.fig} --raw {input} --out {output} > {log} 2>&1"
+        "kvbench report residualkv-{wildcards.fig:q} --raw {input:q} --out {output:q} > {log:q} 2>&1"

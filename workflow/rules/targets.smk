@@ -33,7 +33,7 @@ rule conduit_table_alias:
     conda:
         "../../envs/kvbench.yaml"
     shell:
-        "cp {input} {output} 2> {log}"
+        "cp {input:q} {output:q} 2> {log:q}"
 
 
 rule residualkv_table_alias:
@@ -55,7 +55,7 @@ rule residualkv_table_alias:
     conda:
         "../../envs/kvbench.yaml"
     shell:
-        "cp {input} {output} 2> {log}"
+        "cp {input:q} {output:q} 2> {log:q}"
 
 
 rule residualkv_figure_alias:
@@ -77,7 +77,7 @@ rule residualkv_figure_alias:
     conda:
         "../../envs/kvbench.yaml"
     shell:
-        "cp {input} {output} 2> {log}"
+        "cp {input:q} {output:q} 2> {log:q}"
 
 
 rule ambiguous_figure_alias:

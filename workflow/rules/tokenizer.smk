@@ -21,4 +21,4 @@ rule tokenizer:
     conda:
         "../../envs/kvbench.yaml"
     shell:
-        "kvbench tokenizer --out {params.out} --vocab-size {params.vocab_size} > {log} 2>&1"
+        "kvbench tokenizer --out {params.out:q} --vocab-size {params.vocab_size:q} > {log:q} 2>&1"

@@ -27,6 +27,9 @@ from dataclasses import dataclass
 from kvbench.eval.compress import canonical_press_spec, parse_press_spec
 
 TARGETS = ("tableIII", "tableVI", "tableVII", "tableVIII", "fig5")
+#: The ``residualkv`` config key each target's rows come from (Table VI and Fig. 5 sweep ``stride_sweep``).
+ROWS_KEY = {"tableIII": "tableIII", "tableVI": "stride_sweep", "tableVII": "tableVII", "tableVIII": "tableVIII",
+            "fig5": "stride_sweep"}
 #: Fig. 11 panels: hyper-parameter -> codec variants in increasing order of its value (``base`` is the
 #: default setting, trained as long as the others); each variant's value is in its config ``overrides``.
 FIG11_PANELS = {"d_c": ["dc_low", "base", "dc_high"], "d_ff": ["dff_low", "base", "dff_high"],
@@ -178,7 +181,7 @@ class RKVPlan:
         for fig in BENCH_FIGURES:
             self.bench_args(fig)
         for target in TARGETS:
-            if target in ("tableVI", "fig5") and "stride_sweep" not in section:
+            if not self.configured(target):
                 continue
             rows = self.rows(target)
             labels = [row.label for row in rows]
@@ -296,8 +299,20 @@ class RKVPlan:
         return " ".join(shlex.quote(a) for a in argv)
 
     # -- codecs -------------------------------------------------------------------------------------
+    def variant(self, name: str) -> dict:
+        """The config entry of codec variant ``name`` (``main``: ``{}``).
+
+        Raises:
+            ValueError: ``name`` is not configured under ``residualkv.variants`` (e.g. a figure's variant).
+        """
+        if name not in self.variants:
+            raise ValueError(f"codec variant {name!r} is not configured under residualkv.variants "
+                             f"(configured: {sorted(self.variants)}; Figs. 10-12 read {FIGURE_VARIANTS})")
+        return self.variants[name]
+
     def codec_dir(self, variant: str) -> str:
         """``codecs/<profile>/<model>/<variant>-<recipe hash>`` (module doc)."""
+        self.variant(variant)
         return f"codecs/{self.profile}/{self.model}/{self.codec_name(variant)}"
 
     def codec_name(self, variant: str) -> str:
@@ -323,7 +338,7 @@ class RKVPlan:
     def codec_slice_s(self, variant: str) -> int | None:
         """``slice_s`` of ``variant`` (its own key, else ``train``'s): seconds one invocation of
         ``kvbench codec-train`` may run before it saves its state and fails, to be rerun; None: no slice."""
-        v = self.variants[variant]
+        v = self.variant(variant)
         return v["slice_s"] if "slice_s" in v else self.s["train"].get("slice_s")
 
     def codec_runtime_min(self, variant: str) -> int:
@@ -340,11 +355,11 @@ class RKVPlan:
 
     def codec_overrides(self, variant: str) -> dict:
         """CodecConfig fields of ``variant``: the main codec's, updated by the variant's ``overrides``."""
-        return {**self.s["codec"], **self.variants[variant].get("overrides", {})}
+        return {**self.s["codec"], **self.variant(variant).get("overrides", {})}
 
     def codec_training(self, variant: str) -> dict:
         """``{objective, steps, seq_len, lr, data}`` of ``variant`` (its own keys, else the ``train`` section's)."""
-        v = self.variants[variant]
+        v = self.variant(variant)
         return {k: v[k] if k in v else self.s["train"][k] for k in TRAIN_KEYS if k in v or k in self.s["train"]}
 
     def codec_of(self, spec: str) -> str | None:
@@ -356,14 +371,26 @@ class RKVPlan:
             return None
         variant = params.get("codec", "main")
         if variant not in self.variants:
-            raise ValueError(f"press spec {spec!r} names codec variant {variant!r}; configured: {sorted(self.variants)}")
+            raise ValueError(f"press spec {spec!r} names codec variant {variant!r}, which residualkv.variants "
+                             f"does not configure (configured: {sorted(self.variants)})")
         return variant
 
     # -- rows ----------------------------------------------------------------------------------------
+    def configured(self, target: str) -> bool:
+        """Whether the config has ``target``'s rows (its :data:`ROWS_KEY`; only Table III's is required)."""
+        return bool(self.s.get(ROWS_KEY[target]))
+
     def rows(self, target: str) -> list[Row]:
-        """Rows of ``target`` (Table VI and Fig. 5 generate theirs from ``stride_sweep``)."""
+        """Rows of ``target`` (Table VI and Fig. 5 generate theirs from ``stride_sweep``).
+
+        Raises:
+            ValueError: the config lacks ``target``'s key (:data:`ROWS_KEY`), naming it.
+        """
+        if not self.configured(target):
+            raise ValueError(f"config residualkv.{ROWS_KEY[target]} is not set, so {target} has no rows "
+                             "(config/config.yaml shows one)")
         if target in ("tableIII", "tableVII", "tableVIII"):
-            return [Row(e["label"], canonical_press_spec(e["method"])) for e in self.s.get(target, [])]
+            return [Row(e["label"], canonical_press_spec(e["method"])) for e in self.s[target]]
         sweep = self.s["stride_sweep"]
         rows = [Row(f"alpha = {a:g}", with_params(sweep["method"], alpha=float(a))) for a in sweep["alpha"]]
         if target == "fig5":
@@ -384,7 +411,7 @@ class RKVPlan:
             ValueError: two specs map to one directory.
         """
         out: dict[str, str] = {}
-        for target in TARGETS:
+        for target in filter(self.configured, TARGETS):
             for row in self.rows(target):
                 k = slug(row.spec)
                 if out.get(k, row.spec) != row.spec:

@@ -1,0 +1,183 @@
+"""A schema-valid config never ends in a KeyError (issue #11, item 7).
+
+Every optional key of workflow/schemas/config.schema.yaml is walked from the schema itself (so a new key
+needs a decision here):
+
+- a key with a schema default comes back when it is dropped (``snakemake.utils.validate`` fills defaults,
+  nested ones included), so the code may index it;
+- a key without a default is dropped from a config that has it, and the dry run of the targets that read it
+  must succeed or fail with a message naming the key, never with a KeyError.
+
+The zoo/checkpoint and smoke/jsonl alternatives of a model or dataset are required one-of pairs, not optional
+keys. Dry runs go through Snakemake's Python API in this process (the package imports once, each DAG then
+takes about a second).
+"""
+from __future__ import annotations
+
+import copy
+import os
+from pathlib import Path
+
+import pytest
+import yaml
+from snakemake.utils import validate
+
+from test_workflow import CONFIG, PAPER_CONFIG, REPO, SNAKEFILE, _fake_paper_root, load
+
+SCHEMA = REPO / "workflow" / "schemas" / "config.schema.yaml"
+
+
+def _optional_keys(node: dict, defs: dict, path: tuple = ()):
+    """``(path, has_default)`` of every optional key under ``node``; ``*`` stands for each entry of a map."""
+    if "$ref" in node:
+        node = defs[node["$ref"].rsplit("/", 1)[1]]
+    required = set(node.get("required", [])) | {k for alt in node.get("oneOf", []) for k in alt.get("required", [])}
+    for key, sub in node.get("properties", {}).items():
+        if key not in required:
+            yield path + (key,), "default" in sub
+        yield from _optional_keys(sub, defs, path + (key,))
+    if isinstance(node.get("additionalProperties"), dict):
+        yield from _optional_keys(node["additionalProperties"], defs, path + ("*",))
+
+
+SCHEMA_DOC = yaml.safe_load(SCHEMA.read_text())
+OPTIONAL = dict(_optional_keys(SCHEMA_DOC, SCHEMA_DOC["$defs"]))
+DEFAULTED = sorted(".".join(p) for p, has in OPTIONAL.items() if has)
+
+# Optional keys without a default: (base config, targets that read the key, expected failure or None).
+NOT_DEFAULTED = {
+    "conduit": ("smoke", ["conduit"], "no `conduit:` section"),
+    "conduit.multi_image.*.k": ("smoke", ["conduit"], None),
+    "conduit.single_image.*.k": ("smoke", ["conduit"], None),
+    "conduit_latency": ("smoke", ["results/conduit/table3.csv"], "no `conduit_latency:` section"),
+    "residualkv": ("smoke", ["residualkv"], "no `residualkv:` section"),
+    "residualkv.variants": ("smoke", ["residualkv"], "residualkv.variants does not configure"),
+    **{f"residualkv.variants.*.{k}": ("smoke", ["residualkv"], None)
+       for k in ("overrides", "objective", "steps", "seq_len", "budget_s", "lr", "data")},
+    "residualkv.tableVII": ("smoke", ["residualkv"], "residualkv.tableVII is not set"),
+    "residualkv.tableVIII": ("smoke", ["residualkv"], "residualkv.tableVIII is not set"),
+    "residualkv.stride_sweep": ("smoke", ["residualkv"], "residualkv.stride_sweep is not set"),
+    "residualkv.stride_sweep.stride": ("smoke", ["residualkv"], None),
+    "models.*.gpus": ("paper", ["all"], None),
+    "models.*.mem_mb": ("paper", ["all"], None),
+    "models.*.codec": ("paper", ["all", "residualkv"], None),
+    "datasets.*.kind": ("smoke", ["all", "conduit", "residualkv"], None),
+}
+
+
+def test_every_optional_key_is_decided():
+    assert sorted(".".join(p) for p, has in OPTIONAL.items() if not has) == sorted(NOT_DEFAULTED)
+    assert len(DEFAULTED) > 30  # the walk reached nested and $ref'd objects
+
+
+def _drop(cfg: dict, path: str) -> int:
+    """Remove ``path`` (``*``: from every entry) from ``cfg`` in place, where present; the number removed."""
+    head, _, rest = path.partition(".")
+    if head == "*":
+        return sum(_drop(v, rest) for v in cfg.values() if isinstance(v, dict))
+    if not rest:
+        return int(cfg.pop(head, None) is not None)
+    return _drop(cfg[head], rest) if isinstance(cfg.get(head), dict) else 0
+
+
+def _get_all(cfg, path: str) -> list:
+    head, _, rest = path.partition(".")
+    values = list(cfg.values()) if head == "*" else ([cfg[head]] if head in cfg else [])
+    return values if not rest else [x for v in values if isinstance(v, dict) for x in _get_all(v, rest)]
+
+
+#: Targets that read a top-level section's keys.
+SECTION_TARGETS = {"conduit": ["conduit"], "conduit_latency": ["results/conduit/table3.csv"],
+                   "residualkv": ["residualkv"]}
+
+
+@pytest.mark.parametrize("path", DEFAULTED)
+def test_a_dropped_key_with_a_default_comes_back(tmp_path, path):
+    """The key is filled in again, and the dry run of the targets that read it works with the default."""
+    cfg = load(CONFIG)
+    _drop(cfg, path)
+    configfile = tmp_path / "c.yaml"
+    configfile.write_text(yaml.safe_dump(cfg))
+    validate(cfg, str(SCHEMA))
+    parents = _get_all(cfg, path.rsplit(".", 1)[0]) if "." in path else [cfg]
+    assert len(_get_all(cfg, path)) == len(parents) >= 1
+    (tmp_path / "work").mkdir()
+    _dry_run(configfile, SECTION_TARGETS.get(path.split(".")[0], ["all"]), tmp_path / "work")
+
+
+def _paper_config(root: Path) -> dict:
+    _fake_paper_root(root)
+    cfg = load(PAPER_CONFIG)
+    cfg["paths"] = {"root": str(root)}
+    return cfg
+
+
+def _dry_run(configfile: Path, targets: list[str], workdir: Path) -> None:
+    """Build the DAG of ``targets`` as ``snakemake -n -p`` would, in this process; raises what Snakemake raises."""
+    from snakemake.api import SnakemakeApi
+    from snakemake.settings.types import ConfigSettings, DAGSettings, OutputSettings, Quietness, ResourceSettings
+
+    path = os.environ["PATH"]  # the Snakefile puts the interpreter's bin/ first
+    try:
+        with SnakemakeApi(OutputSettings(dryrun=True, printshellcmds=True, quiet={Quietness.ALL})) as api:
+            wf = api.workflow(resource_settings=ResourceSettings(), config_settings=ConfigSettings(configfiles=[configfile]),
+                              snakefile=SNAKEFILE, workdir=workdir)
+            wf.dag(DAGSettings(targets=set(targets))).execute_workflow(executor="dryrun")
+    finally:
+        os.environ["PATH"] = path
+
+
+def _chain(e: BaseException) -> str:
+    """Types and messages of an exception and its explicit causes (``raise ... from``; Snakemake's own
+    handled lookups in ``__context__`` are not the config's failure)."""
+    out = []
+    while e is not None and len(out) < 10:
+        out.append(f"{type(e).__name__}: {e}")
+        e = e.__cause__
+    return "\n".join(out)
+
+
+@pytest.mark.parametrize("path", sorted(NOT_DEFAULTED))
+def test_a_dropped_key_without_a_default_is_named_or_not_needed(tmp_path, path):
+    base, targets, needle = NOT_DEFAULTED[path]
+    cfg = load(CONFIG) if base == "smoke" else _paper_config(tmp_path / "kvbench-data")
+    _drop(cfg, path)  # a config without the key: where the base config lacks it too, the base config itself
+    configfile = tmp_path / "c.yaml"
+    configfile.write_text(yaml.safe_dump(cfg))
+    workdir = tmp_path / "work"
+    workdir.mkdir()
+    try:
+        _dry_run(configfile, targets, workdir)
+    except Exception as e:  # noqa: BLE001 - judged below
+        failure = _chain(e)
+        assert "KeyError" not in failure, failure
+        assert needle is not None and needle in failure, failure
+    else:
+        assert needle is None, f"dry run without {path} succeeded; expected it to fail naming {needle!r}"
+
+
+def test_codec_training_length_is_required(tmp_path):
+    """`residualkv.train` without `steps`/`budget_s` (which codec-train and the job's runtime need) fails validation."""
+    cfg = load(CONFIG)
+    del cfg["residualkv"]["train"]["budget_s"]
+    with pytest.raises(Exception, match="'budget_s' is a required property"):
+        validate(cfg, str(SCHEMA))
+    cfg = copy.deepcopy(load(CONFIG))
+    del cfg["residualkv"]["train"]["steps"]
+    with pytest.raises(Exception, match="'steps' is a required property"):
+        validate(cfg, str(SCHEMA))
+
+
+def test_a_figure_names_the_codec_variants_it_misses(tmp_path):
+    """Figs. 10-12 read fixed variants (base, separate, ...): without them the dry run names
+    residualkv.variants (it ended in KeyError: 'base')."""
+    cfg = load(CONFIG)
+    del cfg["residualkv"]["variants"], cfg["residualkv"]["tableVIII"]  # Table VIII's rows name a variant too
+    configfile = tmp_path / "c.yaml"
+    configfile.write_text(yaml.safe_dump(cfg))
+    (tmp_path / "work").mkdir()
+    _dry_run(configfile, ["results/residualkv/tableIII.csv"], tmp_path / "work")  # tables need no variant
+    with pytest.raises(Exception) as e:
+        _dry_run(configfile, ["figures/residualkv/fig10.pdf"], tmp_path / "work")
+    failure = _chain(e.value)
+    assert "KeyError" not in failure and "codec variant 'base' is not configured under residualkv.variants" in failure, failure
