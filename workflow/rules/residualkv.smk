@@ -45,7 +45,7 @@ rule rkv_codec:
     shell:
         "kvbench codec-train --model {params.model:q} --out {params.out:q} --overrides {params.overrides:q}"
         " --objective {params.train[objective]:q} --steps {params.train[steps]:q} --seq-len {params.train[seq_len]:q}"
-        " --slice-s {resources.slice_s} --lr {params.train[lr]:q} --data {params.train[data]:q} --seed {params.seed:q}"
+        " --slice-s {resources.slice_s:q} --lr {params.train[lr]:q} --data {params.train[data]:q} --seed {params.seed:q}"
         " --threads {threads} > {log:q} 2>&1"
 
 
