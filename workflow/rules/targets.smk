@@ -1,7 +1,7 @@
 # Short target names (README.md and docs/workflow.md, "Targets"): a copy of the namespaced canonical target.
 #   results/table<N>.csv      (Arabic)  <- results/conduit/table<N>.csv      (CONDUIT)
 #   results/table<ROMAN>.csv  (Roman)   <- results/residualkv/table<ROMAN>.csv (ResidualKV)
-#   figures/fig<N>.pdf, N in 5,6,8..13 <- figures/residualkv/fig<N>.pdf
+#   figures/fig<N>.pdf, N in 5,6,8,10,11,12 <- figures/residualkv/fig<N>.pdf (Figs. 9 and 13 are not built)
 #   figures/fig3.pdf, fig4.pdf: both papers have them, so the short name fails
 #   while the DAG is built (also under -n), naming both canonical targets.
 # A canonical target without a producing rule fails with Snakemake's
