@@ -16,8 +16,8 @@ def _run(root: Path, model: str, task: str, score: float, ci: list[float], n: in
     metric = "edit_sim" if task == "lcc" else "exact_match"
     (d / "metrics.json").write_text(json.dumps({
         "score": score, "ci95": ci, "ci95_method": "wilson", "n": n, "n_ok": n - n_error, "n_error": n_error,
-        "chance": 0.1, "task": task, "method": "full", "model": model, "metric": metric}))
-    return d
+        "chance": 0.1, "task": task, "method": "full", "model": f"{model}-0123abcd", "metric": metric}))
+    return d  # metrics.json names the checkpoint directory, zoo/<profile>/<model>-<recipe hash>, as the runner does
 
 
 def _train(root: Path, model: str, time_s: float, steps: int, params: int, evals: bool = False) -> Path:
@@ -57,6 +57,7 @@ def test_zoo_table_round_trips(tmp_path):
     assert r["score"] == 0.123456789 and r["ci95_lo"] == 0.05 and r["ci95_hi"] == 0.2345678901234
     assert (r["n"], r["n_error"], r["chance"]) == (200, 1, 0.1)
     assert (r["train_steps"], r["params"]) == (1500, 1_600_000)
+    assert r["checkpoint"] == "tiny-qwen2-lm-0123abcd"  # regression: the model column showed the hashed directory
     vl = df.set_index(["model", "task"]).loc[("tiny-qwen2.5-vl", "docpages")]
     assert vl["score"] == 1 / 3 and vl["train_steps"] == 80
 

@@ -21,7 +21,7 @@ from kvbench.utils.io import atomic_path
 #: First line of the zoo table (read it back with ``pd.read_csv(path, comment="#")``).
 ZOO_HEADER = "# kvbench {profile} profile: tiny zoo models trained here on bundled data; not the papers' numbers"
 
-ZOO_COLUMNS = ["profile", "model", "task", "metric", "score", "ci95_lo", "ci95_hi", "chance", "n", "n_error",
+ZOO_COLUMNS = ["profile", "model", "checkpoint", "task", "metric", "score", "ci95_lo", "ci95_hi", "chance", "n", "n_error",
                "train_steps", "params"]
 
 #: Columns of the timing file beside the zoo table (wall-clock: differs between runs).
@@ -101,7 +101,10 @@ def write_zoo_table(run_dirs: Iterable[str | os.PathLike], train_dirs: Iterable[
             raise ValueError(f"write_zoo_table: two runs for model {key[0]!r}, task {key[1]!r}")
         seen.add(key)
         s = summaries.get(r["model"], {})
-        r.update(train_steps=s.get("steps"), params=s.get("params"))
+        # metrics.json names the checkpoint directory (zoo/<profile>/<model>-<recipe hash>); the table
+        # names the zoo model and keeps the directory, so a row says which recipe it was measured on.
+        r.update(model=s.get("model", r["model"]), checkpoint=r["model"], train_steps=s.get("steps"),
+                 params=s.get("params"))
     df = pd.DataFrame(rows, columns=ZOO_COLUMNS).sort_values(["model", "task"], ignore_index=True)
     with atomic_path(out_csv) as tmp, open(tmp, "w", encoding="utf-8", newline="") as f:
         f.write(ZOO_HEADER.format(profile="/".join(sorted({str(r["profile"]) for r in rows}))) + "\n")
