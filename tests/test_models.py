@@ -41,6 +41,22 @@ def test_zoo_name_resolves_under_zoo_root(lm_dir, monkeypatch):
     model, _ = load_model("zoo:tiny-qwen2-lm")
 
 
+def test_zoo_name_finds_the_profile_and_hash_directory(lm_dir, tmp_path, monkeypatch):
+    """Regression: trained models live in zoo/<profile>/<name>-<hash>/, and the bare name stopped resolving."""
+    from kvbench.models.loader import CheckpointError, resolve_spec
+
+    (tmp_path / "smoke").mkdir()
+    (tmp_path / "smoke" / "tiny-qwen2-lm-0123abcd").symlink_to(lm_dir, target_is_directory=True)
+    monkeypatch.setenv("KVBENCH_ZOO", str(tmp_path))
+    assert resolve_spec("tiny-qwen2-lm") == tmp_path / "smoke" / "tiny-qwen2-lm-0123abcd"
+    (tmp_path / "ci").mkdir()
+    (tmp_path / "ci" / "tiny-qwen2-lm-89abcdef").symlink_to(lm_dir, target_is_directory=True)
+    with pytest.raises(CheckpointError, match="names 2 trained zoo checkpoints"):
+        resolve_spec("tiny-qwen2-lm")
+    with pytest.raises(CheckpointError, match="trains them into zoo/<profile>/<name>-<hash>/"):
+        resolve_spec("tiny-qwen2.5-vl")
+
+
 def test_tokenizer_saved_beside_model_tokenizes_identically(tokenizer, lm_dir):
     # AutoTokenizer picks Qwen2Tokenizer from config.json's model_type and rebuilds
     # the pre-tokenizer; our tokenizer must survive that unchanged.

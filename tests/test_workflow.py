@@ -152,6 +152,27 @@ def test_unknown_top_level_key_is_named(tmp_path):
     assert "'sedd' was unexpected" in _validation_error(tmp_path, cfg)
 
 
+def test_floor_on_a_task_of_the_other_kind_is_refused(tmp_path):
+    """A VLM task as the LM's floor used to pass the DAG and fail only after training."""
+    cfg = load(CONFIG)
+    cfg["models"]["tiny-qwen2-lm"]["zoo"]["floors"] = {"docpages": 0.5}
+    r = snakemake(tmp_path, "-n", "--configfile", str(write_config(tmp_path / "c.yaml", cfg)))
+    assert r.returncode != 0 and "'docpages' is a vlm task, but 'tiny-qwen2-lm' is a lm model" in r.stdout, r.stdout[-2000:]
+
+
+def test_changed_floor_is_a_new_model_directory(tmp_path):
+    """Regression: a changed floor reran (and first deleted) the finished model's config.json."""
+    def model_dirs(cfg):
+        r = snakemake(tmp_path, "-n", "-p", "--configfile", str(write_config(tmp_path / "c.yaml", cfg)))
+        assert r.returncode == 0, r.stdout[-2000:]
+        return set(re.findall(r"zoo/smoke/tiny-qwen2-lm-[0-9a-f]{8}", r.stdout))
+    cfg = load(CONFIG)
+    before = model_dirs(cfg)
+    cfg["models"]["tiny-qwen2-lm"]["zoo"]["floors"] = {"niah_1k": 0.9}
+    after = model_dirs(cfg)
+    assert len(before) == len(after) == 1 and before != after
+
+
 def test_unknown_nested_key_is_named(tmp_path):
     cfg = load(CONFIG)
     cfg["models"]["tiny-qwen2-lm"]["zoo"]["budget_s"] = 10

@@ -56,6 +56,10 @@ def _check_names():
             if task not in TASKS:
                 raise ValueError(f"config models.{name}.zoo.floors: {task!r} is not a smoke task; "
                                  f"expected one of {sorted(TASKS)}")
+            wanted = {"lm": "text", "vlm": "vlm"}[MODELS[name]["kind"]]
+            if TASKS[task].kind != wanted:
+                raise ValueError(f"config models.{name}.zoo.floors: {task!r} is a {TASKS[task].kind} task, but "
+                                 f"{name!r} is a {MODELS[name]['kind']} model; a floor needs a {wanted} task")
         overrides = {**config["training"]["overrides"], **MODELS[name]["zoo"]["overrides"]}
         try:
             apply_overrides(RECIPES[MODELS[name]["kind"]](), overrides)
@@ -96,8 +100,10 @@ def _recipes():
     for name in ZOO_MODELS:
         zoo = MODELS[name]["zoo"]
         overrides = {**config["training"]["overrides"], **zoo["overrides"]}
-        models[name] = recipe_hash(zoo_recipe(name, MODELS[name]["kind"], overrides, seed=SEED,
-                                              threads=zoo["threads"], tokenizer=tok))
+        # The floors are in the recipe: a changed floor is a new model directory, never a rerun (and
+        # first a deletion) of a finished one.
+        recipe = zoo_recipe(name, MODELS[name]["kind"], overrides, seed=SEED, threads=zoo["threads"], tokenizer=tok)
+        models[name] = recipe_hash({**recipe, "floors": zoo["floors"], "val_n": zoo["val_n"]})
     data = {task: recipe_hash({"task": task, "seed": SEED, "tokenizer": tok, **DATASETS[task]["smoke"]})
             for task in SMOKE_DATASETS}
     return tok, models, data

@@ -49,10 +49,18 @@ def resolve_spec(spec: str | os.PathLike) -> Path:
         path = Path(s)
         if not path.exists() and "/" not in s:
             path = zoo_root() / s
+    if not path.is_dir() and "/" not in s:
+        # Trained zoo models live in zoo/<profile>/<name>-<recipe hash>/: a bare name resolves when exactly one exists.
+        found = sorted(p.parent for p in zoo_root().glob(f"*/{s}-*/config.json"))
+        if len(found) > 1:
+            raise CheckpointError(f"model {spec!r} names {len(found)} trained zoo checkpoints "
+                                  f"({', '.join(map(str, found))}); pass one directory")
+        path = found[0] if found else path
     if not path.is_dir():
         from kvbench.models.tiny import ZOO
 
-        hint = f" (zoo models: {sorted(ZOO)}; build them with `snakemake zoo/{s}/config.json`)" if s in ZOO else ""
+        hint = (f" (zoo models: {sorted(ZOO)}; `snakemake --cores 2` trains them into zoo/<profile>/<name>-<hash>/)"
+                if s in ZOO else "")
         raise CheckpointError(f"model {spec!r}: checkpoint directory {path} does not exist{hint}")
     return path
 
