@@ -427,6 +427,14 @@ def test_conduit_targets_dry_run_paper(tmp_path):
     assert f"--split {root}/benchmarks/mmlongbench/longdocurl_K8.jsonl" in r.stdout
 
 
+def test_empty_single_image_fails_naming_it(tmp_path):
+    """Regression: a schema-valid config without conduit.single_image ended in a ZeroDivisionError in the job."""
+    cfg = yaml.safe_load(CI_CONFIG.read_text())
+    cfg["conduit"]["single_image"] = {}
+    r = snakemake(tmp_path, "-n", "results/conduit/table2.csv", "--configfile", str(write_config(tmp_path / "c.yaml", cfg)))
+    assert r.returncode != 0 and "config conduit.single_image is empty" in r.stdout, r.stdout[-3000:]
+
+
 def test_no_conduit_section_fails_naming_it(tmp_path):
     cfg = yaml.safe_load(CI_CONFIG.read_text())
     del cfg["conduit"]
