@@ -313,7 +313,7 @@ def conduit_report_spec(target):
 
 
 def conduit_targets():
-    """Every CONDUIT accuracy target this config can build (rule `conduit`): a table whose column group
+    """Every CONDUIT accuracy target this config can build, for the `conduit` aggregate. A table whose column group
     is empty (e.g. no `conduit.single_image` for Table 2) is left out; asked for by name, it fails naming the key."""
     tables = [t for t in CONDUIT_TABLES if config.get("conduit", {}).get(CONDUIT_COLUMNS.get(t, "multi_image"))]
     return [f"results/conduit/{t}.csv" for t in tables] + ["results/conduit/staleness_gap.csv", "figures/conduit/fig3.pdf"]
