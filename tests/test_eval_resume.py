@@ -48,6 +48,14 @@ def interrupt_at(monkeypatch, cls, record_id):
     return calls
 
 
+def interrupted_run(monkeypatch, lm_dir, split, run, at):
+    """``run_eval`` into ``run``, interrupted (KeyboardInterrupt) when record ``at`` starts."""
+    with monkeypatch.context() as m:
+        interrupt_at(m, FullCache, at)
+        with pytest.raises(KeyboardInterrupt):
+            run_eval(lm_dir, split, out_dir=run)
+
+
 def assert_same_results(run, ref):
     for name in RESULTS:
         assert (run / name).read_bytes() == (ref / name).read_bytes(), name
@@ -56,10 +64,7 @@ def assert_same_results(run, ref):
 
 def test_interrupted_run_resumes_to_identical_files(lm_dir, split, reference, tmp_path, monkeypatch, capsys):
     run = tmp_path / "run"
-    with monkeypatch.context() as m:
-        interrupt_at(m, FullCache, "t2")
-        with pytest.raises(KeyboardInterrupt):
-            run_eval(lm_dir, split, out_dir=run)
+    interrupted_run(monkeypatch, lm_dir, split, run, at="t2")
     assert [r["id"] for r in read_jsonl(run / PARTIAL)] == ["t0", "t1"]
     assert not any((run / f).exists() for f in (*RESULTS, "run_info.json", "timing.csv"))
 
@@ -87,10 +92,7 @@ def test_no_wall_clock_value_in_result_files(reference):
 
 def test_truncated_last_line_is_dropped_and_redone(lm_dir, split, reference, tmp_path, monkeypatch):
     run = tmp_path / "run"
-    with monkeypatch.context() as m:
-        interrupt_at(m, FullCache, "t3")
-        with pytest.raises(KeyboardInterrupt):
-            run_eval(lm_dir, split, out_dir=run)
+    interrupted_run(monkeypatch, lm_dir, split, run, at="t3")
     full = (run / PARTIAL).read_bytes()
     (run / PARTIAL).write_bytes(full[: full.rindex(b"\n", 0, len(full) - 1) + 20])  # a kill in the middle of t2's line
     assert not (run / PARTIAL).read_bytes().endswith(b"\n")
@@ -108,10 +110,7 @@ def test_truncated_last_line_is_dropped_and_redone(lm_dir, split, reference, tmp
 ])
 def test_resume_with_other_arguments_is_refused(lm_dir, split, tmp_path, monkeypatch, change, match):
     run = tmp_path / "run"
-    with monkeypatch.context() as m:
-        interrupt_at(m, FullCache, "t1")
-        with pytest.raises(KeyboardInterrupt):
-            run_eval(lm_dir, split, out_dir=run)
+    interrupted_run(monkeypatch, lm_dir, split, run, at="t1")
     before = (run / PARTIAL).read_bytes()
     with pytest.raises(ValueError, match=match) as e:
         run_eval(lm_dir, split, out_dir=run, **change)
@@ -123,10 +122,7 @@ def test_resume_over_a_changed_split_is_refused(lm_dir, tmp_path, monkeypatch):
     """Snakemake reruns a job whose input changed but keeps hidden work files: their rows must not be reused."""
     split = write_split(tmp_path / "test.jsonl", [text_record(i) for i in range(4)])
     run = tmp_path / "run"
-    with monkeypatch.context() as m:
-        interrupt_at(m, FullCache, "t1")
-        with pytest.raises(KeyboardInterrupt):
-            run_eval(lm_dir, split, out_dir=run)
+    interrupted_run(monkeypatch, lm_dir, split, run, at="t1")
     write_split(split, [text_record(i, answer=" 0") for i in range(4)])
     with pytest.raises(ValueError, match="split_sha256"):
         run_eval(lm_dir, split, out_dir=run)
