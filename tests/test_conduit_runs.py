@@ -22,10 +22,9 @@ from test_workflow import (
 
 from kvbench.cli import main
 from kvbench.eval.audit import ReplayPolicy, plan_audit
-from kvbench.eval.methods import get_method
 from kvbench.eval.refresh import MissingCacheEntry, RefreshMethod
 from kvbench.eval.runner import run_eval
-from kvbench.eval.specs import canonical, parse_method_spec, slug, slugs, with_budget
+from kvbench.eval.registry import canonical, get_method, parse_method_spec, run_slugs, slug, with_budget
 from kvbench.models.loader import load_model
 from kvbench.report.conduit import ConduitPlan, Runs, report, staleness_gap
 from kvbench.reuse import refresh
@@ -55,14 +54,14 @@ def test_spec_fields_and_slugs():
     assert parse_method_spec("reuse").effective_r == 0.0
     assert slug("conduit@0.1:lam=0.5") == "conduit_r0.1_lam-0.5"
     assert slug("conduit@0.1:use_v_norm=false") == "conduit_r0.1_use_v_norm-false"
-    assert slugs(["conduit@0.1", "conduit@0.1:lam=1", "reuse"]) == {"conduit_r0.1": "conduit@0.1", "reuse": "reuse"}
+    assert run_slugs(["conduit@0.1", "conduit@0.1:lam=1", "reuse"]) == {"conduit_r0.1": "conduit@0.1", "reuse": "reuse"}
     assert with_budget("cacheblend-conduit", 0.05) == "cacheblend-conduit@0.05"
     assert with_budget("conduit:lam=0.5", 0) == "conduit@0.0:lam=0.5"
     assert with_budget("reuse", 0.1) == "reuse" and with_budget("full", 0.1) == "full"
 
 
 @pytest.mark.parametrize("spec, needle", [
-    ("bogus@0.1", "unknown evaluation method 'bogus'"),
+    ("bogus@0.1", "unknown method 'bogus'"),
     ("conduit@1.5", "r must be a refresh ratio in [0, 1]"),
     ("conduit@-0.1", "r must be a refresh ratio in [0, 1]"),
     ("conduit@x", "got 'x'"),
@@ -71,8 +70,8 @@ def test_spec_fields_and_slugs():
     ("conduit", "needs a budget"),
     ("reuse@0.1", "runs at r = 0 by definition"),
     ("full@0.5", "runs at r = 1 by definition"),
-    ("full:lam=1", "'full' takes no parameters"),
-    ("conduit@0.1:foo=1", "unknown parameter 'foo' for policy 'conduit'"),
+    ("full:lam=1", "unknown parameter 'lam' for 'full'"),
+    ("conduit@0.1:foo=1", "unknown parameter 'foo' for 'conduit'"),
     ("conduit@0.1:lam", "is not key=value"),
     ("conduit@0.1:lam=0.5,lam=0.2", "given twice"),
     ("conduit@0.1:coef_source=mean", "coef_source must be"),
@@ -103,7 +102,7 @@ def test_get_method_builds_refresh_methods():
     assert m.config()["spec"] == "conduit@0.1:lam=0.5" and m.config()["policy_params"]["lam"] == 0.5
     with pytest.raises(ValueError, match="FullCache"):
         RefreshMethod(spec="full")
-    with pytest.raises(ValueError, match="unknown evaluation method 'notamethod'"):
+    with pytest.raises(ValueError, match="unknown method 'notamethod'"):
         get_method("notamethod")
 
 

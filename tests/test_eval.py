@@ -8,7 +8,8 @@ import pytest
 from _zoo_fixtures import text_record, vlm_record, write_png, write_split
 
 from kvbench.eval import metrics
-from kvbench.eval.methods import METHODS, EvalMethod, FullCache, get_method
+from kvbench.eval.methods import EvalMethod, FullCache
+from kvbench.eval.registry import PLAIN, get_method
 from kvbench.eval.metrics import aggregate, edit_sim, exact_match, first_code_line, indel_ratio
 from kvbench.eval.runner import run_eval
 from kvbench.utils.io import read_jsonl
@@ -82,9 +83,9 @@ def test_aggregate_continuous_uses_normal_interval():
 
 # -- methods -------------------------------------------------------------------------------------
 def test_method_registry():
-    assert METHODS["full"] is FullCache and issubclass(FullCache, EvalMethod)
+    assert PLAIN.classes["full"] is FullCache and issubclass(FullCache, EvalMethod)
     assert get_method("full").config() == {"name": "full"}
-    with pytest.raises(ValueError, match=r"'nope'.*full"):
+    with pytest.raises(ValueError, match=r"unknown method 'nope'.*full"):
         get_method("nope")
 
 

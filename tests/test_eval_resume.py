@@ -9,7 +9,8 @@ import pytest
 import torch
 from _zoo_fixtures import text_record, write_split
 
-from kvbench.eval.methods import METHODS, EvalMethod, FullCache
+from kvbench.eval.methods import EvalMethod, FullCache
+from kvbench.eval.registry import PLAIN
 from kvbench.eval.resume import META, PARTIAL, TIMING_PARTIAL
 from kvbench.eval.runner import run_eval
 from kvbench.utils.io import AppendLog, read_jsonl
@@ -143,7 +144,7 @@ class Dice(EvalMethod):
 
 def test_random_method_resumes_to_identical_files(lm_dir, split, tmp_path, monkeypatch):
     """Bug: records were seeded once per process, so a resumed record drew other numbers than in one run."""
-    monkeypatch.setitem(METHODS, "dice", Dice)
+    monkeypatch.setitem(PLAIN.classes, "dice", Dice)
     run_eval(lm_dir, split, method="dice", out_dir=tmp_path / "ref")
     with monkeypatch.context() as m:
         interrupt_at(m, Dice, "t2")

@@ -93,12 +93,13 @@ def test_bad_press_parameters(tiny_lm, tmp_path, kw, match):
 
 
 def test_missing_codec_dir_is_named(tiny_lm, tmp_path):
+    press = ResidualKVPress(codec_dir=str(tmp_path / "nowhere"), mode="standalone")  # resources load later
     with pytest.raises(ValueError, match="holds no trained codec"):
-        ResidualKVPress(codec_dir=str(tmp_path / "nowhere"), mode="standalone")
+        press.load()
     # the variant folder instead of its codec/ subfolder: the error points at the right one
     _identity_codec(tiny_lm, tmp_path / "variant" / "codec")
     with pytest.raises(ValueError, match=r"did you mean '.*variant/codec'\?"):
-        ResidualKVPress(codec_dir=str(tmp_path / "variant"), mode="standalone")
+        ResidualKVPress(codec_dir=str(tmp_path / "variant"), mode="standalone").load()
 
 
 def test_snapkv_mode_keeps_the_keep_share_of_codes_and_every_reference(tiny_lm, tmp_path):

@@ -7,10 +7,10 @@ import re
 import pandas as pd
 import pytest
 
-from kvbench.eval.compress import CompressMethod, canonical_press_spec, parse_press_spec
-from kvbench.eval.methods import get_method
+from kvbench.eval.compress import CompressMethod
+from kvbench.eval.registry import get_method
 from kvbench.report import residualkv
-from kvbench.report.rkv_plan import RKVPlan, slug
+from kvbench.report.rkv_plan import RKVPlan, press_spec
 from kvbench.utils.io import write_jsonl
 
 SECTION = {
@@ -29,13 +29,15 @@ CODEC_KW = {"seed": 0, "model_dir": "zoo/tiny-qwen2-lm"}
 
 
 def test_press_specs_parse_and_canonicalise():
-    assert canonical_press_spec("snapkv:window=16,keep=0.3") == "snapkv:keep=0.3,window=16"
-    assert parse_press_spec("residualkv:full_layers=0+1,use_codec=false")[1] == {"full_layers": [0, 1], "use_codec": False}
-    assert slug("residualkv:mode=omnikv,full_layers=0+1") == "residualkv_full_layers-0.1_mode-omnikv"
+    assert press_spec("snapkv:window=16,keep=0.3").canonical == "snapkv:keep=0.3,window=16"
+    assert press_spec("residualkv:full_layers=0+1,use_codec=false").params == {"full_layers": (0, 1), "use_codec": False}
+    assert press_spec("residualkv:mode=omnikv,full_layers=0+1").slug == "residualkv_full_layers-0.1_mode-omnikv"
 
 
 @pytest.mark.parametrize("spec, match", [
-    ("zip:keep=1", "unknown compression method 'zip'"),
+    ("zip:keep=1", "unknown method 'zip'"),
+    ("conduit@0.1", "unknown method 'conduit'"),  # a refresh policy is not a press
+    ("snapkv@0.1", "takes no budget"),
     ("snapkv:kep=0.3", "unknown parameter 'kep'"),
     ("snapkv:keep", "is not key=value"),
     ("residualkv:use_codec=no", "must be true or false"),
@@ -43,7 +45,7 @@ def test_press_specs_parse_and_canonicalise():
 ])
 def test_bad_press_specs_are_named(spec, match):
     with pytest.raises(ValueError, match=match):
-        parse_press_spec(spec)
+        press_spec(spec)
 
 
 def test_get_method_routes_press_specs():

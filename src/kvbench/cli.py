@@ -112,7 +112,7 @@ def _cache(a: argparse.Namespace) -> None:
 
 
 def _replay(a: argparse.Namespace) -> int:
-    from kvbench.eval.audit import replay
+    from kvbench.eval.refresh import replay
 
     out = replay(a.run, a.id, cache_dir=a.cache_dir)
     print(json.dumps(out, indent=2))

@@ -40,7 +40,7 @@ def _check_names():
     catches what would otherwise fail only after the models had trained.
     """
     from kvbench.data.smoke import TASKS
-    from kvbench.eval.specs import check_method_spec
+    from kvbench.eval.registry import check_method_spec
     from kvbench.train.recipes import RECIPES, apply_overrides
 
     for method in config["eval"]["methods"]:

@@ -1,19 +1,12 @@
 """Analytic prefill cost of each refresh policy on an assembled request (the check on the measured FLOPs).
 
-Each policy's visual rows per layer follow from its definition
-(docs/decisions.md, "Policies"), with ``k = ⌈r·N_visual⌉``:
-
-- ``reuse``: none; ``conduit``, ``prophetkv``, ``mpic-first``: ``k`` at every layer;
-  ``mpic``: ``Σ_j ⌈r·n_j⌉`` at every layer;
-- ``cacheblend``: all ``N`` up to and including the check layer, then ``k``;
-- ``kvshare-conduit``, ``cacheblend-conduit``: :func:`~kvbench.reuse.policies.cacheblend.linear_layer_counts`;
-  KVShare also recomputes the queries of every computed row and their attention mass at each
-  layer after which the set shrinks.
-
-Text rows are computed at every layer by every policy. Policies with a scoring
-pass add :func:`~kvbench.bench.flops.scoring_flops`. ``full`` is the model's own
-forward: :func:`~kvbench.bench.flops.full_prefill_flops` for the decoder (the
-vision tower is measured only).
+Each policy states the visual rows it computes per layer
+(:meth:`~kvbench.reuse.policies.RefreshPolicy.visual_rows`, from its definition; docs/decisions.md,
+"Policies"); text rows are computed at every layer by every policy. Policies with a scoring pass add
+:func:`~kvbench.bench.flops.scoring_flops`; a policy that recomputes queries and attention mass after
+some layers (KVShare, :meth:`~kvbench.reuse.policies.RefreshPolicy.mass_layers`) adds those. A policy
+that runs the model's own forward (``full``) costs :func:`~kvbench.bench.flops.full_prefill_flops` for
+the decoder (the vision tower is measured only).
 """
 from __future__ import annotations
 
@@ -22,8 +15,6 @@ from dataclasses import dataclass
 from kvbench.bench import flops
 from kvbench.reuse.assemble import AssembledRequest
 from kvbench.reuse.policies import get_policy
-from kvbench.reuse.policies.cacheblend import linear_layer_counts
-from kvbench.reuse.validate import budget_count
 
 
 @dataclass(frozen=True)
@@ -51,46 +42,25 @@ class AnalyticCost:
 
 
 def visual_rows(policy: str, req: AssembledRequest, r: float, n_layers: int, **params) -> list[int]:
-    """Visual rows computed at each layer by ``policy`` at ratio ``r`` (see the module docstring).
+    """Visual rows computed at each layer by ``policy`` (with ``params``) at ratio ``r``.
 
     Raises:
-        KeyError: a policy without a cost model here.
+        ValueError: unknown policy or bad parameter.
     """
-    N = req.n_visual
-    k = budget_count(r, N)
-    if policy == "full":
-        return [N] * n_layers
-    if policy == "reuse":
-        return [0] * n_layers
-    if policy in ("conduit", "prophetkv", "mpic-first"):
-        return [k] * n_layers
-    if policy == "mpic":
-        per_image = params.get("k")
-        sizes = [e - s for s, e in req.image_spans]
-        n = sum(budget_count(r, m) if per_image is None else min(per_image, m) for m in sizes)
-        return [n] * n_layers
-    if policy == "cacheblend":
-        check = get_policy("cacheblend", **params).check_layer
-        return [N if layer <= check else k for layer in range(n_layers)]
-    if policy in ("kvshare-conduit", "kvshare", "cacheblend-conduit"):
-        return linear_layer_counts(n_layers, N, k)
-    raise KeyError(f"no analytic cost model for policy {policy!r}")
+    return get_policy(policy, **params).visual_rows(req, r, n_layers)
 
 
 def analytic_cost(policy: str, req: AssembledRequest, r: float, shape: flops.DecoderShape,
                   **params) -> AnalyticCost:
     """Analytic FLOPs of ``policy`` on ``req`` (decoder only; see the module docstring)."""
+    pol = get_policy(policy, **params)
     T, n_text = req.seq_len, int(req.text_index.numel())
-    vis = visual_rows(policy, req, r, shape.n_layers, **params)
-    if policy == "full":
+    vis = pol.visual_rows(req, r, shape.n_layers)
+    if pol.model_forward:
         return AnalyticCost(scoring=0, executor=flops.full_prefill_flops(shape, T), visual_rows=tuple(vis))
     rows = [n_text + v for v in vis]
     executor = flops.executor_flops(shape, T, rows)
-    if policy in ("kvshare-conduit", "kvshare"):
-        shrink = [layer for layer in range(shape.n_layers - 1) if 0 < vis[layer + 1] < vis[layer]]
-        executor += sum(flops.query_flops(shape, rows[layer]) + flops.mass_flops(shape, rows[layer], T)
-                        for layer in shrink)
-    scoring = 0
-    if get_policy(policy, **params).uses_scoring:
-        scoring = flops.scoring_flops(shape, T, n_text, int(req.query_index.numel()))
+    executor += sum(flops.query_flops(shape, rows[layer]) + flops.mass_flops(shape, rows[layer], T)
+                    for layer in pol.mass_layers(vis))
+    scoring = flops.scoring_flops(shape, T, n_text, int(req.query_index.numel())) if pol.uses_scoring else 0
     return AnalyticCost(scoring=scoring, executor=executor, visual_rows=tuple(vis))

@@ -27,13 +27,8 @@ import pandas as pd
 from kvbench.bench import TABLE3_METHODS
 from kvbench.bench.clock import summarise
 from kvbench.bench.timing_model import TIMING_MODELS
+from kvbench.reuse.policies import get_policy
 from kvbench.utils.io import atomic_path
-
-LABELS = {
-    "full": "Full prefill", "reuse": "Cache reuse (r=0)", "cacheblend": "CacheBlend", "mpic": "MPIC",
-    "kvshare-conduit": "KVShare (CONDUIT reimpl.)", "prophetkv": "ProphetKV", "conduit": "CONDUIT",
-    "mpic-first": "MPIC (first:r)", "cacheblend-conduit": "CacheBlend (CONDUIT as-run)",
-}
 
 TABLE3_COLUMNS = [
     "method", "label", "pages", "context_tokens", "n_visual", "r", "refreshed_visual", "prefill_tflops",
@@ -83,7 +78,7 @@ def build_table3(raw: pd.DataFrame) -> pd.DataFrame:
     order = {m: i for i, m in enumerate(TABLE3_METHODS)}
     cells = []
     for (method, pages), g in raw.groupby(["method", "pages"], sort=False):
-        cells.append({"method": method, "label": LABELS.get(method, method), "pages": str(pages), **_cell(g)})
+        cells.append({"method": method, "label": get_policy(method).label, "pages": str(pages), **_cell(g)})
     df = pd.DataFrame(cells)
     full = df[df["method"] == "full"].set_index("pages")
     df["pct_of_full_flops"] = 100 * df["prefill_tflops"] / df["pages"].map(full["prefill_tflops"])

@@ -270,6 +270,19 @@ class Press:
         """The store of decoder layer ``ctx.layer_idx``."""
         return StoreLayer(ctx, cache)
 
+    def load(self) -> None:
+        """Read and check the press's resources (e.g. ResidualKV's trained codec) before its first request.
+        Construction never reads them, so a spec is checked by constructing its press (also at DAG time).
+        Default: nothing."""
+
+    def check_layers(self, n_layers: int) -> None:
+        """Check the press's layer indices against a model with ``n_layers`` decoder layers (also at DAG time,
+        from the config's model shape). Default: nothing.
+
+        Raises:
+            ValueError: a layer index the model does not have (or a layer set the method cannot run with).
+        """
+
     def new_cache(self, model: Any) -> PressCache:
         """An empty cache for one request on ``model``."""
         return PressCache(model, self.make_layer)
@@ -281,3 +294,9 @@ class Press:
     def compute_ratio(self, n_layers: int) -> float | None:
         """CR the method targets by construction (None: measured only)."""
         return 1.0
+
+    def kr_formula(self, n_tokens: int, n_layers: int, d_kv: int, codec: Any = None) -> float | None:
+        """KR by the paper's closed form (ResidualKV §V-A) at ``n_tokens`` on a model of ``n_layers`` layers and
+        K‖V width ``d_kv``; None for methods without one (their KR is measured only). ``codec``: the codec
+        config of presses that have one."""
+        return None

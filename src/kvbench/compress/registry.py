@@ -1,7 +1,8 @@
 """Registry of compression presses: short name -> :class:`~kvbench.compress.cache.Press` subclass.
 
 A new method is one file in :mod:`kvbench.compress.presses` plus one line here. ``fullkv`` is the exact
-full cache read through the same machinery (the "Full cache" row of ResidualKV's tables).
+full cache read through the same machinery (the "Full cache" row of ResidualKV's tables). :data:`PRESS`
+is the family of press specs (``<press>[:key=value,...]``, :mod:`kvbench.utils.spec`).
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from kvbench.compress.presses.pyramidkv import PyramidKVPress
 from kvbench.compress.presses.quest import QuestPress
 from kvbench.compress.presses.snapkv import SnapKVPress
 from kvbench.compress.residualkv.cache import ResidualKVPress
+from kvbench.utils.spec import Family
 
 
 class FullKV(Press):
@@ -24,3 +26,7 @@ class FullKV(Press):
 
 PRESSES: dict[str, type[Press]] = {cls.name: cls for cls in (
     FullKV, SnapKVPress, PyramidKVPress, KVzipPress, QuestPress, OmniKVPress, KIVIPress, PaluPress, ResidualKVPress)}
+
+#: Press specs: no budget ``@r``; the canonical form keeps every parameter the spec spelled; a trained
+#: codec (``codec_dir``) and KVzip's tokenizer are resources, given when the press is built, never in a spec.
+PRESS = Family("press", PRESSES, resources=("codec_dir", "tokenizer"))

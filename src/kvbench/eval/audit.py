@@ -1,4 +1,4 @@
-"""Audit records of refresh runs, and exact replay of a recorded plan (``kvbench replay``).
+"""Audit records of refresh runs, and the policy that re-executes one (``kvbench replay``).
 
 Every prediction row of a refresh run carries ``plan`` (:func:`plan_audit`), enough to re-execute
 the refresh without the policy or the scoring rule:
@@ -15,13 +15,10 @@ the refresh without the policy or the scoring rule:
   ``text_rows`` (``"all"`` or the recomputed text indices), ``base_from_stage1``, ``full_prefill``,
   ``budget`` (⌈r·N_visual⌉), ``tokens`` (generated ids).
 
-:func:`replay` rebuilds the request, runs the recorded per-layer sets through the same executor and
+:func:`kvbench.eval.refresh.replay` rebuilds the request, runs the recorded per-layer sets through the same executor and
 decodes again; it reproduces the prediction exactly (same rows per layer, same arithmetic).
 """
 from __future__ import annotations
-
-import json
-from pathlib import Path
 
 import torch
 
@@ -69,6 +66,9 @@ class Recorded(RefreshPolicy):
 
     def params(self):
         return self.inner.params()
+
+    def visual_rows(self, req, r, n_layers):
+        return self.inner.visual_rows(req, r, n_layers)
 
     def plan(self, req, scoring, r):
         plan = self.inner.plan(req, scoring, r)
@@ -157,6 +157,9 @@ class ReplayPolicy(RefreshPolicy):
         self.name = f"replay:{audit['policy']}"
         self.uses_scoring = bool(audit["base_from_stage1"])  # Phase 2 then starts from Stage I's K/V
 
+    def visual_rows(self, req, r, n_layers):
+        return list(self.audit["layer_counts"])
+
     def plan(self, req, scoring, r):
         a = self.audit
         if req.n_visual != a["n_visual"] or [list(s) for s in req.image_spans] != a["image_spans"]:
@@ -172,60 +175,3 @@ class ReplayPolicy(RefreshPolicy):
         text_rows = None if a["text_rows"] == "all" else torch.tensor(a["text_rows"], device=req.visual_index.device)
         return RefreshPlan(schedule=ReplaySchedule(computed, kept_at), text_rows=text_rows,
                            base_from_stage1=bool(a["base_from_stage1"]))
-
-
-def _find_row(run_dir: Path, record_id: str) -> dict:
-    from kvbench.utils.io import read_jsonl
-
-    row = next((r for r in read_jsonl(run_dir / "predictions.jsonl") if r.get("id") == record_id), None)
-    if row is not None:
-        return row
-    raise KeyError(f"{run_dir}/predictions.jsonl has no row with id {record_id!r}")
-
-
-def replay(run_dir: str | Path, record_id: str, *, cache_dir: str | None = None, device: str | None = None) -> dict:
-    """Re-run the recorded plan of ``record_id`` in ``run_dir`` and decode again.
-
-    The model, split, cache directory and thread count come from the run's ``run_info.json``; the
-    image caches are read from the run's cache directory when it still exists (else ``cache_dir``,
-    else rebuilt in a temporary directory: entries are a deterministic function of model and image).
-
-    Returns:
-        ``{"id", "policy", "recorded", "replayed", "recorded_tokens", "replayed_tokens", "match"}``.
-
-    Raises:
-        FileNotFoundError: missing run files. KeyError: unknown id.
-        ValueError: the row has no ``plan`` (not a refresh run, or the sample failed), or the
-            record's request differs from the recorded one.
-    """
-    from kvbench.eval.refresh import RefreshMethod, eos_ids, until_eos
-    from kvbench.models.loader import load_model
-    from kvbench.reuse import greedy_decode, prepare, refresh
-    from kvbench.utils.io import read_jsonl
-
-    run_dir = Path(run_dir)
-    info = json.loads((run_dir / "run_info.json").read_text())
-    row = _find_row(run_dir, record_id)
-    audit = row.get("plan")
-    if not audit:
-        raise ValueError(f"{run_dir}: row {record_id!r} has no refresh plan (method {info['method'].get('name')!r}, "
-                         f"status {row.get('status')!r})")
-    split = Path(info["split"]["path"])
-    record = next((r for r in read_jsonl(split) if r["id"] == record_id), None)
-    if record is None:
-        raise KeyError(f"{split} has no record {record_id!r}")
-    torch.set_num_threads(int(info.get("threads", 1)))
-    model, proc = load_model(info["model"]["checkpoint"], device=device or info["args"].get("device") or "cpu")
-    recorded_cache, build = info["method"].get("cache_dir"), True
-    if cache_dir is None and recorded_cache and Path(recorded_cache).is_dir():
-        cache_dir, build = recorded_cache, False  # never write into the run's (pipeline-managed) cache
-    method = RefreshMethod(spec=info["method"]["spec"], cache_dir=cache_dir, build_missing=build)
-    adapter = method.get_adapter(model, proc)
-    with torch.inference_mode():
-        req = prepare(adapter, method.get_store(adapter, record["generic_system"]), record, split.parent)
-        result = refresh(adapter, req, ReplayPolicy(audit), audit["r"])
-        tokens = until_eos(greedy_decode(adapter, result.output, int(record["max_new_tokens"])), eos_ids(model, proc))
-    pred = method.decode(proc, record, torch.tensor(tokens))
-    return {"id": record_id, "policy": audit["policy"], "recorded": row["prediction"], "replayed": pred,
-            "recorded_tokens": audit["tokens"], "replayed_tokens": tokens,
-            "match": pred == row["prediction"] and tokens == audit["tokens"]}

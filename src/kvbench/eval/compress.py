@@ -1,10 +1,10 @@
 """Compression methods as evaluation methods: one press spec per run (ResidualKV §V).
 
-Spec grammar (values as in :mod:`kvbench.eval.specs`)::
+Spec grammar (:mod:`kvbench.utils.spec`, family :data:`kvbench.compress.registry.PRESS`)::
 
     spec := press [ ":" key "=" value { "," key "=" value } ]
 
-e.g. ``full``-equivalent ``press``, ``snapkv:keep=0.3``, ``kivi:bits=2``, ``residualkv:mode=omnikv,keep=0.2``.
+e.g. ``fullkv``, ``snapkv:keep=0.3``, ``kivi:bits=2``, ``residualkv:mode=omnikv,keep=0.2``.
 ``press`` names a class of :data:`kvbench.compress.registry.PRESSES`; keys are its dataclass fields.
 A ResidualKV press needs ``codec_dir`` (a path, passed as a method parameter, not in the spec, so that run
 names do not hold paths; the spec's ``codec`` field names the codec variant for the record).
@@ -17,7 +17,6 @@ the cache holds (per layer, by part), CR measured from the keys attention could 
 from __future__ import annotations
 
 import dataclasses
-import inspect
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -25,52 +24,10 @@ from typing import Any, ClassVar
 import torch
 
 from kvbench.compress import accounting
-from kvbench.eval.methods import METHODS, EvalMethod, FatalRunError
-from kvbench.eval.specs import _fmt, _typed, _value
-
-
-def _presses() -> dict:
-    from kvbench.compress.registry import PRESSES
-
-    return PRESSES
-
-
-def parse_press_spec(spec: str) -> tuple[str, dict]:
-    """``(press name, parameters)`` of a press spec; parameters are checked against the press's fields.
-
-    Raises:
-        ValueError: unknown press (listing the known ones), malformed or unknown parameter, wrong type.
-    """
-    name, _, text = spec.partition(":")
-    presses = _presses()
-    if name not in presses:
-        raise ValueError(f"unknown compression method {name!r}; known: {sorted(presses)}")
-    fields = {f.name: f for f in dataclasses.fields(presses[name])}
-    sig = inspect.signature(presses[name]).parameters
-    params: dict[str, Any] = {}
-    for item in filter(None, text.split(",")):
-        key, sep, val = item.partition("=")
-        key = key.strip()
-        if not sep or not val.strip():
-            raise ValueError(f"method spec {spec!r}: parameter {item!r} is not key=value")
-        if key not in fields or key == "codec_dir":
-            accepted = sorted(k for k in fields if k != "codec_dir")
-            raise ValueError(f"method spec {spec!r}: unknown parameter {key!r} for {name!r}; accepted: {accepted}")
-        if key in params:
-            raise ValueError(f"method spec {spec!r}: parameter {key!r} given twice")
-        params[key] = _typed(spec, key, _value(val.strip()), sig[key])
-    return name, params
-
-
-def canonical_press_spec(spec: str) -> str:
-    """One string per distinct run: parameters sorted."""
-    name, params = parse_press_spec(spec)
-    return name + ("" if not params else ":" + ",".join(f"{k}={_fmt(v)}" for k, v in sorted(params.items())))
-
-
-def is_press_spec(spec: str) -> bool:
-    """True if ``spec`` names a compression method."""
-    return spec.partition(":")[0] in _presses()
+from kvbench.compress.generate import greedy_generate, split_prompt
+from kvbench.compress.registry import PRESS
+from kvbench.eval.methods import EvalMethod, FatalRunError, eos_ids
+from kvbench.utils.spec import parse
 
 
 @dataclass
@@ -94,10 +51,10 @@ class CompressMethod(EvalMethod):
     audit_requests: int = 4
 
     def __post_init__(self):
-        self._name, self._params = parse_press_spec(self.spec)
+        self._spec = parse(self.spec, PRESS)
         if not isinstance(self.audit_requests, int) or isinstance(self.audit_requests, bool) or self.audit_requests < 0:
             raise ValueError(f"audit_requests must be an int >= 0, got {self.audit_requests!r}")
-        self._takes_codec = "codec_dir" in {f.name for f in dataclasses.fields(_presses()[self._name])}
+        self._takes_codec = "codec_dir" in {f.name for f in dataclasses.fields(self._spec.cls)}
         if self.codec_dir and not self._takes_codec:
             # a codec given to a press that never reads it would be recorded in run_info as if it mattered
             raise ValueError(f"method {self.spec!r} takes no codec, but codec_dir={self.codec_dir!r} was given")
@@ -107,18 +64,23 @@ class CompressMethod(EvalMethod):
         self._fits = False
 
     def press(self) -> Any:
-        """The press instance (built once; a ResidualKV press loads and checks its codec here)."""
+        """The press instance (built once; a ResidualKV press loads and checks its codec here).
+
+        Raises:
+            ValueError: a press that takes a codec without ``codec_dir``, or one its codec does not fit.
+        """
         if self._press is None:
-            cls = _presses()[self._name]
             extra = {"codec_dir": self.codec_dir} if self._takes_codec else {}
             if extra and not self.codec_dir:
                 raise ValueError(f"method {self.spec!r} needs codec_dir (a trained codec directory)")
-            self._press = cls(**self._params, **extra)
+            press = self._spec.build(**extra)
+            press.load()
+            self._press = press
         return self._press
 
     def config(self) -> dict:
         press = self.press()
-        return {"name": self.name, "spec": canonical_press_spec(self.spec), "codec_dir": self.codec_dir,
+        return {"name": self.name, "spec": self._spec.canonical, "codec_dir": self.codec_dir,
                 "press": {"class": type(press).__name__, **dataclasses.asdict(press)}}
 
     def check_records(self, records: list[dict]) -> None:
@@ -133,9 +95,6 @@ class CompressMethod(EvalMethod):
         self._n = index
 
     def predict(self, model: Any, proc: Any, record: dict, base_dir: str | Path | None) -> str:
-        from kvbench.compress.generate import greedy_generate, split_prompt
-        from kvbench.eval.refresh import eos_ids
-
         tok = getattr(proc, "tokenizer", proc)
         if not self._fits:
             try:  # a press that cannot serve this model (layers out of range, a codec of another shape) stops the run
@@ -186,5 +145,3 @@ def _compute_ratio(attended: list[list[int]], first_visible: int) -> float | Non
         ratios += [c / visible for c in counts]
     return sum(ratios) / len(ratios)
 
-
-METHODS[CompressMethod.name] = CompressMethod

@@ -1,24 +1,23 @@
 """Evaluation methods: how a model answers one record (the KV-cache policy under test).
 
-A method is a small dataclass whose fields are its hyper-parameters, with one
-:meth:`EvalMethod.predict`. The shared machinery (encoding through
-:func:`kvbench.models.prompting.encode_record`, greedy ``generate`` settings,
-decoding of the continuation) lives in the base class, so a refresh or
-compression method is one file plus one line in :data:`METHODS`.
+An evaluation method is a small dataclass with one :meth:`EvalMethod.predict`. The shared machinery
+(encoding through :func:`kvbench.models.prompting.encode_record`, greedy ``generate`` settings, decoding
+of the continuation, EOS handling) lives here; :mod:`kvbench.eval.registry` maps a method spec to one
+of three evaluation methods:
 
-- ``full``: greedy decoding with the full, exact KV cache (transformers'
+- ``full``: :class:`FullCache`, greedy decoding with the full, exact KV cache (transformers'
   ``generate`` with its default ``DynamicCache``): the upper-bound baseline.
-- ``compress``: a ResidualKV-side compression press (:mod:`kvbench.eval.compress`), named by a press
-  spec such as ``snapkv:keep=0.3`` (:func:`get_method` accepts press specs directly).
-- ``refresh``: a CONDUIT-side refresh policy over cached per-image KV
-  (:mod:`kvbench.eval.refresh`), named by a method spec such as
-  ``conduit@0.1:lam=0.5`` (:func:`get_method` accepts specs directly).
+- a refresh policy spec (``conduit@0.1:lam=0.5``): :class:`~kvbench.eval.refresh.RefreshMethod`, a
+  CONDUIT-side policy over cached per-image KV;
+- a compression press spec (``snapkv:keep=0.3``): :class:`~kvbench.eval.compress.CompressMethod`.
+
+A new refresh policy or press is one file in its family (:mod:`kvbench.reuse.policies`,
+:mod:`kvbench.compress.presses`); nothing here changes.
 """
 from __future__ import annotations
 
 import abc
 import dataclasses
-import inspect
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -145,36 +144,15 @@ class FullCache(EvalMethod):
         return self.decode(proc, record, out[0, prompt_len:])
 
 
-#: Method registry: name -> class. A new method is one file plus one line here.
-METHODS: dict[str, type[EvalMethod]] = {
-    FullCache.name: FullCache,
-}
+def eos_ids(model: Any, proc: Any) -> set[int]:
+    """Token ids that end an answer (the ones ``generate`` stops at in :class:`FullCache`)."""
+    eos = EvalMethod.greedy_kwargs(model, proc, 1)["eos_token_id"]
+    return set(eos) if isinstance(eos, (list, tuple)) else {int(eos)}
 
 
-def get_method(name: str, **params: Any) -> EvalMethod:
-    """Instantiate method ``name`` with hyper-parameters ``params``.
-
-    ``name`` is a registry name or a refresh method spec (``reuse``, ``conduit@0.1:lam=0.5``;
-    :mod:`kvbench.eval.refresh`), which becomes ``RefreshMethod(spec=name, **params)``.
-
-    Raises:
-        ValueError: unknown name or invalid spec (the message lists the valid names).
-    """
-    from kvbench.eval.compress import is_press_spec
-
-    spec = name
-    if name not in METHODS and is_press_spec(name):
-        name = "compress"
-    cls = METHODS["refresh"] if name not in METHODS else METHODS[name]
-    accepted = sorted(p for p in inspect.signature(cls).parameters if p != "spec")
-    unknown = sorted(set(params) - set(accepted))
-    if unknown:
-        raise ValueError(f"method {name!r}: unknown method parameter(s) {unknown}; accepted: {accepted or 'none'}")
-    if name not in METHODS or name == "compress" and spec != name:
-        return cls(spec=spec, **params)
-    return cls(**params)
-
-
-# Refresh and compression methods register themselves (they subclass EvalMethod, so they are imported last).
-import kvbench.eval.compress  # noqa: F401, E402
-import kvbench.eval.refresh  # noqa: F401, E402
+def until_eos(tokens: list[int], eos: set[int]) -> list[int]:
+    """``tokens`` up to and including the first EOS (what greedy ``generate`` would have produced)."""
+    for i, t in enumerate(tokens):
+        if t in eos:
+            return tokens[: i + 1]
+    return tokens

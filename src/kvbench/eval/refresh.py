@@ -1,6 +1,6 @@
 """Refresh policies as evaluation methods: :class:`RefreshMethod` and the image caches it reads (CONDUIT §3-4).
 
-A refresh run is named by a method spec (:mod:`kvbench.eval.specs`), e.g. ``conduit@0.1:lam=0.5``.
+A refresh run is named by a method spec (:mod:`kvbench.utils.spec`), e.g. ``conduit@0.1:lam=0.5``.
 ``full`` is the :class:`~kvbench.eval.methods.FullCache` reference (``model.generate``); every other
 policy of :mod:`kvbench.reuse.policies` runs through :class:`RefreshMethod`: per-image caches built
 under the record's ``generic_system`` (:func:`build_caches`, the ``conduit_cache`` rule), the request
@@ -10,6 +10,7 @@ executed plan (:mod:`kvbench.eval.audit`).
 from __future__ import annotations
 
 import hashlib
+import json
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,27 +18,18 @@ from typing import Any, ClassVar
 
 import torch
 
-from kvbench.eval.audit import Recorded, plan_audit
-from kvbench.eval.methods import METHODS, EvalMethod, FatalRunError
-from kvbench.eval.specs import (  # noqa: F401  (re-exported: the spec API is used with the method)
-    FIXED_R,
-    MethodSpec,
-    canonical,
-    check_method_spec,
-    parse_method_spec,
-    slug,
-    slugs,
-    with_budget,
-)
+from kvbench.eval.audit import Recorded, ReplayPolicy, plan_audit
+from kvbench.eval.methods import EvalMethod, FatalRunError, eos_ids, until_eos
 from kvbench.reuse import (
     ImageKVStore,
     adapter_for,
-    get_policy,
     greedy_decode,
     prepare,
     refresh,
 )
 from kvbench.reuse.cache_store import template_hash
+from kvbench.reuse.policies import REFRESH
+from kvbench.utils.spec import parse
 
 # --- the evaluation method -------------------------------------------------------------------
 
@@ -81,20 +73,6 @@ def open_store(cache_dir: str | Path, adapter, generic_system: str, build_missin
     return cls(store_root(cache_dir, adapter, generic_system), adapter, generic_system)
 
 
-def eos_ids(model: Any, proc: Any) -> set[int]:
-    """Token ids that end an answer (the ones ``generate`` stops at in :class:`FullCache`)."""
-    eos = EvalMethod.greedy_kwargs(model, proc, 1)["eos_token_id"]
-    return set(eos) if isinstance(eos, (list, tuple)) else {int(eos)}
-
-
-def until_eos(tokens: list[int], eos: set[int]) -> list[int]:
-    """``tokens`` up to and including the first EOS (what greedy ``generate`` would have produced)."""
-    for i, t in enumerate(tokens):
-        if t in eos:
-            return tokens[: i + 1]
-    return tokens
-
-
 @dataclass
 class RefreshMethod(EvalMethod):
     """Serve a VLM record from per-image caches built under ``generic_system``, refreshing with a policy.
@@ -123,7 +101,7 @@ class RefreshMethod(EvalMethod):
     def __post_init__(self):
         if not isinstance(self.build_missing, bool):
             raise ValueError(f"build_missing must be true or false, got {self.build_missing!r}")
-        parsed = parse_method_spec(self.spec)
+        parsed = parse(self.spec, REFRESH)
         if parsed.policy == "full":
             raise ValueError("'full' is the FullCache method (model.generate); use method 'full', "
                              "or 'conduit@1.0' for a refresh of every visual token")
@@ -137,7 +115,7 @@ class RefreshMethod(EvalMethod):
     def config(self) -> dict:
         p = self._parsed
         return {"name": self.name, "spec": self.spec, "policy": p.policy, "r": p.effective_r,
-                "policy_params": get_policy(p.policy, **p.params).params(),
+                "policy_params": p.build().params(),
                 "cache_dir": self.cache_dir, "build_missing": self.build_missing}
 
     def get_adapter(self, model: Any, proc: Any):
@@ -179,7 +157,7 @@ class RefreshMethod(EvalMethod):
         adapter = self.get_adapter(model, proc)
         req = prepare(adapter, self.get_store(adapter, record["generic_system"]), record, base_dir)
         p = self._parsed
-        rec = Recorded(get_policy(p.policy, **p.params))
+        rec = Recorded(p.build())
         return adapter, req, refresh(adapter, req, rec, p.effective_r), rec
 
     @torch.inference_mode()
@@ -192,9 +170,6 @@ class RefreshMethod(EvalMethod):
 
     def audit(self) -> dict | None:
         return self._audit
-
-
-METHODS[RefreshMethod.name] = RefreshMethod
 
 
 def build_caches(model_spec: str | Path, split_path: str | Path, cache_dir: str | Path, limit: int | None = None,
@@ -231,3 +206,60 @@ def build_caches(model_spec: str | Path, split_path: str | Path, cache_dir: str 
     return {"model": str(model_spec), "model_fingerprint": adapter.fingerprint(), "split": str(split_path),
             "n_records": len(records), "n_images": n_images,
             "stores": {s.generic_system: str(s.root) for s in method._stores.values()}, **stats}
+
+
+# --- exact replay of a recorded plan (``kvbench replay``) ---------------------------------------
+
+def _find_row(run_dir: Path, record_id: str) -> dict:
+    from kvbench.utils.io import read_jsonl
+
+    row = next((r for r in read_jsonl(run_dir / "predictions.jsonl") if r.get("id") == record_id), None)
+    if row is not None:
+        return row
+    raise KeyError(f"{run_dir}/predictions.jsonl has no row with id {record_id!r}")
+
+
+def replay(run_dir: str | Path, record_id: str, *, cache_dir: str | None = None, device: str | None = None) -> dict:
+    """Re-run the recorded plan of ``record_id`` in ``run_dir`` and decode again.
+
+    The model, split, cache directory and thread count come from the run's ``run_info.json``; the
+    image caches are read from the run's cache directory when it still exists (else ``cache_dir``,
+    else rebuilt in a temporary directory: entries are a deterministic function of model and image).
+
+    Returns:
+        ``{"id", "policy", "recorded", "replayed", "recorded_tokens", "replayed_tokens", "match"}``.
+
+    Raises:
+        FileNotFoundError: missing run files. KeyError: unknown id.
+        ValueError: the row has no ``plan`` (not a refresh run, or the sample failed), or the
+            record's request differs from the recorded one.
+    """
+    from kvbench.models.loader import load_model
+    from kvbench.utils.io import read_jsonl
+
+    run_dir = Path(run_dir)
+    info = json.loads((run_dir / "run_info.json").read_text())
+    row = _find_row(run_dir, record_id)
+    audit = row.get("plan")
+    if not audit:
+        raise ValueError(f"{run_dir}: row {record_id!r} has no refresh plan (method {info['method'].get('name')!r}, "
+                         f"status {row.get('status')!r})")
+    split = Path(info["split"]["path"])
+    record = next((r for r in read_jsonl(split) if r["id"] == record_id), None)
+    if record is None:
+        raise KeyError(f"{split} has no record {record_id!r}")
+    torch.set_num_threads(int(info.get("threads", 1)))
+    model, proc = load_model(info["model"]["checkpoint"], device=device or info["args"].get("device") or "cpu")
+    recorded_cache, build = info["method"].get("cache_dir"), True
+    if cache_dir is None and recorded_cache and Path(recorded_cache).is_dir():
+        cache_dir, build = recorded_cache, False  # never write into the run's (pipeline-managed) cache
+    method = RefreshMethod(spec=info["method"]["spec"], cache_dir=cache_dir, build_missing=build)
+    adapter = method.get_adapter(model, proc)
+    with torch.inference_mode():
+        req = prepare(adapter, method.get_store(adapter, record["generic_system"]), record, split.parent)
+        result = refresh(adapter, req, ReplayPolicy(audit), audit["r"])
+        tokens = until_eos(greedy_decode(adapter, result.output, int(record["max_new_tokens"])), eos_ids(model, proc))
+    pred = method.decode(proc, record, torch.tensor(tokens))
+    return {"id": record_id, "policy": audit["policy"], "recorded": row["prediction"], "replayed": pred,
+            "recorded_tokens": audit["tokens"], "replayed_tokens": tokens,
+            "match": pred == row["prediction"] and tokens == audit["tokens"]}

@@ -41,8 +41,9 @@ from typing import Any
 
 import torch
 
-from kvbench.eval.methods import FatalRunError, get_method
+from kvbench.eval.methods import FatalRunError
 from kvbench.eval.metrics import METRICS, aggregate
+from kvbench.eval.registry import get_method
 from kvbench.eval.resume import RunLog
 from kvbench.models.loader import load_model, resolve_spec
 from kvbench.utils.io import read_jsonl, write_json

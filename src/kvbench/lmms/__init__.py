@@ -19,11 +19,6 @@ kvbench records as an offline lmms-eval task) is :mod:`kvbench.lmms.task`.
 """
 from __future__ import annotations
 
-#: Registered policy names, mirrored here so building manifests needs no torch import;
-#: tests check it equals ``kvbench.reuse.available_policies()``.
-POLICIES = ["cacheblend", "cacheblend-conduit", "conduit", "full", "kvshare", "kvshare-conduit", "mpic",
-            "mpic-first", "prophetkv", "reuse"]
-
 #: The generic model id; ``policy=`` picks the policy.
 MODEL_ID = "kvbench"
 
@@ -39,12 +34,15 @@ def class_name(policy: str) -> str:
 
 
 def manifests() -> list:
-    """lmms-eval manifests of every kvbench model id (the entry point's payload)."""
+    """lmms-eval manifests of every kvbench model id (the entry point's payload): one per registered policy
+    (:func:`kvbench.reuse.available_policies`, read here so a new policy needs no line in this package)."""
     from lmms_eval.models.registry_v2 import ModelManifest
+
+    from kvbench.reuse.policies import available_policies
 
     base = "kvbench.lmms.model."
     out = [ModelManifest(model_id=MODEL_ID, simple_class_path=base + "KVBenchReuse")]
-    out += [ModelManifest(model_id=model_id(p), simple_class_path=base + class_name(p)) for p in POLICIES]
+    out += [ModelManifest(model_id=model_id(p), simple_class_path=base + class_name(p)) for p in available_policies()]
     return out
 
 

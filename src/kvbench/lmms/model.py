@@ -20,11 +20,12 @@ import torch
 from lmms_eval.api.model import lmms
 
 from kvbench.data.instructions import GENERIC_SYSTEM
-from kvbench.lmms import POLICIES, class_name
+from kvbench.lmms import class_name
 from kvbench.lmms.records import to_record
 from kvbench.reuse import (
     ImageKVStore,
     adapter_for,
+    available_policies,
     continuation_logprob,
     get_policy,
     greedy_decode,
@@ -212,5 +213,5 @@ def _preset(policy: str) -> type[KVBenchReuse]:
 
 
 # One importable preset class per policy (the manifests' class paths point at these names).
-for _p in POLICIES:
+for _p in available_policies():
     globals()[class_name(_p)] = _preset(_p)

@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from kvbench.eval.specs import canonical, parse_method_spec, slug, slugs, with_budget
+from kvbench.eval.registry import canonical, parse_method_spec, run_slugs, slug, with_budget
 from kvbench.utils.io import atomic_path, read_jsonl
 
 TABLES = ("table1", "table2", "table4", "table5", "fig3", "gap")
@@ -61,18 +61,6 @@ def _row(entry: dict) -> Row:
     """A row from a config entry ``{label, method}`` whose method is a full spec (r taken from it)."""
     spec = parse_method_spec(entry["method"])
     return Row(entry["label"], spec.canonical, spec.r)
-
-
-#: What the as-run baseline forms are (a header line of Table 1 names the ones it uses).
-FORMS = {
-    "cacheblend-conduit": "CacheBlend as CONDUIT runs it (layer 0 all visual tokens, counts decaying linearly to "
-                          "a layer average of the budget, ranked by |dk|+|dv|)",
-    "cacheblend": "CacheBlend as in its paper (check layer 1, top-r by value deviation, fixed set after)",
-    "mpic-first": "MPIC as CONDUIT runs it (the first ceil(r N) visual tokens of the request)",
-    "mpic": "MPIC-k per image (the first ceil(r n_j) tokens of each image)",
-    "kvshare-conduit": "KVShare as reimplemented in CONDUIT's code (CacheBlend schedule, attention x |dv|_1)",
-    "prophetkv": "ProphetKV as CONDUIT runs it (query attention only, no image coefficient)",
-}
 
 
 class ConduitPlan:
@@ -154,7 +142,7 @@ class ConduitPlan:
 
     def run_slugs(self) -> dict[str, str]:
         """``{run-directory name: canonical spec}`` of :meth:`all_specs` (checked injective)."""
-        return slugs(self.all_specs())
+        return run_slugs(self.all_specs())
 
     def header(self, title: str) -> str:
         """First line of every output: which profile and models produced the numbers."""
@@ -318,8 +306,9 @@ def write_score_table(plan: ConduitPlan, runs: Runs, target: str, out: str | Pat
         f"# columns: {cols}; records per column: {_column_counts(runs, plan, target)}",
     ]
     header.append(flatness_line(df, plan.columns(target)))
-    forms = dict.fromkeys(parse_method_spec(r.spec).policy for r in plan.rows(target))
-    described = [f"{p} = {FORMS[p]}" for p in forms if p in FORMS]
+    # each baseline says which of its forms it is (RefreshPolicy.form); CONDUIT and the references have none
+    forms = {p.name: getattr(p.cls, "form", None) for p in (parse_method_spec(r.spec) for r in plan.rows(target))}
+    described = [f"{name} = {form}" for name, form in forms.items() if form]
     if described:
         header.append("# baseline forms: " + "; ".join(described))
     _write_csv(df, header, out)

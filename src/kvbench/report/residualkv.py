@@ -19,10 +19,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from kvbench.compress import accounting
 from kvbench.compress.residualkv import references
-from kvbench.eval.compress import parse_press_spec
-from kvbench.report.rkv_plan import RKVPlan
+from kvbench.report.rkv_plan import RKVPlan, press_spec
 from kvbench.utils.io import atomic_path, read_jsonl
 
 
@@ -53,35 +51,22 @@ def run_summary(run_dir: str | Path) -> dict:
     }
 
 
-def kr_formula(plan: RKVPlan, spec: str, n_tokens: float, n_layers: int, d_kv: int) -> float | None:
-    """§V-A KR of a ResidualKV spec on this plan's model at ``n_tokens`` (None for other presses).
-
-    Full layers count at the spec's ``full_kv_bits`` (16 = FP16, q = 1, the default here; the paper's
-    deployment uses 4-bit KIVI-style, q_4 with group 32),
-    references FP8 (or float32 when ``ref_fp8=false``), codes at the spec's bits with group 32.
-    """
-    name, params = parse_press_spec(spec)
-    if name != "residualkv" or not n_tokens or math.isnan(n_tokens):
+def kr_formula(plan: RKVPlan, spec: str, n_tokens: float, shape: tuple[int, int]) -> float | None:
+    """§V-A KR of a row's press at ``n_tokens`` on this plan's model of ``shape`` = ``(n_layers, d_kv)``: the press's
+    own :meth:`~kvbench.compress.cache.Press.kr_formula` with its codec variant's config (None for presses
+    without a closed form, or when no token count was measured)."""
+    press = press_spec(spec).build()
+    if not n_tokens or math.isnan(n_tokens):
         return None
-    codec = plan.s["codec"]
-    n_full = len(params.get("full_layers", ())) if params.get("mode", "omnikv") != "standalone" else 0
-    stride = params.get("stride", codec.get("stride", 10))
-    alpha = params.get("alpha", codec.get("alpha", 0.0))
-    n_sink = codec.get("n_sink", 8)
-    n = int(round(n_tokens))
-    density = references.reference_count(n, n_sink=n_sink, stride=stride, alpha=alpha) / n
-    bits = params.get("bits", 4)
-    d_c = d_kv if params.get("use_codec", True) is False else codec["d_c"]
-    group = codec.get("group", 32) if bits != 16 else 32
-    return accounting.keep_ratio_formula(n_layers=n_layers, n_full=n_full, ref_density=density, d_c=d_c, d_kv=d_kv,
-                                         bits=min(bits, 16), full_bits=params.get("full_kv_bits", 16), group=math.gcd(d_c, group),
-                                         ref_bits=8 if params.get("ref_fp8", True) else 16)
+    variant = plan.codec_of(spec)
+    codec = None if variant is None else plan.codec_config(variant, shape)
+    return press.kr_formula(int(round(n_tokens)), *shape, codec=codec)
 
 
 def score_table(plan: RKVPlan, target: str, root: str | Path = ".", model_shape: tuple[int, int] | None = None) -> pd.DataFrame:
     """Rows x tasks table of ``target`` (module docstring). ``model_shape``: ``(n_layers, d_kv)`` for the
     KR formula (read from the zoo config when None)."""
-    n_layers, d_kv = model_shape or _model_shape(plan, root)
+    n_layers, d_kv = model_shape or model_shape(plan, root)
     out = []
     for row in plan.rows(target):
         cells, notes, krs, crs, toks = {"method": row.label, "spec": row.spec}, [], [], [], []
@@ -95,7 +80,7 @@ def score_table(plan: RKVPlan, target: str, root: str | Path = ".", model_shape:
         cells["KR %"] = round(100 * _mean(krs), 1)
         cr = _mean(crs)
         cells["CR %"] = round(100 * cr, 1) if not math.isnan(cr) else None
-        f = kr_formula(plan, row.spec, _mean(toks), n_layers, d_kv)
+        f = kr_formula(plan, row.spec, _mean(toks), (n_layers, d_kv))
         cells["KR formula %"] = None if f is None else round(100 * f, 1)
         if f is None:
             notes.append("KR formula: ResidualKV's §V-A formula applies to ResidualKV rows only")
@@ -104,7 +89,12 @@ def score_table(plan: RKVPlan, target: str, root: str | Path = ".", model_shape:
     return pd.DataFrame(out)
 
 
-def _model_shape(plan: RKVPlan, root: str | Path) -> tuple[int, int]:
+def model_shape(plan: RKVPlan, root: str | Path) -> tuple[int, int]:
+    """``(n_layers, d_kv)`` of the plan's backbone: from its ``config.json`` under ``root``, else from the main codec.
+
+    Raises:
+        FileNotFoundError: neither file exists.
+    """
     path = Path(root) / (plan.model_dir or Path("zoo", plan.model)) / "config.json"
     cfg = json.loads(path.read_text()) if path.is_file() else None
     if cfg is None:
@@ -118,13 +108,13 @@ def table_vi(plan: RKVPlan, root: str | Path = ".") -> pd.DataFrame:
     """Table VI: per α, reference count and share at the longest evaluated context and at the paper's
     context (schedule of the main codec), then the scores."""
     df = score_table(plan, "tableVI", root)
-    sweep, codec = plan.s["stride_sweep"], plan.s["codec"]
+    sweep, codec = plan.s["stride_sweep"], plan.codec_config("main", model_shape(plan, root))
     longest = int(max(run_summary(Path(root) / plan.run_dir(t, plan.rows("tableVI")[0].spec))["n_tokens"]
                       for t in plan.tasks))
     paper_t = int(sweep.get("paper_context", 262144))
     cols = []
     for alpha in sweep["alpha"]:
-        kw = dict(n_sink=codec.get("n_sink", 8), stride=codec.get("stride", 10), alpha=float(alpha))
+        kw = dict(n_sink=codec.n_sink, stride=codec.stride, alpha=float(alpha))
         n_long, n_paper = references.reference_count(longest, **kw), references.reference_count(paper_t, **kw)
         cols.append({"alpha": alpha, f"refs @ {longest}": n_long, f"share @ {longest} %": round(100 * n_long / longest, 2),
                      f"refs @ {paper_t}": n_paper, f"share @ {paper_t} %": round(100 * n_paper / paper_t, 2)})

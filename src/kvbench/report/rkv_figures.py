@@ -20,9 +20,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
 from kvbench.compress.residualkv import references  # noqa: E402
-from kvbench.eval.compress import parse_press_spec  # noqa: E402
-from kvbench.report.residualkv import run_summary, write_csv  # noqa: E402
-from kvbench.report.rkv_plan import DEFAULT_VARIANT, FIG11_PANELS, FIGURE_VARIANTS, RKVPlan  # noqa: E402
+from kvbench.report.residualkv import model_shape, run_summary, write_csv  # noqa: E402
+from kvbench.report.rkv_plan import DEFAULT_VARIANT, FIG11_PANELS, FIGURE_VARIANTS, RKVPlan, press_spec  # noqa: E402
 from kvbench.utils.io import atomic_path  # noqa: E402
 
 SMOKE_NOTE = "tiny zoo LM trained here; not the paper's numbers"
@@ -37,14 +36,15 @@ def _save(fig, out: str | Path) -> None:
 
 def fig5(plan: RKVPlan, out: str | Path, out_csv: str | Path, root: str | Path = ".") -> pd.DataFrame:
     """Score (avg over tasks) vs references held at the mean evaluated context, one point per schedule."""
-    codec = plan.s["codec"]
+    from kvbench.report.residualkv import _model_shape
+
+    codec = plan.codec_config("main", model_shape(plan, root))
     rows = []
     for row in plan.rows("fig5"):
         summaries = [run_summary(Path(root) / plan.run_dir(t, row.spec)) for t in plan.tasks]
         n_tok = int(round(sum(s["n_tokens"] for s in summaries) / len(summaries)))
-        params = parse_press_spec(row.spec)[1]
-        kw = dict(n_sink=codec.get("n_sink", 8), stride=int(params.get("stride", codec.get("stride", 10))),
-                  alpha=float(params.get("alpha", codec.get("alpha", 0.0))))
+        schedule = press_spec(row.spec).build().schedule(codec)   # the row's inference-time stride / alpha
+        kw = dict(n_sink=schedule.n_sink, stride=int(schedule.stride), alpha=float(schedule.alpha))
         rows.append({"schedule": row.label, "family": "alpha" if row.label.startswith("alpha") else "stride",
                      "context": n_tok, "references": references.reference_count(n_tok, **kw),
                      "score": round(sum(s["score"] for s in summaries) / len(summaries), 2)})

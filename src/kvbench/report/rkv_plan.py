@@ -18,13 +18,14 @@ A press spec that takes a codec names its variant with ``codec=<variant>`` (defa
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import math
-import re
 from dataclasses import dataclass
 
-from kvbench.eval.compress import canonical_press_spec, parse_press_spec
+from kvbench.compress.registry import PRESS
+from kvbench.eval.registry import with_params
+from kvbench.utils.recipe import recipe_hash
+from kvbench.utils.spec import MethodSpec, parse
 
 TARGETS = ("tableIII", "tableVI", "tableVII", "tableVIII", "fig5")
 #: The ``residualkv`` config key each target's rows come from (Table VI and Fig. 5 sweep ``stride_sweep``).
@@ -55,12 +56,6 @@ BENCH_FIGURES = {
                             "device", "dtype", "seed")),
     "fig11": ("rkv-variants", ("model", "contexts", "decode_steps", "repeats", "warmup", "device", "dtype", "seed")),
 }
-
-
-def recipe_hash(recipe: dict) -> str:
-    """First 8 hex digits of the sha256 of ``recipe`` as canonical JSON (sorted keys, no spaces)."""
-    text = json.dumps(recipe, sort_keys=True, separators=(",", ":"), allow_nan=False)
-    return hashlib.sha256(text.encode()).hexdigest()[:8]
 
 
 def known_model_shape(model: str, entry: dict, checkpoint_dir: str | None = None) -> tuple[int, int] | None:
@@ -113,33 +108,21 @@ def check_table_i(model: str, entry: dict, shape: tuple[int, int] | None) -> Non
         raise ValueError(f"model {model!r}: codec.full_attention_layers {bad} outside its checkpoint's {n_layers} layers")
 
 
+def press_spec(spec: str) -> MethodSpec:
+    """A ResidualKV-side row's spec, parsed as a compression press (a refresh policy is refused).
+
+    Raises:
+        ValueError: not a valid press spec.
+    """
+    return parse(spec, PRESS)
+
+
 @dataclass(frozen=True)
 class Row:
     """One table row: the paper's label and a canonical press spec."""
 
     label: str
     spec: str
-
-
-def slug(spec: str) -> str:
-    """Path component of a press spec's run directory: ``residualkv:keep=0.2,mode=omnikv`` ->
-    ``residualkv_keep-0.2_mode-omnikv``.
-
-    Raises:
-        ValueError: characters outside ``[A-Za-z0-9._-]`` remain.
-    """
-    out = canonical_press_spec(spec).replace(":", "_").replace(",", "_").replace("=", "-").replace("+", ".")
-    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", out):
-        raise ValueError(f"press spec {spec!r} gives the path component {out!r} (characters outside [A-Za-z0-9._-])")
-    return out
-
-
-def with_params(spec: str, **params) -> str:
-    """``spec`` with ``params`` set (replacing equal keys), canonical."""
-    name, old = parse_press_spec(spec)
-    merged = {**old, **params}
-    text = ",".join(f"{k}={'+'.join(map(str, v)) if isinstance(v, (list, tuple)) else v}" for k, v in merged.items())
-    return canonical_press_spec(name + (":" + text if text else ""))
 
 
 class RKVPlan:
@@ -218,31 +201,13 @@ class RKVPlan:
                                  + ", ".join(f"{v} {n}" for v, n in steps.items()) + " steps")
 
     def _check_spec(self, spec: str) -> None:
-        from kvbench.compress.registry import PRESSES
-        from kvbench.compress.residualkv.cache import ResidualKVPress
-
+        """A row's spec is valid (its press constructed: the press's own checks) and fits the model's layers."""
         self.codec_of(spec)
-        name, params = parse_press_spec(spec)
-        if self.shape is not None and "filter_layers" in params:  # OmniKV; ResidualKV's full_layers: check_layers
-            value = params["filter_layers"]
-            bad = [i for i in ((value,) if isinstance(value, int) else value) if not 0 <= i < self.shape[0]]
-            if bad:
-                raise ValueError(f"press spec {spec!r}: filter_layers {bad} outside the model's {self.shape[0]} layers")
-        if name == "residualkv":
+        press = press_spec(spec).build()
+        if self.shape is not None:
             try:
-                if self.shape is not None:
-                    ResidualKVPress.check_layers(params.get("mode", "omnikv"), params.get("full_layers", ()),
-                                                 self.shape[0])
-                ResidualKVPress.check_params(params.get("mode", "omnikv"), params.get("keep", 0.2),
-                                             params.get("bits", 4), params.get("full_layers", ()),
-                                             params.get("full_kv_bits", 16), alpha=params.get("alpha"),
-                                             stride=params.get("stride"), audit_steps=params.get("audit_steps", 8))
+                press.check_layers(self.shape[0])
             except ValueError as e:
-                raise ValueError(f"press spec {spec!r}: {e}") from None
-        elif "codec_dir" not in {f.name for f in dataclasses.fields(PRESSES[name])}:
-            try:
-                PRESSES[name](**params)
-            except (ValueError, TypeError) as e:
                 raise ValueError(f"press spec {spec!r}: {e}") from None
 
     def bench_args(self, fig: str) -> str:
@@ -353,6 +318,13 @@ class RKVPlan:
         t = self.codec_training(variant)
         return math.ceil(LOAD_FACTOR * t["steps"] * t["seq_len"] / ZOO_CODEC_TOKENS_PER_S / 60) + 10
 
+    def codec_config(self, variant: str, shape: tuple[int, int]):
+        """The :class:`~kvbench.compress.residualkv.codec.CodecConfig` ``variant`` trains on a backbone of
+        ``shape`` = ``(n_layers, d_kv)`` (the codec's own defaults where the config is silent)."""
+        from kvbench.compress.residualkv.codec import codec_config_for_shape
+
+        return codec_config_for_shape(*shape, **self.codec_overrides(variant))
+
     def codec_overrides(self, variant: str) -> dict:
         """CodecConfig fields of ``variant``: the main codec's, updated by the variant's ``overrides``."""
         return {**self.s["codec"], **self.variant(variant).get("overrides", {})}
@@ -364,12 +336,10 @@ class RKVPlan:
 
     def codec_of(self, spec: str) -> str | None:
         """The codec variant a press spec reads (None for presses without a codec)."""
-        from kvbench.compress.registry import PRESSES
-
-        name, params = parse_press_spec(spec)
-        if "codec_dir" not in {f.name for f in dataclasses.fields(PRESSES[name])}:
+        parsed = press_spec(spec)
+        if "codec_dir" not in {f.name for f in dataclasses.fields(parsed.cls)}:
             return None
-        variant = params.get("codec", "main")
+        variant = parsed.build().codec
         if variant not in self.variants:
             raise ValueError(f"press spec {spec!r} names codec variant {variant!r}, which residualkv.variants "
                              f"does not configure (configured: {sorted(self.variants)})")
@@ -390,7 +360,7 @@ class RKVPlan:
             raise ValueError(f"config residualkv.{ROWS_KEY[target]} is not set, so {target} has no rows "
                              "(config/config.yaml shows one)")
         if target in ("tableIII", "tableVII", "tableVIII"):
-            return [Row(e["label"], canonical_press_spec(e["method"])) for e in self.s[target]]
+            return [Row(e["label"], press_spec(e["method"]).canonical) for e in self.s[target]]
         sweep = self.s["stride_sweep"]
         rows = [Row(f"alpha = {a:g}", with_params(sweep["method"], alpha=float(a))) for a in sweep["alpha"]]
         if target == "fig5":
@@ -398,7 +368,7 @@ class RKVPlan:
         return rows
 
     def run_dir(self, task: str, spec: str) -> str:
-        return f"results/runs/{self.profile}/{self.model}/{task}/residualkv/{slug(spec)}"
+        return f"results/runs/{self.profile}/{self.model}/{task}/residualkv/{press_spec(spec).slug}"
 
     def runs(self, target: str) -> list[tuple[str, str]]:
         """``(task, spec)`` of every run ``target`` reads."""
@@ -413,7 +383,7 @@ class RKVPlan:
         out: dict[str, str] = {}
         for target in filter(self.configured, TARGETS):
             for row in self.rows(target):
-                k = slug(row.spec)
+                k = press_spec(row.spec).slug
                 if out.get(k, row.spec) != row.spec:
                     raise ValueError(f"press specs {out[k]!r} and {row.spec!r} map to one run directory {k!r}")
                 out[k] = row.spec

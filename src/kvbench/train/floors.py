@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvbench.data.smoke import TASKS, record_rng, sample
-from kvbench.eval.methods import get_method
+from kvbench.eval.registry import get_method
 from kvbench.eval.metrics import METRICS
 
 

@@ -163,8 +163,11 @@ class OmniKVPress(Press):
             return AUTHORS_FILTER_LAYERS[n_layers]
         return tuple(sorted({i for i in (2, round(18 * n_layers / 32)) if i < n_layers}))
 
+    def check_layers(self, n_layers: int) -> None:
+        self.layers_for(n_layers)
+
     def new_cache(self, model: Any) -> PressCache:
-        self.layers_for(model.config.get_text_config().num_hidden_layers)   # validates before building
+        self.check_layers(model.config.get_text_config().num_hidden_layers)   # validates before building
         return super().new_cache(model)
 
     def make_layer(self, ctx: LayerContext, cache: PressCache) -> StoreLayer:

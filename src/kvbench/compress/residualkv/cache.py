@@ -35,13 +35,14 @@ from pathlib import Path
 
 import torch
 
+from kvbench.compress import accounting
 from kvbench.compress.accounting import StoredBytes
 from kvbench.compress.cache import KVView, LayerContext, PressCache, Press, StoreLayer
 from kvbench.compress.presses.kivi import KIVILayer
 from kvbench.compress.presses.omnikv import FilterLayer, _layer_list
 from kvbench.compress.presses.snapkv import snapkv_scores
 from kvbench.compress.residualkv import quant, references
-from kvbench.compress.residualkv.codec import ResidualCodec, model_kv_shape
+from kvbench.compress.residualkv.codec import CodecConfig, ResidualCodec, model_kv_shape
 
 MODES = ("standalone", "omnikv", "snapkv")
 SNAP_WINDOW = 32
@@ -326,75 +327,108 @@ class ResidualKVPress(Press):
     audit_steps: int = 8
 
     def __post_init__(self):
-        self.check_params(self.mode, self.keep, self.bits, self.full_layers, self.full_kv_bits,
-                          alpha=self.alpha, stride=self.stride, audit_steps=self.audit_steps)
-        self.full_layers = tuple(_layer_list("full_layers", self.full_layers))
-        if not Path(self.codec_dir, "codec.json").is_file():
-            # rkv_codec writes codecs/<profile>/<model>/<variant>/codec/: the variant folder is an easy slip
-            hint = (f"; did you mean {str(Path(self.codec_dir, 'codec'))!r}?"
-                    if Path(self.codec_dir, "codec", "codec.json").is_file() else "")
-            raise ValueError(f"codec_dir {self.codec_dir!r} holds no trained codec (codec.json missing){hint}")
-        self.schedule()  # validates alpha / stride
-        if self.bits != 32:
-            quant.check_quant_config(self.codec_model.config.d_c, self.bits, self.codec_model.config.group)
-
-    @staticmethod
-    def check_params(mode: str, keep: float, bits: int, full_layers, full_kv_bits: int = 16, *,
-                     alpha: float | None = None, stride: int | None = None, audit_steps: int = 8) -> None:
-        """Check the parameters that need no codec (also used while the workflow's DAG is built).
+        """Check the parameters (no codec is read: that happens in :meth:`load`, when the press meets a model).
 
         Raises:
             ValueError: naming the bad value and what is expected: also ``full_kv_bits`` other than 16
                 without ``full_layers`` (it would change nothing), ``stride`` not a positive int, ``alpha``
                 negative, ``audit_steps`` negative.
         """
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-        if not 0 < keep <= 1:
-            raise ValueError(f"keep must be in (0, 1], got {keep}")
-        if bits not in (2, 4, 8, 16, 32):
-            raise ValueError(f"bits must be 2, 4, 8, 16 (unquantised) or 32 (exact), got {bits!r}")
-        if full_kv_bits not in (2, 4, 8, 16):
-            raise ValueError(f"full_kv_bits must be 2, 4, 8 (KIVI-style full layers) or 16 (exact), got {full_kv_bits!r}")
-        layers = _layer_list("full_layers", full_layers)
-        if mode == "omnikv" and not layers:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if not 0 < self.keep <= 1:
+            raise ValueError(f"keep must be in (0, 1], got {self.keep}")
+        if self.bits not in (2, 4, 8, 16, 32):
+            raise ValueError(f"bits must be 2, 4, 8, 16 (unquantised) or 32 (exact), got {self.bits!r}")
+        if self.full_kv_bits not in (2, 4, 8, 16):
+            raise ValueError(f"full_kv_bits must be 2, 4, 8 (KIVI-style full layers) or 16 (exact), "
+                             f"got {self.full_kv_bits!r}")
+        self.full_layers = tuple(_layer_list("full_layers", self.full_layers))
+        if self.mode == "omnikv" and not self.full_layers:
             raise ValueError("mode 'omnikv' needs full_layers (the filter layers are full layers followed by a sparse one)")
-        if full_kv_bits != 16 and not layers:
-            raise ValueError(f"full_kv_bits={full_kv_bits} quantises the full layers, but full_layers is empty; "
+        if self.full_kv_bits != 16 and not self.full_layers:
+            raise ValueError(f"full_kv_bits={self.full_kv_bits} quantises the full layers, but full_layers is empty; "
                              f"set full_layers (e.g. full_layers=0+1) or drop full_kv_bits")
+        stride, alpha = self.stride, self.alpha
         if stride is not None and (not isinstance(stride, int) or isinstance(stride, bool) or stride < 1):
             raise ValueError(f"stride (reference stride s_0) must be an int >= 1, got {stride!r}")
         if alpha is not None and not alpha >= 0:
             raise ValueError(f"alpha (dynamic-stride growth) must be >= 0, got {alpha!r}")
-        if not isinstance(audit_steps, int) or isinstance(audit_steps, bool) or audit_steps < 0:
-            raise ValueError(f"audit_steps must be an int >= 0, got {audit_steps!r}")
+        audit = self.audit_steps
+        if not isinstance(audit, int) or isinstance(audit, bool) or audit < 0:
+            raise ValueError(f"audit_steps must be an int >= 0, got {audit!r}")
 
-    @staticmethod
-    def check_layers(mode: str, full_layers, n_layers: int) -> None:
+    def load(self) -> None:
+        """Read the trained codec and check this press against it (the schedule's ``alpha``/``stride``, the
+        code quantisation's group).
+
+        Raises:
+            ValueError: ``codec_dir`` holds no trained codec, or the press's settings do not fit it.
+        """
+        self.schedule()
+        if self.bits != 32:
+            quant.check_quant_config(self.codec_model.config.d_c, self.bits, self.codec_model.config.group)
+
+    def check_layers(self, n_layers: int) -> None:
         """Check ``full_layers`` against a model with ``n_layers`` decoder layers (also at DAG time).
 
         Raises:
             ValueError: an index outside the model; every layer full (nothing would be compressed); in
                 ``omnikv`` mode no full layer followed by a sparse one (no filter layer, so nothing selected).
         """
-        layers = set(_layer_list("full_layers", full_layers))
+        layers = set(self.full_layers)
         bad = sorted(i for i in layers if not 0 <= i < n_layers)
         if bad:
             raise ValueError(f"full_layers {bad} outside the model's {n_layers} layers")
         if layers >= set(range(n_layers)):
             raise ValueError(f"full_layers {sorted(layers)} keep all {n_layers} layers full: nothing is compressed")
-        if mode == "omnikv" and not any(i + 1 < n_layers and i + 1 not in layers for i in layers):
+        if self.mode == "omnikv" and not any(i + 1 < n_layers and i + 1 not in layers for i in layers):
             raise ValueError(f"mode 'omnikv' needs a full layer followed by a sparse one (the filter layer); "
                              f"full_layers {sorted(layers)} of {n_layers} layers have none")
 
-    def schedule(self):
-        """The codec's config with this press's inference-time ``alpha`` / ``stride`` applied."""
+    def schedule(self, codec: CodecConfig | None = None) -> CodecConfig:
+        """``codec`` (default: the trained codec's config) with this press's inference-time ``alpha`` /
+        ``stride`` applied: the reference schedule the cache runs.
+
+        Raises:
+            ValueError: the result is not a valid :class:`CodecConfig` (e.g. ``stride`` 0).
+        """
         over = {k: v for k, v in (("alpha", self.alpha), ("stride", self.stride)) if v is not None}
-        return dataclasses.replace(self.codec_model.config, **over)
+        return dataclasses.replace(self.codec_model.config if codec is None else codec, **over)
+
+    def kr_formula(self, n_tokens: int, n_layers: int, d_kv: int, codec: CodecConfig | None = None) -> float:
+        """The paper's KR (§V-A, :func:`~kvbench.compress.accounting.keep_ratio_formula`) of this press on a
+        model of ``n_layers`` layers and K‖V width ``d_kv`` at ``n_tokens`` tokens, from its own fields and
+        ``codec`` (the codec variant's config; default: the trained codec's).
+
+        Terms: β = len(full_layers) / n_layers in every mode (the cache keeps those layers full in standalone
+        mode too), full layers at ``full_kv_bits``; references FP8 (FP16 when ``ref_fp8`` is False) at the
+        measured density of the schedule (:meth:`schedule`), none when the codec has no references (Table
+        VIII); codes at ``bits`` in groups of the codec's ``group``, or the raw residual (d_c = d_kv) when
+        ``use_codec`` is False.
+        """
+        cfg = self.schedule(codec)
+        n = int(n_tokens)
+        density = references.reference_count(n, n_sink=cfg.n_sink, stride=cfg.stride, alpha=cfg.alpha) / n
+        d_c = d_kv if not self.use_codec else cfg.d_c
+        group = cfg.group if self.bits != 16 else 32
+        return accounting.keep_ratio_formula(
+            n_layers=n_layers, n_full=len(self.full_layers), ref_density=density if cfg.references else 0.0,
+            d_c=d_c, d_kv=d_kv, bits=min(self.bits, 16), full_bits=self.full_kv_bits, group=math.gcd(d_c, group),
+            ref_bits=8 if self.ref_fp8 else 16)
 
     @property
     def codec_model(self) -> ResidualCodec:
-        """The trained codec (loaded once per directory)."""
+        """The trained codec (loaded once per directory).
+
+        Raises:
+            ValueError: ``codec_dir`` holds no ``codec.json`` (naming the ``codec/`` subfolder when that is it).
+        """
+        if not Path(self.codec_dir, "codec.json").is_file():
+            # rkv_codec writes codecs/<profile>/<model>/<variant>/codec/: the variant folder is an easy slip
+            hint = (f"; did you mean {str(Path(self.codec_dir, 'codec'))!r}?"
+                    if Path(self.codec_dir, "codec", "codec.json").is_file() else "")
+            raise ValueError(f"codec_dir {self.codec_dir!r} holds no trained codec (codec.json missing){hint}")
         return _load_codec(str(Path(self.codec_dir).resolve()))
 
     @property
@@ -411,13 +445,14 @@ class ResidualKVPress(Press):
         return max(1, min(n_candidates, math.ceil(self.keep * n_candidates)))
 
     def new_cache(self, model) -> PressCache:
+        self.load()
         cfg = model.config.get_text_config()
         n_layers, d_kv = model_kv_shape(model)
         got = (self.codec_model.config.n_layers, self.codec_model.config.d_kv)
         if got != (n_layers, d_kv):
             raise ValueError(f"codec {self.codec_dir!r} does not fit the model: codec (n_layers, d_kv) = {got}, "
                              f"model {(n_layers, d_kv)}")
-        self.check_layers(self.mode, self.full_layers, cfg.num_hidden_layers)
+        self.check_layers(cfg.num_hidden_layers)
         self.codec_model.to(model.device)
         return super().new_cache(model)
 

@@ -9,6 +9,7 @@ from kvbench.reuse.policies import (  # noqa: F401  (registration)
     reuse,
 )
 from kvbench.reuse.policies.base import (
+    REFRESH,
     REGISTRY,
     RefreshPlan,
     RefreshPolicy,
@@ -20,5 +21,5 @@ from kvbench.reuse.policies.base import (
     run_record,
 )
 
-__all__ = ["REGISTRY", "RefreshPlan", "RefreshPolicy", "RefreshResult", "available_policies", "get_policy",
+__all__ = ["REFRESH", "REGISTRY", "RefreshPlan", "RefreshPolicy", "RefreshResult", "available_policies", "get_policy",
            "refresh", "register", "run_record"]

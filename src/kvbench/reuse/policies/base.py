@@ -9,7 +9,7 @@ abstractions carry the methods").
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -21,6 +21,7 @@ from kvbench.reuse.cache_store import ImageKVStore
 from kvbench.reuse.executor import ExecResult, LayerSchedule, execute, full_prefill
 from kvbench.reuse.scoring import ScoringPass, scoring_pass
 from kvbench.reuse.validate import check_ratio
+from kvbench.utils.spec import Family
 
 
 @dataclass
@@ -61,23 +62,53 @@ class RefreshResult:
         return None if self.plan.selected is None else int(self.plan.selected.numel())
 
 
+@dataclass
 class RefreshPolicy(ABC):
-    """Base class: ``plan(req, scoring, r)`` → :class:`RefreshPlan`. Subclasses validate their parameters in
-    ``__init__`` (so :func:`get_policy` fails before any model work)."""
+    """Base class: ``plan(req, scoring, r)`` → :class:`RefreshPlan`.
+
+    A policy is a dataclass whose fields are its parameters (what a method spec such as
+    ``conduit@0.1:lam=0.5`` sets, typed from the field annotations by :mod:`kvbench.utils.spec`);
+    ``__post_init__`` validates them, so constructing a policy is checking it (also while the Snakemake
+    DAG is built). What the tables and the cost model need to know about a policy lives here too:
+
+    - ``label``: its name in the papers' tables (CONDUIT Table 3);
+    - ``form``: for a baseline offered in more than one form, which one this is (a header line of the
+      tables that use it says so); None for CONDUIT itself and the references;
+    - :meth:`visual_rows`: the visual rows it recomputes at each layer, analytically (the check on the
+      measured FLOPs of Table 3, :mod:`kvbench.bench.cost`), and :meth:`mass_layers`.
+    """
 
     name: ClassVar[str]
+    label: ClassVar[str]
+    form: ClassVar[str | None] = None
     uses_scoring: ClassVar[bool] = True
+    #: Runs the model's own forward (vision tower included) instead of the Phase 2 executor.
+    model_forward: ClassVar[bool] = False
 
     def params(self) -> dict[str, Any]:
         """The policy's parameters (recorded with each run)."""
-        return dict(vars(self))
+        return {f.name: getattr(self, f.name) for f in fields(self)}
 
     @abstractmethod
     def plan(self, req: AssembledRequest, scoring: ScoringPass | None, r: float) -> RefreshPlan:
         """The refresh plan for ``req`` at visual-token budget ratio ``r``."""
 
+    @abstractmethod
+    def visual_rows(self, req: AssembledRequest, r: float, n_layers: int) -> list[int]:
+        """Visual rows the plan of ``req`` at ratio ``r`` computes at each of ``n_layers`` layers
+        (analytic, from the policy's definition; ``k = ⌈r·N_visual⌉``)."""
+
+    def mass_layers(self, rows: list[int]) -> list[int]:
+        """Layers after which the policy also computes the queries of every computed row and their
+        attention mass (KVShare's reselection); ``rows``: :meth:`visual_rows`. Default: none."""
+        return []
+
 
 REGISTRY: dict[str, type[RefreshPolicy]] = {}
+
+#: Refresh policies as a family of method specs (:mod:`kvbench.utils.spec`): ``<policy>@<r>[:key=value,...]``,
+#: ``reuse`` and ``full`` at their fixed r, parameters equal to a field default dropped from the canonical form.
+REFRESH = Family("refresh", REGISTRY, budgeted=True, fixed_r={"reuse": 0.0, "full": 1.0}, drops_defaults=True)
 
 
 def register(*names: str):

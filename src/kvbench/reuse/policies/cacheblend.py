@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -133,29 +134,47 @@ class CheckLayerSchedule(LayerSchedule):
 
 
 @register()
+@dataclass
 class CacheBlend(RefreshPolicy):
     name = "cacheblend"
+    label = "CacheBlend"
+    form = "CacheBlend as in its paper (check layer 1, top-r by value deviation, fixed set after)"
     uses_scoring = False
 
-    def __init__(self, check_layer: int = 1, deviation: str = "v"):
+    check_layer: int = 1
+    deviation: str = "v"
+
+    def __post_init__(self):
+        check_layer = self.check_layer
         if isinstance(check_layer, bool) or not isinstance(check_layer, int) or check_layer < 1:
             raise ValueError(f"cacheblend check_layer must be an int >= 1, got {check_layer!r}")
-        if deviation not in ("v", "k"):
-            raise ValueError(f"cacheblend deviation must be 'v' or 'k', got {deviation!r}")
-        self.check_layer, self.deviation = check_layer, deviation
+        if self.deviation not in ("v", "k"):
+            raise ValueError(f"cacheblend deviation must be 'v' or 'k', got {self.deviation!r}")
 
     def plan(self, req, scoring, r):
         sched = CheckLayerSchedule(req.visual_index, budget_count(r, req.n_visual), self.check_layer,
                                    self.deviation)
         return RefreshPlan(schedule=sched, info={"variant": "paper", "check_layer": self.check_layer})
 
+    def visual_rows(self, req, r, n_layers):
+        # every visual token up to and including the check layer, then the fixed top-k set
+        k = budget_count(r, req.n_visual)
+        return [req.n_visual if layer <= self.check_layer else k for layer in range(n_layers)]
+
 
 @register()
+@dataclass
 class CacheBlendConduit(RefreshPolicy):
     name = "cacheblend-conduit"
+    label = "CacheBlend (CONDUIT as-run)"
+    form = ("CacheBlend as CONDUIT runs it (layer 0 all visual tokens, counts decaying linearly to a layer average "
+            "of the budget, ranked by |dk|+|dv|)")
     uses_scoring = False
 
     def plan(self, req, scoring, r):
         counts = linear_layer_counts(n_layers_of(req), req.n_visual, budget_count(r, req.n_visual))
         return RefreshPlan(schedule=ShrinkSchedule(req.visual_index, counts, kv_deviation),
                            info={"variant": "conduit-as-run", "layer_counts": counts})
+
+    def visual_rows(self, req, r, n_layers):
+        return linear_layer_counts(n_layers, req.n_visual, budget_count(r, req.n_visual))

@@ -10,6 +10,8 @@ Prefill only (no decode-stage reselection).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from kvbench.reuse.executor import LayerState
@@ -29,11 +31,21 @@ def kvshare_score(state: LayerState) -> torch.Tensor:
 
 
 @register("kvshare")
+@dataclass
 class KVShareConduit(RefreshPolicy):
     name = "kvshare-conduit"
+    label = "KVShare (CONDUIT reimpl.)"
+    form = "KVShare as reimplemented in CONDUIT's code (CacheBlend schedule, attention x |dv|_1)"
     uses_scoring = False
 
     def plan(self, req, scoring, r):
         counts = linear_layer_counts(n_layers_of(req), req.n_visual, budget_count(r, req.n_visual))
         return RefreshPlan(schedule=ShrinkSchedule(req.visual_index, counts, kvshare_score, needs_queries=True),
                            info={"variant": "conduit-reimplementation", "layer_counts": counts})
+
+    def visual_rows(self, req, r, n_layers):
+        return linear_layer_counts(n_layers, req.n_visual, budget_count(r, req.n_visual))
+
+    def mass_layers(self, rows):
+        # the set shrinks after these layers: queries and attention mass of every computed row are needed there
+        return [layer for layer in range(len(rows) - 1) if 0 < rows[layer + 1] < rows[layer]]

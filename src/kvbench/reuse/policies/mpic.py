@@ -7,6 +7,8 @@
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from kvbench.reuse.executor import LayerSchedule
@@ -15,29 +17,44 @@ from kvbench.reuse.validate import budget_count
 
 
 @register()
+@dataclass
 class MPIC(RefreshPolicy):
     name = "mpic"
+    label = "MPIC"
+    form = "MPIC-k per image (the first ceil(r n_j) tokens of each image)"
     uses_scoring = False
 
-    def __init__(self, k: int | None = None):
+    k: int | None = None
+
+    def __post_init__(self):
+        k = self.k
         if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 0):
             raise ValueError(f"mpic k (leading tokens per image) must be None or an int >= 0, got {k!r}")
-        self.k = k
+
+    def _counts(self, spans, r) -> list[int]:
+        return [budget_count(r, e - s) if self.k is None else min(self.k, e - s) for s, e in spans]
 
     def plan(self, req, scoring, r):
-        parts = []
-        for s, e in req.image_spans:
-            take = budget_count(r, e - s) if self.k is None else min(self.k, e - s)
-            parts.append(torch.arange(s, s + take, device=req.visual_index.device))
+        parts = [torch.arange(s, s + take, device=req.visual_index.device)
+                 for (s, _), take in zip(req.image_spans, self._counts(req.image_spans, r))]
         sel = torch.cat(parts)
         return RefreshPlan(schedule=LayerSchedule(sel), selected=sel, info={"variant": "per-image"})
 
+    def visual_rows(self, req, r, n_layers):
+        return [sum(self._counts(req.image_spans, r))] * n_layers
+
 
 @register()
+@dataclass
 class MPICFirst(RefreshPolicy):
     name = "mpic-first"
+    label = "MPIC (first:r)"
+    form = "MPIC as CONDUIT runs it (the first ceil(r N) visual tokens of the request)"
     uses_scoring = False
 
     def plan(self, req, scoring, r):
         sel = req.visual_index[:budget_count(r, req.n_visual)]
         return RefreshPlan(schedule=LayerSchedule(sel), selected=sel, info={"variant": "global first:r"})
+
+    def visual_rows(self, req, r, n_layers):
+        return [budget_count(r, req.n_visual)] * n_layers

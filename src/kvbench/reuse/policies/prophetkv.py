@@ -1,20 +1,31 @@
 """``prophetkv``: ProphetKV as CONDUIT runs it: the same scorer without ‖V‖ and without image coefficients
 (λ = 0): per-layer query-to-stale-key attention mass, uniform mean over layers, global top-⌈r·N_visual⌉
-(shared/notes/sources.md; ProphetKV, arXiv 2602.02579). The query is text, so it is always recomputed."""
+(ProphetKV, arXiv 2602.02579; docs/decisions.md, "Baselines"). The query is text, so it is always recomputed."""
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from kvbench.reuse.executor import LayerSchedule
 from kvbench.reuse.policies.base import RefreshPlan, RefreshPolicy, register
+from kvbench.reuse.validate import budget_count
 
 
 @register()
+@dataclass
 class ProphetKV(RefreshPolicy):
     name = "prophetkv"
+    label = "ProphetKV"
+    form = "ProphetKV as CONDUIT runs it (query attention only, no image coefficient)"
 
-    def __init__(self, layers: list[int] | None = None):
-        self.layers = None if layers is None else list(layers)
+    layers: list[int] | None = None
+
+    def __post_init__(self):
+        self.layers = None if self.layers is None else list(self.layers)
 
     def plan(self, req, scoring, r):
         s = scoring.token_scores(self.layers, use_v_norm=False)
         sel = scoring.select(s, r)
         return RefreshPlan(schedule=LayerSchedule(sel), selected=sel, scores=s)
+
+    def visual_rows(self, req, r, n_layers):
+        return [budget_count(r, req.n_visual)] * n_layers

@@ -6,15 +6,22 @@ computes.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from kvbench.reuse.executor import LayerSchedule
 from kvbench.reuse.policies.base import RefreshPlan, RefreshPolicy, register
 
 
 @register()
+@dataclass
 class Reuse(RefreshPolicy):
     name = "reuse"
+    label = "Cache reuse (r=0)"
     uses_scoring = False
 
     def plan(self, req, scoring, r):
         empty = req.visual_index[:0]
         return RefreshPlan(schedule=LayerSchedule(empty), selected=empty)
+
+    def visual_rows(self, req, r, n_layers):
+        return [0] * n_layers
