@@ -32,7 +32,7 @@ from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvbench.compress.accounting import StoredBytes
-from kvbench.reuse import rope
+from kvbench.models import rope
 
 ATTN_NAME = "kvbench_press"
 _active: contextvars.ContextVar["PressCache | None"] = contextvars.ContextVar("kvbench_press_cache", default=None)
