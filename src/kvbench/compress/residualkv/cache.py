@@ -38,7 +38,7 @@ import torch
 from kvbench.compress.accounting import StoredBytes
 from kvbench.compress.cache import KVView, LayerContext, PressCache, Press, StoreLayer
 from kvbench.compress.presses.kivi import KIVILayer
-from kvbench.compress.presses.omnikv import FilterLayer, _layer_list
+from kvbench.compress.presses.omnikv import FilterLayer, layer_list
 from kvbench.compress.presses.snapkv import snapkv_scores
 from kvbench.compress.residualkv import quant, references
 from kvbench.compress.residualkv.codec import ResidualCodec, model_kv_shape
@@ -328,7 +328,7 @@ class ResidualKVPress(Press):
     def __post_init__(self):
         self.check_params(self.mode, self.keep, self.bits, self.full_layers, self.full_kv_bits,
                           alpha=self.alpha, stride=self.stride, audit_steps=self.audit_steps)
-        self.full_layers = tuple(_layer_list("full_layers", self.full_layers))
+        self.full_layers = tuple(layer_list("full_layers", self.full_layers))
         if not Path(self.codec_dir, "codec.json").is_file():
             # rkv_codec writes codecs/<profile>/<model>/<variant>/codec/: the variant folder is an easy slip
             hint = (f"; did you mean {str(Path(self.codec_dir, 'codec'))!r}?"
@@ -356,7 +356,7 @@ class ResidualKVPress(Press):
             raise ValueError(f"bits must be 2, 4, 8, 16 (unquantised) or 32 (exact), got {bits!r}")
         if full_kv_bits not in (2, 4, 8, 16):
             raise ValueError(f"full_kv_bits must be 2, 4, 8 (KIVI-style full layers) or 16 (exact), got {full_kv_bits!r}")
-        layers = _layer_list("full_layers", full_layers)
+        layers = layer_list("full_layers", full_layers)
         if mode == "omnikv" and not layers:
             raise ValueError("mode 'omnikv' needs full_layers (the filter layers are full layers followed by a sparse one)")
         if full_kv_bits != 16 and not layers:
@@ -377,7 +377,7 @@ class ResidualKVPress(Press):
             ValueError: an index outside the model; every layer full (nothing would be compressed); in
                 ``omnikv`` mode no full layer followed by a sparse one (no filter layer, so nothing selected).
         """
-        layers = set(_layer_list("full_layers", full_layers))
+        layers = set(layer_list("full_layers", full_layers))
         bad = sorted(i for i in layers if not 0 <= i < n_layers)
         if bad:
             raise ValueError(f"full_layers {bad} outside the model's {n_layers} layers")
