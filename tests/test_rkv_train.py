@@ -8,12 +8,12 @@ import pytest
 import torch
 import transformers
 
+from kvbench.compress.cache import decoder_layers
 from kvbench.compress.residualkv.codec import ResidualCodec
 from kvbench.compress.residualkv.references import reference_mask
 from kvbench.compress.residualkv.train import (
     TokenStream,
     compressed_forward,
-    decoder_layers,
     lr_at,
     ntp_loss,
     rec_loss,

@@ -32,7 +32,7 @@ from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvbench.compress.accounting import StoredBytes
-from kvbench.reuse import rope
+from kvbench.models import rope
 
 ATTN_NAME = "kvbench_press"
 _active: contextvars.ContextVar["PressCache | None"] = contextvars.ContextVar("kvbench_press_cache", default=None)
@@ -186,7 +186,7 @@ class PressCache(Cache):
     def __init__(self, model: Any, layer_factory: Any):
         text_cfg = model.config.get_text_config()
         n_layers = text_cfg.num_hidden_layers
-        attn = _decoder_layers(model)[0].self_attn
+        attn = decoder_layers(model)[0].self_attn
         rotary = _rotary(model)
         layers = []
         for i in range(n_layers):
@@ -207,7 +207,9 @@ class PressCache(Cache):
         return [layer.stored_bytes() for layer in self.layers]
 
 
-def _decoder_layers(model: Any) -> Any:
+def decoder_layers(model: Any) -> Any:
+    """The text decoder layers (``nn.ModuleList``) of a HF causal LM or VLM: ``get_decoder().layers``, or
+    ``model.model.layers`` for a model without ``get_decoder``."""
     inner = model.get_decoder() if hasattr(model, "get_decoder") else model.model
     return inner.layers
 

@@ -29,7 +29,19 @@ def _ids(tok: Any, text: str) -> list[int]:
     return tok(text, add_special_tokens=False)["input_ids"]
 
 
-def _load_image(img: Any, base_dir: str | Path | None) -> Image.Image:
+def load_image(img: Any, base_dir: str | Path | None) -> Image.Image:
+    """One record image as an RGB PIL image.
+
+    Args:
+        img: a PIL image (converted to RGB) or a path; a relative path is resolved against ``base_dir``.
+        base_dir: directory of the record file (None: relative paths are taken from the working directory).
+
+    Returns:
+        The image in mode ``"RGB"``, read fully so the file is closed.
+
+    Raises:
+        FileNotFoundError: ``img`` is a path and no file is there.
+    """
     if isinstance(img, Image.Image):
         return img.convert("RGB")
     path = Path(img)
@@ -118,7 +130,7 @@ def encode_record(record: dict, proc: Any, base_dir: str | Path | None = None, w
     if kind == "text":
         enc = {"input_ids": torch.tensor([_ids(tok, record["context"] + record["question"])])}
     elif kind == "vlm":
-        images = [_load_image(p["image"], base_dir) for p in record["content"] if p["type"] == "image"]
+        images = [load_image(p["image"], base_dir) for p in record["content"] if p["type"] == "image"]
         text = proc.apply_chat_template(vlm_messages(record), tokenize=False, add_generation_prompt=True)
         enc = dict(proc(text=[text], images=images or None, return_tensors="pt"))
         enc.pop("attention_mask", None)

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from kvbench.reuse import rope
+from kvbench.models import rope
 
 
 def _tokenizer(proc: Any) -> Any:

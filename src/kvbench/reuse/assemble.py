@@ -7,7 +7,7 @@ request. Image spans are found from the processor's token types (token spans,
 never by searching for a separator string). Each span receives one cached
 image: its vision features become the layer-0 inputs, and its pre-RoPE keys
 are rotated to the span's new positions with the model's own rotary module
-(1-D RoPE or Qwen2.5-VL's 3-axis M-RoPE; :mod:`kvbench.reuse.rope`).
+(1-D RoPE or Qwen2.5-VL's 3-axis M-RoPE; :mod:`kvbench.models.rope`).
 Text tokens have no cached state: they are always computed.
 """
 from __future__ import annotations
@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
+from kvbench.models import rope
 from kvbench.models.prompting import encode_record
-from kvbench.reuse import rope
 from kvbench.reuse.adapter import VLMAdapter
 from kvbench.reuse.cache_store import ImageKV, ImageKVStore
 

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from kvbench.models.prompting import _load_image
+from kvbench.models.prompting import load_image
 from kvbench.reuse.adapter import VLMAdapter
 from kvbench.utils.io import atomic_path, write_json
 
@@ -141,7 +141,7 @@ class ImageKVStore:
     # --- keys ---------------------------------------------------------------------------------
     def encode_image(self, image: Any, base_dir: str | Path | None = None) -> dict:
         """Processor inputs of the single-image cache prompt for ``image`` (PIL image or path)."""
-        img = _load_image(image, base_dir)
+        img = load_image(image, base_dir)
         return self.adapter.encode(single_image_messages(self.generic_system), [img])
 
     def key_for(self, enc: dict) -> str:

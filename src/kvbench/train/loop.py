@@ -136,14 +136,16 @@ def task_loss(model: Any, batch: dict, labels: torch.Tensor, phase: Phase,
     return loss, acc
 
 
-class _Stop:
-    """Turns SIGTERM/SIGINT into a flag the loop checks, so state is saved before exit."""
+class StopOnSignal:
+    """Context manager that turns SIGTERM/SIGINT into a flag (``requested``) a training loop checks, so
+    state is saved before exit (the loop then raises :class:`Interrupted`); the previous handlers are
+    restored on exit."""
 
     def __init__(self) -> None:
         self.requested = False
         self._old = {}
 
-    def __enter__(self) -> _Stop:
+    def __enter__(self) -> StopOnSignal:
         for sig in (signal.SIGTERM, signal.SIGINT):
             self._old[sig] = signal.signal(sig, self._handle)
         return self
@@ -237,7 +239,7 @@ def run_phases(
 
     model.train()
     g = 0
-    with _Stop() as stop:
+    with StopOnSignal() as stop:
         for phase in phases:
             if phase.freeze_vision:  # also on resume, before any skipped step
                 for p in model.model.visual.parameters():

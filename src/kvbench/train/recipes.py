@@ -82,7 +82,14 @@ class Phase:
     mixture: tuple = field(default_factory=tuple)
 
 
-def _lm_tasks(seq_len: int) -> tuple:
+def lm_task_mixture(seq_len: int) -> tuple:
+    """The smoke-task mixture the zoo LM trains on at ``seq_len`` tokens (also the ResidualKV codec's
+    training text, :class:`kvbench.compress.residualkv.train.TaskStream`).
+
+    Returns ``(family, weight, params)`` triples (:attr:`Phase.mixture`): needle-in-a-haystack, KV
+    retrieval, variable tracking and code completion, each record ``seq_len`` tokens long; needle and KV
+    query counts grow with the length up to a cap (4 and 48).
+    """
     q = max(2, min(16, seq_len // 64))
     # Three times as many KV queries as needle queries per sequence: with 16 at 1k, KV retrieval
     # reached 0.10 after the 512-token phase, with 48 (and the lexicon-wide copy) 0.40.
@@ -114,7 +121,7 @@ def lm_recipe() -> list[Phase]:
                     copy_vocab=1626, restrict_softmax=True, decay=False, head_supervision=1.0)]
     for seq_len, steps, batch in LM_LENGTHS:
         phases.append(Phase(f"tasks{seq_len}", "tasks", steps=steps, lr=1e-3, warmup=10, batch=batch,
-                            seq_len=seq_len, mixture=_lm_tasks(seq_len), head_supervision=1.0))
+                            seq_len=seq_len, mixture=lm_task_mixture(seq_len), head_supervision=1.0))
     return phases
 
 

@@ -14,6 +14,7 @@ Layers before the first filter layer are dense.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -101,11 +102,20 @@ class SparseLayer(StoreLayer):
         return KVView(stored.keys[..., keep, :], stored.values[..., keep, :], stored.positions[..., keep])
 
 
-def _layer_list(name: str, value) -> tuple:
-    """``value`` as a tuple of layer indices >= 0 (a single int is one layer: a spec's ``filter_layers=1``).
+def layer_list(name: str, value: int | Iterable[int]) -> tuple[int, ...]:
+    """Layer indices of a press parameter as a tuple, validated.
+
+    Args:
+        name: the parameter's name, for the error message (``filter_layers``, ``full_layers``).
+        value: one int (one layer: a spec's ``filter_layers=1``) or an iterable of ints (tuple, list, set,
+            ...). Bools are refused, not read as 0/1.
+
+    Returns:
+        The indices in the iterable's order, unsorted and not deduplicated.
 
     Raises:
         ValueError: a negative or non-integer index, naming ``name``.
+        TypeError: ``value`` is neither an int nor iterable.
     """
     items = (value,) if isinstance(value, int) and not isinstance(value, bool) else tuple(value)
     if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in items):
@@ -146,7 +156,7 @@ class OmniKVPress(Press):
         for name in ("n_sink", "window", "audit_steps"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        self.filter_layers = tuple(sorted(int(i) for i in _layer_list("filter_layers", self.filter_layers)))
+        self.filter_layers = tuple(sorted(int(i) for i in layer_list("filter_layers", self.filter_layers)))
 
     def n_keep(self, n_candidates: int) -> int:
         """Selected tokens for ``n_candidates`` candidates (:func:`keep_count`)."""

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from kvbench.compress.accounting import StoredBytes
-from kvbench.compress.cache import KVView, LayerContext, PressCache, Press, StoreLayer, _decoder_layers
+from kvbench.compress.cache import KVView, LayerContext, PressCache, Press, StoreLayer, decoder_layers
 
 FP16_BYTES = 2   # latents are counted at FP16, the full cache's precision (accounting.py)
 
@@ -145,7 +145,7 @@ class PaluPress(Press):
             g = min(self.group_heads, n_kv)
             per_model[key] = [(low_rank_basis(layer.self_attn.k_proj, n_kv, d, g, self.rank_ratio),
                                low_rank_basis(layer.self_attn.v_proj, n_kv, d, g, self.rank_ratio))
-                              for layer in _decoder_layers(model)]
+                              for layer in decoder_layers(model)]
         return per_model[key]
 
     def new_cache(self, model: Any) -> PressCache:

@@ -39,7 +39,7 @@ from kvbench.compress import accounting
 from kvbench.compress.accounting import StoredBytes
 from kvbench.compress.cache import KVView, LayerContext, PressCache, Press, StoreLayer
 from kvbench.compress.presses.kivi import KIVILayer
-from kvbench.compress.presses.omnikv import FilterLayer, _layer_list
+from kvbench.compress.presses.omnikv import FilterLayer, layer_list
 from kvbench.compress.presses.snapkv import snapkv_scores
 from kvbench.compress.residualkv import quant, references
 from kvbench.compress.residualkv.codec import CodecConfig, ResidualCodec, model_kv_shape
@@ -343,7 +343,7 @@ class ResidualKVPress(Press):
         if self.full_kv_bits not in (2, 4, 8, 16):
             raise ValueError(f"full_kv_bits must be 2, 4, 8 (KIVI-style full layers) or 16 (exact), "
                              f"got {self.full_kv_bits!r}")
-        self.full_layers = tuple(_layer_list("full_layers", self.full_layers))
+        self.full_layers = tuple(layer_list("full_layers", self.full_layers))
         if self.mode == "omnikv" and not self.full_layers:
             raise ValueError("mode 'omnikv' needs full_layers (the filter layers are full layers followed by a sparse one)")
         if self.full_kv_bits != 16 and not self.full_layers:

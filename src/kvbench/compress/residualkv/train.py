@@ -33,13 +33,14 @@ import pandas as pd
 import torch
 import torch.nn.functional as F
 
+from kvbench.compress.cache import decoder_layers
 from kvbench.compress.residualkv.codec import CodecConfig, ResidualCodec, model_kv_shape
 from kvbench.compress.residualkv.references import (
     mean_reference,
     nearest_references,
     reference_mask,
 )
-from kvbench.train.loop import Interrupted, _Stop
+from kvbench.train.loop import Interrupted, StopOnSignal
 from kvbench.train.state import load_state, save_state
 from kvbench.utils.io import atomic_path, write_json
 from kvbench.utils.steps import SliceEnded, StepProgress
@@ -53,12 +54,6 @@ N_VAL_WINDOWS = 4
 VAL_SEED = 0
 #: Seconds between state saves (also saved at the end, when the slice ends and on SIGTERM/SIGINT).
 SAVE_EVERY_S = 60.0
-
-
-def decoder_layers(model: Any) -> Any:
-    """The text decoder layers of a HF causal LM or VLM (``get_decoder().layers``)."""
-    inner = model.get_decoder() if hasattr(model, "get_decoder") else model.model
-    return inner.layers
 
 
 @contextlib.contextmanager
@@ -266,10 +261,10 @@ class TaskStream:
     """
 
     def __init__(self, tokenizer: Any, split: str, seq_len: int, seed: int) -> None:
-        from kvbench.train.recipes import _lm_tasks
+        from kvbench.train.recipes import lm_task_mixture
 
         self.tok, self.split, self.seq_len, self.seed = tokenizer, split, seq_len, seed
-        self.mixture = _lm_tasks(seq_len)
+        self.mixture = lm_task_mixture(seq_len)
 
     def batch(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(ids, labels)`` int64 ``[1, T]`` of record ``i`` (T ≈ ``seq_len`` plus its answers)."""
@@ -429,7 +424,7 @@ def _loop(model, codec, opt, stream, val, meta, out_dir, objective, steps, lr, s
         save_state(out_dir / "state", {"codec": codec}, opt, meta)
 
     codec.train()
-    with _Stop() as stop:
+    with StopOnSignal() as stop:
         while step < steps:
             for group in opt.param_groups:
                 group["lr"] = lr_at(step, steps, lr)

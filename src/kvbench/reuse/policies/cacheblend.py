@@ -71,8 +71,9 @@ def linear_layer_counts(n_layers: int, n_visual: int, avg_count: int) -> list[in
     return counts
 
 
-def _flat(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """``[1, n_kv, T, hd]`` at sequence indices ``idx`` → float32 ``[n, n_kv·hd]``."""
+def flat_rows(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """One row per token: keys or values ``[1, n_kv, T, hd]`` at int64 sequence indices ``idx`` ``[n]`` →
+    float32 ``[n, n_kv·hd]`` (heads concatenated), the form the per-token deviation scores take norms of."""
     return x[0, :, idx].float().transpose(0, 1).reshape(idx.numel(), -1)
 
 
@@ -107,8 +108,8 @@ class ShrinkSchedule(LayerSchedule):
 def kv_deviation(state: LayerState) -> torch.Tensor:
     """‖k_new − k_old‖₂ + ‖v_new − v_old‖₂ per active visual token (CONDUIT's CacheBlend score)."""
     idx = state.active_visual
-    dk = (_flat(state.keys, idx) - _flat(state.old_keys, idx)).norm(dim=-1)
-    dv = (_flat(state.values, idx) - _flat(state.old_values, idx)).norm(dim=-1)
+    dk = (flat_rows(state.keys, idx) - flat_rows(state.old_keys, idx)).norm(dim=-1)
+    dv = (flat_rows(state.values, idx) - flat_rows(state.old_values, idx)).norm(dim=-1)
     return dk + dv
 
 
@@ -125,7 +126,7 @@ class CheckLayerSchedule(LayerSchedule):
             return None
         idx = state.active_visual
         new, old = (state.values, state.old_values) if self.deviation == "v" else (state.keys, state.old_keys)
-        dev = ((_flat(new, idx) - _flat(old, idx)) ** 2).sum(dim=-1)
+        dev = ((flat_rows(new, idx) - flat_rows(old, idx)) ** 2).sum(dim=-1)
         self.selected = idx[top_k(dev, self.k)]
         return self.selected
 

@@ -17,7 +17,7 @@ import torch
 from kvbench.reuse.executor import LayerState
 from kvbench.reuse.policies._layers import n_layers_of
 from kvbench.reuse.policies.base import RefreshPlan, RefreshPolicy, register
-from kvbench.reuse.policies.cacheblend import ShrinkSchedule, _flat, linear_layer_counts
+from kvbench.reuse.policies.cacheblend import ShrinkSchedule, flat_rows, linear_layer_counts
 from kvbench.reuse.scoring import attention_mass
 from kvbench.reuse.validate import budget_count
 
@@ -26,7 +26,7 @@ def kvshare_score(state: LayerState) -> torch.Tensor:
     """attention mass(all computed rows → key) × ‖v_new − v_old‖₁ per active visual token."""
     idx = state.active_visual
     mass = attention_mass(state.queries, state.keys, state.rows, state.scale)[idx]
-    dv = (_flat(state.values, idx) - _flat(state.old_values, idx)).abs().sum(dim=-1)
+    dv = (flat_rows(state.values, idx) - flat_rows(state.old_values, idx)).abs().sum(dim=-1)
     return mass * dv
 
 

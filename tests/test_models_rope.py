@@ -6,7 +6,8 @@ import torch
 import transformers
 from _reuse_fixtures import record, tiny_vlm
 
-from kvbench.reuse import ImageKVStore, adapter_for, prepare, rope
+from kvbench.models import rope
+from kvbench.reuse import ImageKVStore, adapter_for, prepare
 
 
 @pytest.fixture(scope="module")

@@ -1,8 +1,11 @@
 """RoPE of one decoder stack: cos/sin at arbitrary positions, rotation and its inverse.
 
-The reuse engine stores keys *pre-RoPE* and rotates them to the positions of
+Shared by both families, so it lives with the models rather than in either:
+the reuse engine stores keys *pre-RoPE* and rotates them to the positions of
 the serving request (CONDUIT §3.1; the authors' ``model_runner_priori.py`` /
-``layers/rotary_embedding.py`` do the same). Nothing here re-derives the
+``layers/rotary_embedding.py`` do the same), and compressed caches
+(:class:`kvbench.compress.cache.LayerContext`: ResidualKV, Palu) restore
+pre-RoPE keys at their own positions. Nothing here re-derives the
 rotation: cos/sin come from the model's own rotary-embedding module (for
 Qwen2.5-VL it folds the M-RoPE sections [t, h, w] into per-token cos/sin), and
 the rotation is the modelling file's own ``apply_rotary_pos_emb``.
