@@ -147,16 +147,16 @@ class _ByteTok:
     ({"tableIII": [{"label": "r", "method": "residualkv:mode=omnikv,full_layers=0+1,stride=0"}]}, "stride .* >= 1, got 0"),
     ({"tableIII": [{"label": "r", "method": "residualkv:mode=standalone,full_kv_bits=4"}]}, "full_layers is empty"),
     ({"fig8": {"contxts": [512]}}, r"residualkv.fig8: unknown key\(s\) \['contxts'\]"),
-    ({"fig8": {"repeats": "many"}}, "argument --repeats: expected a positive integer, got 'many'"),
+    ({"fig8": {"repeats": "many"}}, "residualkv.fig8: repeats must be a positive integer, got 'many'"),
     # review findings: values the parser took but the bench refused only after Snakemake removed the old CSV
-    ({"fig8": {"repeats": -1}}, "argument --repeats: expected a positive integer, got -1"),
-    ({"fig8": {"methods": ["nope"]}}, r"unknown method\(s\) \['nope'\]"),
-    ({"fig8": {"model": "nope-lm"}}, "fig8.model 'nope-lm' is neither a timing LM"),
-    ({"fig8": {"dtype": "float7"}}, "argument --dtype: invalid choice: 'float7'"),
-    ({"fig11": {"device": "tpu"}}, "argument --device: expected auto, cpu, cuda or cuda:<index>, got 'tpu'"),
+    ({"fig8": {"repeats": -1}}, "residualkv.fig8: repeats must be a positive integer, got -1"),
+    ({"fig8": {"methods": ["nope"]}}, r"residualkv.fig8: methods: unknown method\(s\) \['nope'\]"),
+    ({"fig8": {"model": "nope-lm"}}, "residualkv.fig8: model 'nope-lm' is neither a timing LM"),
+    ({"fig8": {"dtype": "float7"}}, "residualkv.fig8: dtype must be one of .*, got 'float7'"),
+    ({"fig11": {"device": "tpu"}}, "residualkv.fig11: device must be auto, cpu, cuda or cuda:<index>, got 'tpu'"),
     ({"tableIII": [{"label": "x", "method": "fullkv"}, {"label": "x", "method": "snapkv"}]}, r"label\(s\) \['x'\] given twice"),
-    ({"fig11": {"contexts": [1024, 2048]}}, "fig11.contexts must be one context"),
-    ({"fig6": {"codec_shape": [2048, 512]}}, "--codec-shape: expected 3 arguments"),
+    ({"fig11": {"contexts": [1024, 2048]}}, r"residualkv.fig11: contexts must be one context length \(Fig. 11 times one\), got \[1024, 2048\]"),
+    ({"fig6": {"codec_shape": [2048, 512]}}, r"residualkv.fig6: codec_shape must be three positive integers \(d_kv, d_c, d_ff\), got \[2048, 512\]"),
 ])
 def test_plan_refuses_bad_sections_before_any_job(section, match):
     with pytest.raises(ValueError, match=match):

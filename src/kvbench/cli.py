@@ -6,9 +6,12 @@ lives in the workflow files. Imports are lazy so ``kvbench --help`` is fast.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import re
 import sys
+
+from kvbench.bench.settings import DEVICE_PATTERN
 
 
 def _int_at_least(lo: int, what: str):
@@ -30,9 +33,14 @@ _nonneg_int = _int_at_least(0, "an integer >= 0")       # warm-up runs
 
 def _device(text: str) -> str:
     """argparse type: ``auto``, ``cpu``, ``cuda`` or ``cuda:<i>`` (checked here, before any model work)."""
-    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", text):
+    if not re.fullmatch(DEVICE_PATTERN, text):
         raise argparse.ArgumentTypeError(f"expected auto, cpu, cuda or cuda:<index>, got {text!r}")
     return text
+
+
+def _words(values) -> str:
+    """``values`` space-separated, as a list flag takes them (help texts)."""
+    return " ".join(map(str, values))
 
 
 def _tokenizer(a: argparse.Namespace) -> None:
@@ -156,35 +164,30 @@ def _report(a: argparse.Namespace) -> None:
 
 
 def _bench_rkv(a: argparse.Namespace) -> None:
+    """A ResidualKV profiling verb: its settings from the flags (a flag left unset keeps the default of
+    :mod:`kvbench.bench.settings`), checked before any model work, then measured into one CSV."""
     from kvbench.bench import codec_cost, codec_variants, decode
+    from kvbench.bench.settings import BY_VERB
 
+    cls = BY_VERB[a.what]
+    s = cls(**{f.name: getattr(a, f.name) for f in dataclasses.fields(cls) if getattr(a, f.name) is not None})
+    timing = {"repeats": s.repeats, "threads": s.threads, "device": s.device, "dtype": s.dtype, "seed": s.seed}
     if a.what == "rkv-variants":
         if not a.codecs or not a.default:
             raise ValueError("rkv-variants needs --codecs LABEL=DIR ... and --default LABEL")
-        contexts = a.contexts or [4096]
-        if len(contexts) != 1:
-            raise ValueError(f"rkv-variants times one context, got --contexts {contexts}")
         rows, header = codec_variants.measure_variant_throughput(
-            codec_variants.parse_codec_dirs(a.codecs), a.default, a.model or "timing-qwen2-lm-wide", contexts[0],
-            decode_steps=a.decode_steps or 16, warmup_steps=2 if a.warmup is None else a.warmup,
-            repeats=3 if a.repeats is None else a.repeats, threads=a.threads, device=a.device, dtype=a.dtype,
-            seed=a.seed, tokenizer=a.tokenizer or "tiny-qwen2-lm", log=print)
-        decode.write_csv(rows, header, codec_variants.COLUMNS, a.out)
-        print(header)
-        return
-    if a.what == "codec-cost":
-        d_kv, d_c, d_ff = a.codec_shape
+            codec_variants.parse_codec_dirs(a.codecs), a.default, s.model, s.contexts[0], decode_steps=s.decode_steps,
+            warmup_steps=s.warmup, tokenizer=s.tokenizer, log=print, **timing)
+        columns = codec_variants.COLUMNS
+    elif a.what == "codec-cost":
         rows, header = codec_cost.measure_codec_cost(
-            d_kv, d_c, d_ff, tokens=a.tokens, restore_tokens=a.restore_tokens, decode_steps=a.decode_steps or 512,
-            repeats=5 if a.repeats is None else a.repeats, warmup=1 if a.warmup is None else a.warmup, threads=a.threads, device=a.device,
-            dtype=a.dtype, seed=a.seed)
+            *s.codec_shape, tokens=s.tokens, restore_tokens=s.restore_tokens, decode_steps=s.decode_steps,
+            warmup=s.warmup, **timing)
         columns = codec_cost.COLUMNS
     else:
         rows, header = decode.measure_decode_throughput(
-            a.model or "timing-qwen2-lm-wide", a.contexts or decode.CPU_CONTEXTS, a.methods or decode.METHODS,
-            decode_steps=a.decode_steps or 32, warmup_steps=4 if a.warmup is None else a.warmup,
-            repeats=3 if a.repeats is None else a.repeats, threads=a.threads, device=a.device, dtype=a.dtype, seed=a.seed,
-            codec_dir=a.codec_dir, tokenizer=a.tokenizer or "tiny-qwen2-lm", log=print)
+            s.model, s.contexts, s.methods, decode_steps=s.decode_steps, warmup_steps=s.warmup,
+            codec_dir=s.codec_dir, tokenizer=s.tokenizer, log=print, **timing)
         columns = decode.COLUMNS
     decode.write_csv(rows, header, columns, a.out)
     print(header)
@@ -324,8 +327,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--out", required=True)
     s.set_defaults(func=_report)
 
-    from kvbench.bench import BENCH_DEFAULTS as d  # light module: defaults only
+    from kvbench.bench import BENCH_DEFAULTS as d  # light modules: defaults only
     from kvbench.bench import DTYPES as d_dtypes
+    from kvbench.bench import settings as rkv
+
+    fig8, fig6, fig11 = rkv.DecodeThroughputConfig, rkv.CodecCostConfig, rkv.VariantThroughputConfig
 
     s = sub.add_parser("bench", help="latency benchmarks: conduit-latency (raw TTFT/FLOPs CSV), conduit-table3, "
                                       "rkv-throughput (ResidualKV Fig. 8), rkv-variants (Fig. 11's throughput), "
@@ -333,18 +339,20 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("what", choices=["conduit-latency", "conduit-table3", "rkv-throughput", "rkv-variants", "codec-cost"])
     s.add_argument("--out", required=True, help="raw measurements CSV (conduit-latency) or table CSV (conduit-table3)")
     s.add_argument("--model", default=None, help=f"timing model name (random weights) or checkpoint dir "
-                   f"(default: {d['model']}; rkv-throughput: timing-qwen2-lm-wide)")
+                   f"(default: {d['model']}; rkv-throughput: {fig8.model})")
     s.add_argument("--tokenizer", default=None, help="tokenizer directory (timing models; rkv-throughput: the zoo's "
-                   "tiny-qwen2-lm, for its vocabulary size)")
+                   f"{fig8.tokenizer}, for its vocabulary size)")
     s.add_argument("--sizes", type=int, nargs="+", default=d["sizes"], help="pages per request, one context each")
     s.add_argument("--page-px", type=int, default=d["page_px"], help="page side in px (multiple of 28, <= 448)")
     s.add_argument("--r", type=float, default=d["r"], help="refresh ratio of the budgeted methods")
     s.add_argument("--methods", nargs="+", default=None, help="refresh policies (full is always added); "
-                   "rkv-throughput: full, residualkv-omnikv, residualkv-omnikv-unquantised (default: all)")
+                   f"rkv-throughput: {', '.join(rkv.METHODS)} (default: all)")
     s.add_argument("--repeats", type=_positive_int, default=None,
-                   help=f"timed runs per (size, method) (default: {d['repeats']}; rkv-throughput 3, codec-cost 5)")
+                   help=f"timed runs per (size, method) (default: {d['repeats']}; rkv-throughput {fig8.repeats}, "
+                        f"codec-cost {fig6.repeats})")
     s.add_argument("--warmup", type=_nonneg_int, default=None,
-                   help=f"untimed runs first (default: {d['warmup']}; rkv-throughput: 4 decode steps, codec-cost 1)")
+                   help=f"untimed runs first (default: {d['warmup']}; rkv-throughput: {fig8.warmup} decode steps, "
+                        f"codec-cost {fig6.warmup})")
     s.add_argument("--threads", type=_positive_int, default=None, help="torch threads (default: torch's)")
     s.add_argument("--device", type=_device, default="auto", help="auto (CUDA if available), cpu or cuda[:i]")
     s.add_argument("--dtype", choices=d_dtypes, default="auto", help="auto (bfloat16 on CUDA, float32 on CPU) or a torch dtype")
@@ -352,19 +360,19 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--raw", default=None, help="conduit-table3: the raw CSV")
     s.add_argument("--profile", default="smoke", help="conduit-table3: profile named in the header line")
     s.add_argument("--contexts", type=_positive_int, nargs="+", default=None,
-                   help="rkv-throughput: context lengths in tokens (default 1024 2048 4096 8192, for a CPU; "
-                        "the paper's range on a GPU: 65536 131072 262144 524288); rkv-variants: one context "
-                        "(default 4096)")
+                   help=f"rkv-throughput: context lengths in tokens (default {_words(fig8.contexts)}, for a CPU; "
+                        f"the paper's range on a GPU: {_words(rkv.PAPER_CONTEXTS)}); rkv-variants: one context "
+                        f"(default {_words(fig11.contexts)})")
     s.add_argument("--decode-steps", type=_positive_int, default=None,
-                   help="rkv-throughput: timed greedy steps per run (default 32); codec-cost: restores in the total "
-                        "(default 512)")
+                   help=f"rkv-throughput: timed greedy steps per run (default {fig8.decode_steps}); codec-cost: "
+                        f"restores in the total (default {fig6.decode_steps})")
     s.add_argument("--codec-dir", default=None, help="rkv-throughput: a trained codec (default: a random one)")
     s.add_argument("--codecs", nargs="+", default=None, metavar="LABEL=DIR",
                    help="rkv-variants: trained codec directories whose shapes are timed (scaled to the timing LM)")
     s.add_argument("--default", default=None, help="rkv-variants: the label whose throughput is 1.0")
-    s.add_argument("--codec-shape", type=_positive_int, nargs=3, default=[2048, 512, 3072],
+    s.add_argument("--codec-shape", type=_positive_int, nargs=3, default=None,
                    metavar=("D_KV", "D_C", "D_FF"), help="codec-cost: ResidualKV codec shape (default: Table I Llama)")
-    s.add_argument("--tokens", type=_positive_int, default=4096, help="codec-cost: tokens coded on the prefill path")
+    s.add_argument("--tokens", type=_positive_int, default=None, help="codec-cost: tokens coded on the prefill path")
     s.add_argument("--restore-tokens", type=_positive_int, default=None,
                    help="codec-cost: tokens restored per decode step (default: ceil(0.17 x tokens))")
     s.set_defaults(func=_bench)

@@ -7,6 +7,8 @@
 - :mod:`~kvbench.bench.clock`: device-synchronised wall clock, repeat statistics;
 - :mod:`~kvbench.bench.latency`: the benchmark (``kvbench bench conduit-latency``);
 - :mod:`~kvbench.bench.table3`: Table 3 from the raw measurements (``kvbench bench conduit-table3``).
+- :mod:`~kvbench.bench.settings`: settings of the ResidualKV profiling verbs (Figs. 6, 8 and 11), checked
+  when built, shared by the CLI and the workflow's config check.
 
 This module only holds defaults (no torch import), so the CLI can read them cheaply.
 """

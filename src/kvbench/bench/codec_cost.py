@@ -28,6 +28,7 @@ import math
 import torch
 
 from kvbench.bench import clock
+from kvbench.bench.settings import CodecCostConfig
 from kvbench.compress.residualkv.codec import CodecConfig, LayerCodec
 
 COLUMNS = ["codec", "encoder", "decoder", "params", "prefill_ms", "restore_ms", "total_ms", "tokens",
@@ -76,9 +77,11 @@ def _median_ms(fn, device: torch.device, repeats: int, warmup: int) -> float:
 
 
 @torch.inference_mode()
-def measure_codec_cost(d_kv: int = 2048, d_c: int = 512, d_ff: int = 3072, tokens: int = 4096,
-                       restore_tokens: int | None = None, decode_steps: int = 512, repeats: int = 5,
-                       warmup: int = 1, threads: int | None = None, device: str = "cpu", dtype: str = "auto",
+def measure_codec_cost(d_kv: int = CodecCostConfig.codec_shape[0], d_c: int = CodecCostConfig.codec_shape[1],
+                       d_ff: int = CodecCostConfig.codec_shape[2], tokens: int = CodecCostConfig.tokens,
+                       restore_tokens: int | None = None, decode_steps: int = CodecCostConfig.decode_steps,
+                       repeats: int = CodecCostConfig.repeats, warmup: int = CodecCostConfig.warmup,
+                       threads: int | None = None, device: str = "cpu", dtype: str = "auto",
                        seed: int = 0) -> tuple[list[dict], str]:
     """Fig. 6's measurements: one row per codec with :data:`COLUMNS` (times in ms), and the header line.
 

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from kvbench.bench import decode
+from kvbench.bench.settings import VariantThroughputConfig
 from kvbench.bench.timing_lm import ZOO_TOKENIZER, full_layers_for
 from kvbench.compress.residualkv.codec import CodecConfig, ResidualCodec, codec_config_for_shape, model_kv_shape
 
@@ -66,8 +67,11 @@ def scaled_overrides(cfg: CodecConfig, d_kv: int) -> dict:
 
 
 def measure_variant_throughput(codec_dirs: Mapping[str, str | Path], default: str,
-                               model_name: str = "timing-qwen2-lm-wide", context: int = 4096,
-                               decode_steps: int = 16, warmup_steps: int = 2, repeats: int = 3,
+                               model_name: str = VariantThroughputConfig.model,
+                               context: int = VariantThroughputConfig.contexts[0],
+                               decode_steps: int = VariantThroughputConfig.decode_steps,
+                               warmup_steps: int = VariantThroughputConfig.warmup,
+                               repeats: int = VariantThroughputConfig.repeats,
                                threads: int | None = None, device: str = "cpu", dtype: str = "auto",
                                seed: int = 0, *, tokenizer: str = ZOO_TOKENIZER, vocab_size: int | None = None,
                                keep: float = decode.OMNIKV_KEEP,

@@ -43,6 +43,12 @@ from typing import Any
 import torch
 
 from kvbench.bench import clock
+from kvbench.bench.settings import (
+    METHODS,
+    DecodeThroughputConfig,
+    check_contexts,
+    check_methods,
+)
 from kvbench.bench.timing_lm import (
     TIMING_LMS,
     ZOO_TOKENIZER,
@@ -55,11 +61,6 @@ from kvbench.compress.cache import Press, PressCache, press_attention
 from kvbench.compress.residualkv.cache import ResidualKVPress
 from kvbench.compress.residualkv.codec import CodecConfig, ResidualCodec, model_kv_shape
 
-METHODS = ("full", "residualkv-omnikv", "residualkv-omnikv-unquantised")
-#: Contexts of the default CPU run (about 4-5 minutes on 2 cores, see ``docs/decisions.md``).
-CPU_CONTEXTS = [1024, 2048, 4096, 8192]
-#: The paper's range (Fig. 8: 64K-900K), for a GPU.
-PAPER_CONTEXTS = [65536, 131072, 262144, 524288]
 COLUMNS = ["model", "weights", "device", "dtype", "threads", "context", "method", "decode_steps",
            "tokens_per_s", "q1", "q3", "ms_per_token", "kr_measured", "cr_measured", "full_kv_bits"]
 #: Sink tokens of a codec built by ``ResidualCodec.for_model`` (the CodecConfig default).
@@ -77,15 +78,8 @@ def check_inputs(contexts: Sequence[int], methods: Sequence[str], decode_steps: 
             repeated context, a context below ``n_sink`` (the sparse layers' raw sink tokens), ``decode_steps`` or ``repeats``
             below 1, or negative ``warmup_steps``.
     """
-    if not methods:
-        raise ValueError(f"methods is empty; expected some of {list(METHODS)}")
-    bad = [m for m in methods if m not in METHODS]
-    if bad:
-        raise ValueError(f"unknown method(s) {bad}; expected some of {list(METHODS)}")
-    if not contexts:
-        raise ValueError("contexts is empty; expected context lengths in tokens, e.g. [1024, 2048]")
-    if len(set(contexts)) != len(contexts):
-        raise ValueError(f"contexts {list(contexts)} repeat a length; expected distinct lengths")
+    check_methods("methods", list(methods))
+    check_contexts("contexts", list(contexts))
     short = [c for c in contexts if int(c) < n_sink]
     if short:
         raise ValueError(f"context(s) {short} shorter than n_sink = {n_sink} (the codec's sink tokens)")
@@ -192,10 +186,12 @@ def time_decode(model: Any, press: Press, contexts: Sequence[int], decode_steps:
     return out
 
 
-def measure_decode_throughput(model_name_or_dir: str, contexts: Sequence[int] = tuple(CPU_CONTEXTS),
-                              methods: Sequence[str] = METHODS, decode_steps: int = 32, warmup_steps: int = 4,
-                              repeats: int = 3, threads: int | None = None, device: str = "cpu",
-                              dtype: str = "auto", seed: int = 0, *, codec_dir: str | None = None,
+def measure_decode_throughput(model_name_or_dir: str, contexts: Sequence[int] = DecodeThroughputConfig.contexts,
+                              methods: Sequence[str] = DecodeThroughputConfig.methods,
+                              decode_steps: int = DecodeThroughputConfig.decode_steps,
+                              warmup_steps: int = DecodeThroughputConfig.warmup,
+                              repeats: int = DecodeThroughputConfig.repeats, threads: int | None = None,
+                              device: str = "cpu", dtype: str = "auto", seed: int = 0, *, codec_dir: str | None = None,
                               vocab_size: int | None = None, tokenizer: str = ZOO_TOKENIZER,
                               full_layers: Sequence[int] | None = None, keep: float = OMNIKV_KEEP,
                               prefill_chunk: int = 2048,
@@ -205,7 +201,8 @@ def measure_decode_throughput(model_name_or_dir: str, contexts: Sequence[int] = 
     Args:
         model_name_or_dir: a timing LM (:data:`~kvbench.bench.timing_lm.TIMING_LMS`, random weights) or a
             checkpoint directory / zoo name.
-        contexts: context lengths in tokens (:data:`CPU_CONTEXTS` by default; :data:`PAPER_CONTEXTS` on a GPU).
+        contexts: context lengths in tokens (:data:`~kvbench.bench.settings.CPU_CONTEXTS` by default;
+            :data:`~kvbench.bench.settings.PAPER_CONTEXTS` on a GPU).
         methods: some of :data:`METHODS`.
         decode_steps, warmup_steps, repeats: timed greedy steps per run, untimed steps first, timed runs.
         threads: torch intra-op threads (None: leave as is). device: ``cpu``, ``cuda[:i]`` or ``auto``.

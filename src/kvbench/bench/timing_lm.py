@@ -10,13 +10,17 @@ This mirrors :mod:`kvbench.bench.timing_model`, which does the same for the COND
 
 :func:`full_layers_for` picks ResidualKV+OmniKV's full-attention layers in the pattern of the paper's
 Table I (the first layers plus a few spread ones; Llama-3.1-8B: 0, 1, 2, 8, 18 of 32, 15.6%).
+
+torch and transformers are imported by the functions that build, not by the module, so the settings of the
+profiling verbs (:mod:`kvbench.bench.settings`) can check a timing LM's name without them.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-import transformers
+if TYPE_CHECKING:
+    import torch
+    import transformers
 
 #: Shapes of the timing LMs (Llama-3.1-8B for comparison: d=4096, 32 layers, 32 query / 8 KV heads of
 #: 128, MLP 14336, d_kv 2048).
@@ -48,6 +52,8 @@ def zoo_vocab_size(tokenizer: str = ZOO_TOKENIZER) -> int:
     Raises:
         kvbench.models.loader.CheckpointError: the directory does not exist.
     """
+    import transformers
+
     from kvbench.models.loader import resolve_spec
 
     tok = transformers.AutoTokenizer.from_pretrained(resolve_spec(tokenizer), local_files_only=True)
@@ -77,6 +83,8 @@ def timing_lm_config(name: str, vocab_size: int) -> transformers.Qwen2Config:
         KeyError: unknown name (the message lists :data:`TIMING_LMS`).
         ValueError: ``vocab_size < 2``.
     """
+    import transformers
+
     if vocab_size < 2:
         raise ValueError(f"vocab_size must be >= 2, got {vocab_size}")
     spec = _spec(name)
@@ -87,17 +95,21 @@ def timing_lm_config(name: str, vocab_size: int) -> transformers.Qwen2Config:
 
 
 def build_timing_lm(name: str, vocab_size: int, device: str | torch.device = "cpu",
-                    dtype: torch.dtype = torch.float32, seed: int = 0) -> Any:
-    """Timing LM ``name`` (``Qwen2ForCausalLM``) with random weights (seeded), in eval mode on ``device``.
+                    dtype: torch.dtype | None = None, seed: int = 0) -> Any:
+    """Timing LM ``name`` (``Qwen2ForCausalLM``) with random weights (seeded), in eval mode on ``device``,
+    in ``dtype`` (None: float32).
 
     Raises:
         KeyError: unknown name; ValueError: ``vocab_size < 2``.
     """
+    import torch
+    import transformers
+
     cfg = timing_lm_config(name, vocab_size)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = transformers.Qwen2ForCausalLM(cfg)
-    return model.to(device=device, dtype=dtype).eval()
+    return model.to(device=device, dtype=dtype or torch.float32).eval()
 
 
 def _spec(name: str) -> dict[str, Any]:

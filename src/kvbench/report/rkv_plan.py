@@ -22,6 +22,7 @@ import json
 import math
 from dataclasses import dataclass
 
+from kvbench.bench.settings import BY_FIGURE
 from kvbench.compress.registry import PRESS
 from kvbench.eval.registry import with_params
 from kvbench.utils.recipe import recipe_hash
@@ -47,15 +48,6 @@ TRAIN_KEYS = ("objective", "steps", "seq_len", "lr", "data")
 #: Codec-training throughput on the zoo LM, tokens/s (main codec: 600 steps x 512 tokens in about 330 s on 2 idle
 #: cores), and the slow-down allowed for a loaded machine: the runtime estimate of a run without a slice.
 ZOO_CODEC_TOKENS_PER_S, LOAD_FACTOR = 930, 4
-#: Profiling figures: config key -> ``kvbench bench`` verb, and the flags the config may set (the rule sets
-#: ``--out``, ``--tokenizer``, ``--threads`` and, for Fig. 11, ``--codecs`` / ``--default`` itself).
-BENCH_FIGURES = {
-    "fig8": ("rkv-throughput", ("model", "contexts", "methods", "decode_steps", "repeats", "warmup", "device",
-                                "dtype", "seed", "codec_dir")),
-    "fig6": ("codec-cost", ("codec_shape", "tokens", "restore_tokens", "decode_steps", "repeats", "warmup",
-                            "device", "dtype", "seed")),
-    "fig11": ("rkv-variants", ("model", "contexts", "decode_steps", "repeats", "warmup", "device", "dtype", "seed")),
-}
 
 
 def known_model_shape(model: str, entry: dict, checkpoint_dir: str | None = None) -> tuple[int, int] | None:
@@ -161,7 +153,7 @@ class RKVPlan:
         self.model_dir = model_dir
         self._check_codecs()
         self._check_figure_steps()
-        for fig in BENCH_FIGURES:
+        for fig in BY_FIGURE:
             self.bench_args(fig)
         for target in TARGETS:
             if not self.configured(target):
@@ -211,57 +203,19 @@ class RKVPlan:
                 raise ValueError(f"press spec {spec!r}: {e}") from None
 
     def bench_args(self, fig: str) -> str:
-        """``kvbench bench`` flags (shell-quoted) from the config's ``residualkv.<fig>`` mapping, lists
-        space-separated: ``{contexts: [512, 1024], repeats: 3}`` -> ``--contexts 512 1024 --repeats 3``.
+        """``kvbench bench`` flags (shell-quoted) from the config's ``residualkv.<fig>`` mapping, in its order,
+        lists space-separated: ``{contexts: [512, 1024], repeats: 3}`` -> ``--contexts 512 1024 --repeats 3``
+        (the verb's settings: :data:`kvbench.bench.settings.BY_FIGURE`).
 
         Raises:
-            ValueError: a key the verb does not take (or the rule sets), a value its parser refuses, or
-                Fig. 11 with more than one context; naming the key and value.
+            ValueError: a key the verb does not take (or the rule sets), a value its settings refuse, or
+                Fig. 11 with more than one context; naming ``residualkv.<fig>``, the key and the value.
         """
-        import contextlib
-        import io
-        import shlex
-
-        from kvbench.cli import build_parser
-
-        verb, allowed = BENCH_FIGURES[fig]
         mapping = self.s.get(fig) or {}
-        if not isinstance(mapping, dict):
-            raise ValueError(f"residualkv.{fig} must be a mapping of `kvbench bench {verb}` flags, got {mapping!r}")
-        bad = sorted(set(mapping) - set(allowed))
-        if bad:
-            raise ValueError(f"residualkv.{fig}: unknown key(s) {bad}; `kvbench bench {verb}` takes {list(allowed)} here")
-        argv = []
-        for key, value in mapping.items():
-            argv += [f"--{key.replace('_', '-')}", *map(str, value if isinstance(value, list) else [value])]
-        err = io.StringIO()
         try:
-            with contextlib.redirect_stderr(err):
-                build_parser().parse_args(["bench", verb, "--out", "x.csv", *argv])
-        except SystemExit:
-            msg = err.getvalue().strip().splitlines()[-1:] or ["invalid value"]
-            raise ValueError(f"residualkv.{fig} = {mapping}: {msg[0]}") from None
-        if fig == "fig11" and len(mapping.get("contexts") or [0]) != 1:
-            raise ValueError(f"residualkv.fig11.contexts must be one context (Fig. 11 times one), got {mapping['contexts']!r}")
-        if fig in ("fig8", "fig11"):  # what the bench itself would refuse only after Snakemake removed the old CSV
-            from kvbench.bench import decode
-
-            try:
-                decode.check_inputs([int(c) for c in mapping.get("contexts") or decode.CPU_CONTEXTS],
-                                    mapping.get("methods") or list(decode.METHODS), int(mapping.get("decode_steps", 1)),
-                                    int(mapping.get("warmup", 0)), int(mapping.get("repeats", 1)), 0)
-            except ValueError as e:
-                raise ValueError(f"residualkv.{fig} = {mapping}: {e}") from None
-        model = mapping.get("model")
-        if model is not None:
-            from pathlib import Path
-
-            from kvbench.bench.timing_lm import TIMING_LMS
-
-            if model not in TIMING_LMS and not Path(str(model), "config.json").is_file():
-                raise ValueError(f"residualkv.{fig}.model {model!r} is neither a timing LM {sorted(TIMING_LMS)} "
-                                 f"nor a checkpoint directory with config.json")
-        return " ".join(shlex.quote(a) for a in argv)
+            return BY_FIGURE[fig].from_config(mapping).flags(mapping)
+        except ValueError as e:
+            raise ValueError(f"residualkv.{fig}: {e}") from None
 
     # -- codecs -------------------------------------------------------------------------------------
     def variant(self, name: str) -> dict:
