@@ -2,6 +2,7 @@
 untouched, runs are deterministic, decoding works, and bad input fails early."""
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import itertools
 
@@ -20,10 +21,12 @@ from kvbench.reuse import (
     refresh,
     run_record,
 )
+from kvbench.reuse.policies import REFRESH, REGISTRY
 from kvbench.reuse.policies.cacheblend import linear_layer_counts
 
 torch.set_num_threads(1)
-BUDGETED = ["conduit", "prophetkv", "mpic", "mpic-first", "cacheblend", "cacheblend-conduit", "kvshare-conduit"]
+#: Every registered policy that takes a budget (from the registry: a new policy is tested without a line here).
+BUDGETED = sorted({cls.name for cls in REGISTRY.values()} - set(REFRESH.fixed_r))
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +56,18 @@ def reuse(vlm, req):
 
 
 def test_registry_has_every_method():
+    assert {"conduit", "prophetkv", "mpic", "mpic-first", "cacheblend", "cacheblend-conduit",
+            "kvshare-conduit"} == set(BUDGETED)
     assert set(BUDGETED) | {"reuse", "full", "kvshare"} == set(available_policies())
+
+
+@pytest.mark.parametrize("policy", sorted({cls.name for cls in REGISTRY.values()}))
+def test_every_policy_states_what_tables_and_costs_need(policy):
+    """The knowledge the reports and the cost model read lives in the policy's class."""
+    cls = REGISTRY[policy]
+    assert cls.label and isinstance(cls.label, str)
+    assert cls.form is None or isinstance(cls.form, str)
+    assert dataclasses.is_dataclass(cls) and cls().params() == dataclasses.asdict(cls())
 
 
 def test_stale_reuse_really_differs_from_full(full, reuse):

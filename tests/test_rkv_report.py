@@ -9,7 +9,7 @@ import pytest
 
 from kvbench.eval.compress import CompressMethod
 from kvbench.eval.registry import get_method
-from kvbench.report import residualkv
+from kvbench.report import residualkv, rkv_report
 from kvbench.report.rkv_plan import RKVPlan, press_spec
 from kvbench.utils.io import write_jsonl
 
@@ -100,9 +100,9 @@ def test_missing_run_is_named(tmp_path):
 
 def test_report_rejects_bad_json(tmp_path):
     with pytest.raises(ValueError, match="--residualkv must be JSON"):
-        residualkv.report("tableIII", "{bad", tmp_path / "t.csv")
+        rkv_report.report("tableIII", "{bad", tmp_path / "t.csv")
     with pytest.raises(ValueError, match="unknown ResidualKV report target"):
-        residualkv.report("tableIX", json.dumps({"profile": "smoke", "residualkv": SECTION}), tmp_path / "t.csv")
+        rkv_report.report("tableIX", json.dumps({"profile": "smoke", "residualkv": SECTION}), tmp_path / "t.csv")
 
 
 def test_a_single_layer_index_is_one_layer():
@@ -257,7 +257,7 @@ def test_fig11_merges_throughput_per_variant(tmp_path):
     with pytest.raises(ValueError, match=r"no throughput row for variant\(s\) \['dc_high', 'dc_low'"):
         rkv_figures.fig11(plan, tmp_path / "f.pdf", tmp_path / "f.csv", tmp_path, throughput=tp)
     with pytest.raises(ValueError, match="--raw is not read by residualkv-tableIII"):
-        residualkv.report("tableIII", {"profile": "smoke", "residualkv": SECTION}, tmp_path / "t.csv", raw=tp)
+        rkv_report.report("tableIII", {"profile": "smoke", "residualkv": SECTION}, tmp_path / "t.csv", raw=tp)
     # review findings: the value column is what the codec was trained with (codec.json); a missing variant names
     # the figure that needs it
     assert df["steps"].tolist() == [3] * len(df)

@@ -133,7 +133,7 @@ def _report(a: argparse.Namespace) -> None:
     if (a.what in ("zoo-figure", "conduit-fig3") or a.what.startswith("residualkv-fig")) and not str(a.out).endswith(".pdf"):
         raise ValueError(f"--out of {a.what} must end in .pdf, got {a.out!r}")
     if a.what.startswith("residualkv-"):
-        from kvbench.report import residualkv, rkv_figures
+        from kvbench.report import rkv_figures, rkv_report
 
         what = a.what.removeprefix("residualkv-")
         if what in ("fig8", "fig6"):
@@ -149,7 +149,7 @@ def _report(a: argparse.Namespace) -> None:
             raise ValueError(f"{a.what} needs --residualkv (JSON: profile, residualkv config section)")
         if what.startswith("fig") and not a.data_out:
             raise ValueError(f"{a.what} needs --data-out (CSV of the plotted numbers)")
-        residualkv.report(what, _json_object(a.residualkv, "--residualkv"), a.out, out_csv=a.data_out, raw=a.raw)
+        rkv_report.report(what, _json_object(a.residualkv, "--residualkv"), a.out, out_csv=a.data_out, raw=a.raw)
     elif a.what == "zoo":
         zoo.write_zoo_table(a.runs, a.train, a.out, timing_csv=a.timing_out)
     elif a.what == "zoo-figure":

@@ -146,37 +146,3 @@ def write_table(plan: RKVPlan, target: str, out: str | Path, root: str | Path = 
         "window, indices); CR %: keys read / keys visible after the context chunk; KR formula %: paper §V-A"]
     write_csv(df, header, out)
     return df
-
-
-def report(target: str, spec: str | dict, out: str | Path, root: str | Path = ".", out_csv: str | Path | None = None,
-           raw: str | Path | None = None) -> None:
-    """Entry point of ``kvbench report residualkv-<target>``.
-
-    ``spec``: ``{profile, residualkv, zoo, seed, model_dir}`` (``common.smk``'s ``rkv_report_spec``); the codec
-    figures need ``seed`` and ``model_dir`` to find the codec directories (:meth:`RKVPlan.codec_dir`).
-
-    ``raw`` is Fig. 11's throughput CSV (``kvbench bench rkv-variants``); other targets take none.
-
-    Raises:
-        ValueError: ``spec`` is not the JSON the workflow passes, ``target`` is unknown, or ``raw`` is given
-            to a target other than fig11.
-    """
-    from kvbench.report import rkv_figures
-
-    if isinstance(spec, str):
-        try:
-            spec = json.loads(spec)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"--residualkv must be JSON {{profile, residualkv}}, got {spec[:80]!r} ({e.msg})") from e
-    if raw is not None and target != "fig11":
-        raise ValueError(f"--raw is not read by residualkv-{target} (only fig11's throughput CSV, fig6, fig8)")
-    plan = RKVPlan(spec["residualkv"], spec["profile"], zoo=spec.get("zoo", True), seed=spec.get("seed"),
-                   model_dir=spec.get("model_dir"))
-    if target == "fig11":
-        rkv_figures.fig11(plan, out, out_csv, root, throughput=raw)
-    elif target in TITLES:
-        write_table(plan, target, out, root)
-    elif target in rkv_figures.FIGURES:
-        rkv_figures.FIGURES[target](plan, out, out_csv, root)
-    else:
-        raise ValueError(f"unknown ResidualKV report target {target!r}; known: {sorted([*TITLES, *rkv_figures.FIGURES])}")

@@ -1,13 +1,11 @@
-"""Refresh policies, one small module each, registered by name (see :func:`available_policies`)."""
-from kvbench.reuse.policies import (  # noqa: F401  (registration)
-    cacheblend,
-    conduit,
-    full,
-    kvshare,
-    mpic,
-    prophetkv,
-    reuse,
-)
+"""Refresh policies, one small module each, registered by name (see :func:`available_policies`).
+
+Every module of this package is imported here, so a new policy is one file: a :class:`RefreshPolicy`
+dataclass decorated with :func:`register` (docs/architecture.md, "Adding a refresh policy").
+"""
+import importlib
+import pkgutil
+
 from kvbench.reuse.policies.base import (
     REFRESH,
     REGISTRY,
@@ -20,6 +18,11 @@ from kvbench.reuse.policies.base import (
     register,
     run_record,
 )
+
+# Registration happens when a policy's module is imported; modules starting with "_" are helpers.
+for _module in sorted(m.name for m in pkgutil.iter_modules(__path__)):
+    if not _module.startswith("_") and _module != "base":
+        importlib.import_module(f"{__name__}.{_module}")
 
 __all__ = ["REFRESH", "REGISTRY", "RefreshPlan", "RefreshPolicy", "RefreshResult", "available_policies", "get_policy",
            "refresh", "register", "run_record"]
