@@ -40,9 +40,9 @@ def field_code(page: int, row: int, col: int, rows: int, cols: int) -> str:
 
     One letter names one cell of the whole document (on 2x2 pages: A-D on
     page 1, E-H on page 2, ...; on a single 4x4 page: A-P). One question
-    token per cell is what the staleness trial (shared/notes/staleness.md)
-    could learn; and with a code that is unique in the document the answer
-    is a one-hop lookup. With per-page letters (each page A-I) a model
+    token per cell is what the staleness trial (docs/decisions.md, "Training
+    the zoo") could learn; and with a code that is unique in the document the
+    answer is a one-hop lookup. With per-page letters (each page A-I) a model
     trained for minutes on the CPU found the right cell but not the right
     page (docs/decisions.md, "Printed field codes").
 

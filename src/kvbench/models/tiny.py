@@ -6,8 +6,8 @@ classes, M-RoPE position ids, processor) is the real one:
 
 - ``tiny-qwen2-lm``: ``Qwen2ForCausalLM``, 8 layers, d=128, 4 query / 2 KV heads
   (GQA, head_dim 32), tied embeddings (~1.6M parameters). The shape follows
-  ``shared/notes/training.md``, where it was measured to learn induction-style
-  retrieval on one CPU thread.
+  an earlier trial, where it was measured to learn induction-style retrieval on
+  one CPU thread (docs/decisions.md, "Training the zoo").
 - ``tiny-qwen2.5-vl``: ``Qwen2_5_VLForConditionalGeneration`` with a real vision
   tower (14-px patches, 2x2 merge, window attention) and a 6-layer text model,
   d=128, 4 query / 2 KV heads, M-RoPE sections [4, 6, 6] (sum = head_dim/2).

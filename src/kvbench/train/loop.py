@@ -1,9 +1,10 @@
 """The resumable CPU training loop shared by every zoo model.
 
 Loss: cross-entropy on label tokens, normalised per sequence and averaged over
-the batch (``shared/notes/training.md``: otherwise long copy spans swamp the
-few retrieval answers). AdamW, gradient clipping at 1.0, per-phase warm-up +
-cosine schedule computed from the step (no scheduler state to save).
+the batch (an earlier trial found that otherwise long copy spans swamp the
+few retrieval answers; docs/decisions.md, "Training the zoo"). AdamW, gradient
+clipping at 1.0, per-phase warm-up + cosine schedule computed from the step (no
+scheduler state to save).
 State is saved every ``save_every_s`` seconds, at phase ends, on SIGTERM/SIGINT
 and when an invocation's wall-clock slice ends; a rerun resumes from it and
 reaches the same weights (``tests/test_train.py``).

@@ -2,14 +2,14 @@
 
 Recipes are counted in optimiser steps, not seconds, so a run is a function of
 its seed alone (``--slice-s`` only ends one invocation; a rerun resumes).
-The LM recipe follows the measured trial in ``shared/notes/training.md``:
+The LM recipe follows an earlier measured trial (docs/decisions.md, "Training the zoo"):
 induction heads form on a random-offset copy task at 32 tokens (lr 3e-3),
 helped by supervising where a previous-token and an induction head attend
 (:mod:`kvbench.train.heads`), then the context length is raised gradually
 (64 -> 1,024 tokens, lr 1e-3, cosine) because a jump straight to long contexts
 destroyed the circuit, and accuracy only appears at lengths that were trained. The VLM recipe first trains the vision tower
 as a digit-cell classifier (a stand-in for a pretrained vision tower, as in
-``shared/notes/staleness.md``), then the whole model on the VLM tasks, with a
+the staleness trial, docs/decisions.md, "Training the zoo"), then the whole model on the VLM tasks, with a
 per-cell reading term and the prompt text hidden from the question side
 (:mod:`kvbench.train.readthrough`), so that the instruction is applied while
 the pages are read.
@@ -38,7 +38,7 @@ class Phase:
         (0: the whole vocabulary).
     restrict_softmax : bool — ``copy`` only: the loss's softmax runs over the
         ``copy_vocab`` tokens alone, as in a model whose vocabulary is that small
-        (the trial in ``shared/notes/training.md`` had 512 tokens). Measured here:
+        (the earlier trial in docs/decisions.md, "Training the zoo", had 512 tokens). Measured here:
         induction accuracy rose about 3x faster than with the softmax over all
         4,096 tokens (docs/decisions.md, "Training status").
     decay : bool — cosine-decay the learning rate after warm-up (else constant).

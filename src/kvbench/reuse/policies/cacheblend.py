@@ -1,4 +1,4 @@
-"""CacheBlend, in two forms (shared/notes/sources.md).
+"""CacheBlend, in two forms (docs/decisions.md, "Baselines: sources").
 
 - ``cacheblend`` (the paper / ``YaoJiayi/CacheBlend``): layer 0 recomputes every visual token; at the
   check layer (1) every visual token is computed again, the top ⌈r·N_visual⌉ by value deviation
