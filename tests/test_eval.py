@@ -146,7 +146,7 @@ def test_failing_sample_is_recorded_not_fatal(tiny_vlm_dir, tmp_path):
 
 def test_unknown_method_raises(tmp_path):
     split = write_split(tmp_path / "test.jsonl", [text_record(0)])
-    with pytest.raises(ValueError, match=r"unknown evaluation method 'notamethod'.*\['full'\].*press in"):
+    with pytest.raises(ValueError, match=r"unknown method 'notamethod'.*plain: \['full'\].*refresh: .*press: "):
         run_eval("does-not-matter", split, method="notamethod", out_dir=tmp_path / "run")
 
 

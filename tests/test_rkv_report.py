@@ -62,12 +62,14 @@ def test_compress_method_refuses_vlm_records():
 
 def test_plan_maps_specs_to_runs_and_codecs():
     plan = RKVPlan(SECTION, "smoke")
-    assert plan.codec_of("fullkv") is None and plan.codec_of("residualkv") == "main"
+    assert plan.codec_of("fullkv") is None and plan.codec_of("residualkv:mode=standalone") == "main"
+    with pytest.raises(ValueError, match="needs full_layers"):  # a spec is checked by constructing its press
+        plan.codec_of("residualkv")
     assert plan.run_dir("kv_1k", "fullkv") == "results/runs/smoke/tiny-qwen2-lm/kv_1k/residualkv/fullkv"
     assert [r.label for r in plan.rows("fig5")] == ["alpha = 0", "alpha = 0.1", "stride = 5"]
     assert plan.codec_overrides("norefs")["references"] is False and plan.codec_training("norefs")["data"] == "tasks"
     with pytest.raises(ValueError, match="codec variant 'other'"):
-        RKVPlan({**SECTION, "tableIII": [{"label": "x", "method": "residualkv:codec=other"}]}, "smoke")
+        RKVPlan({**SECTION, "tableIII": [{"label": "x", "method": "residualkv:mode=standalone,codec=other"}]}, "smoke")
 
 
 def _fake_run(root, plan, task, spec, scores, kr, cr, n_tokens=1000):

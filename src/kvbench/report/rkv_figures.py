@@ -36,8 +36,6 @@ def _save(fig, out: str | Path) -> None:
 
 def fig5(plan: RKVPlan, out: str | Path, out_csv: str | Path, root: str | Path = ".") -> pd.DataFrame:
     """Score (avg over tasks) vs references held at the mean evaluated context, one point per schedule."""
-    from kvbench.report.residualkv import _model_shape
-
     codec = plan.codec_config("main", model_shape(plan, root))
     rows = []
     for row in plan.rows("fig5"):
