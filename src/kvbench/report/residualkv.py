@@ -20,7 +20,7 @@ from pathlib import Path
 import pandas as pd
 
 from kvbench.compress.residualkv import references
-from kvbench.report.rkv_plan import RKVPlan, press_spec
+from kvbench.report.rkv_plan import RKVPlan, known_model_shape, press_spec
 from kvbench.utils.io import atomic_path, read_jsonl
 
 
@@ -90,13 +90,18 @@ def score_table(plan: RKVPlan, target: str, root: str | Path = ".", model_shape:
 
 
 def model_shape(plan: RKVPlan, root: str | Path) -> tuple[int, int]:
-    """``(n_layers, d_kv)`` of the plan's backbone: from its ``config.json`` under ``root``, else from the main codec.
+    """``(n_layers, d_kv)`` of the plan's backbone: the plan's, else its ``config.json`` under ``root``, else a zoo
+    model's by name, else the main codec's.
 
     Raises:
         FileNotFoundError: neither file exists.
     """
+    if plan.shape is not None:
+        return plan.shape
     path = Path(root) / (plan.model_dir or Path("zoo", plan.model)) / "config.json"
     cfg = json.loads(path.read_text()) if path.is_file() else None
+    if cfg is None and plan.zoo:
+        return known_model_shape(plan.model, {"zoo": {}})  # a zoo model's shape is known by its name
     if cfg is None:
         codec = json.loads((Path(root) / plan.codec_dir("main") / "codec" / "codec.json").read_text())
         return codec["n_layers"], codec["d_kv"]
