@@ -54,6 +54,7 @@ include: "workflow/rules/report.smk"
 include: "workflow/rules/conduit.smk"
 include: "workflow/rules/conduit_latency.smk"
 include: "workflow/rules/residualkv.smk"
+include: "workflow/rules/tables.smk"
 include: "workflow/rules/targets.smk"
 
 

@@ -130,9 +130,19 @@ def _replay(a: argparse.Namespace) -> int:
 def _report(a: argparse.Namespace) -> None:
     from kvbench.report import zoo
 
-    if (a.what in ("zoo-figure", "conduit-fig3") or a.what.startswith("residualkv-fig")) and not str(a.out).endswith(".pdf"):
+    figures = {"zoo-figure", "conduit-fig3", *(f"residualkv-fig{n}" for n in (5, 6, 8, 10, 11, 12))}
+    if a.what in figures and not str(a.out).endswith(".pdf"):
         raise ValueError(f"--out of {a.what} must end in .pdf, got {a.out!r}")
-    if a.what.startswith("residualkv-"):
+    if "/" in a.what:  # a table target, e.g. conduit/table1 (kvbench.report.tables)
+        from kvbench.report import tables
+
+        if not a.spec:
+            raise ValueError(f"table {a.what} needs --spec (the workflow's JSON: profile and the paper's config section)")
+        spec = _json_object(a.spec, "--spec")
+        if a.allow_missing:
+            spec["allow_missing"] = True
+        tables.write(a.what, spec, a.out)
+    elif a.what.startswith("residualkv-"):
         from kvbench.report import rkv_figures, rkv_report
 
         what = a.what.removeprefix("residualkv-")
@@ -154,13 +164,20 @@ def _report(a: argparse.Namespace) -> None:
         zoo.write_zoo_table(a.runs, a.train, a.out, timing_csv=a.timing_out)
     elif a.what == "zoo-figure":
         zoo.plot_training_curves(a.train, a.out)
-    else:
+    elif a.what == "conduit-fig3":
         from kvbench.report import conduit
 
         if not a.conduit:
             raise ValueError(f"{a.what} needs --conduit (JSON: profile, conduit config section, splits)")
-        conduit.report(a.what.removeprefix("conduit-"), _json_object(a.conduit, "--conduit"), a.out, out_csv=a.data_out,
-                       allow_missing=a.allow_missing)
+        if not a.data_out:
+            raise ValueError(f"{a.what} needs --data-out (CSV of the plotted numbers)")
+        spec = _json_object(a.conduit, "--conduit")
+        if a.allow_missing:
+            spec["allow_missing"] = True
+        conduit.report_fig3(spec, a.out, a.data_out)
+    else:
+        raise ValueError(f"unknown report {a.what!r}; expected a table (conduit/table1, residualkv/tableIII, ...: "
+                         f"kvbench.report.tables), zoo, or a figure {sorted(figures)}")
 
 
 def _bench_rkv(a: argparse.Namespace) -> None:
@@ -309,21 +326,22 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=_replay)
 
     s = sub.add_parser("report", help="tables and figures from finished runs")
-    s.add_argument("what", choices=["zoo", "zoo-figure", "conduit-table1", "conduit-table2", "conduit-table4",
-                                    "conduit-table5", "conduit-fig3", "conduit-gap", "residualkv-tableIII",
-                                    "residualkv-tableVI", "residualkv-tableVII", "residualkv-tableVIII", "residualkv-fig5",
-                                    "residualkv-fig6", "residualkv-fig8", "residualkv-fig10", "residualkv-fig11",
-                                    "residualkv-fig12"])
+    s.add_argument("what", help="a table target (conduit/table1, conduit/table2, conduit/table3, conduit/table4, "
+                   "conduit/table5, conduit/staleness_gap, residualkv/tableIII, residualkv/tableVI, residualkv/tableVII, "
+                   "residualkv/tableVIII: see kvbench.report.tables), zoo, zoo-figure, conduit-fig3, or "
+                   "residualkv-fig{5,6,8,10,11,12}")
     s.add_argument("--runs", nargs="*", default=[], help="run directories (eval outputs)")
     s.add_argument("--train", nargs="*", default=[], help="training work directories (curves, summary)")
-    s.add_argument("--conduit", default="", help="conduit-*: JSON {profile, conduit: config section, splits, zoo_models}")
+    s.add_argument("--spec", default="", help="tables: the workflow's JSON (profile and the paper's config section)")
+    s.add_argument("--conduit", default="", help="conduit-fig3: JSON {profile, conduit: config section, splits, zoo_models}")
     s.add_argument("--data-out", default=None, help="conduit-fig3, residualkv-fig{5,10,11,12}: CSV of the plotted numbers")
     s.add_argument("--residualkv", default="", help="residualkv-*: JSON {profile, residualkv: config section}")
     s.add_argument("--raw", default=None, help="residualkv-fig8 / -fig6: the profiling CSV to plot; "
                    "residualkv-fig11: the `bench rkv-variants` CSV (throughput panel)")
     s.add_argument("--timing-out", default=None, help="zoo: CSV of the training wall-clock times (kept out of the table)")
     s.add_argument("--allow-missing", action="store_true",
-                   help="conduit-*: a missing run gives empty cells with a note naming it (default: error)")
+                   help="CONDUIT tables and conduit-fig3: a missing run gives empty cells with a note naming it "
+                        "(default: error)")
     s.add_argument("--out", required=True)
     s.set_defaults(func=_report)
 

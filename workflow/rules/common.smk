@@ -156,7 +156,12 @@ def model_feeds(model):
 
 
 def run_dir(model, task, method):
-    return f"results/runs/{PROFILE}/{model}/{task}/{method}"
+    """Directory of an eval-matrix run (:class:`kvbench.report.plan.Run`, group ``eval``)."""
+    from kvbench.eval.registry import parse_method_spec
+    from kvbench.report.plan import Run
+
+    spec = parse_method_spec(method)
+    return Run(model, task, spec.canonical, spec.slug).path(PROFILE)
 
 
 def matrix_cells(methods=None):
@@ -201,8 +206,14 @@ def eval_inputs(wc):
 # Short target names (targets.smk).
 # ResidualKV figures with a producing rule (its Figs. 9 and 13 are not built; `figures/fig9.pdf` then has no rule).
 RESIDUALKV_ONLY_FIGURES = ["5", "6", "8", "10", "11", "12"]
-RESIDUALKV_TABLE_NUMERALS = ["III", "VI", "VII", "VIII"]
 AMBIGUOUS_FIGURES = ["3", "4"]
+
+
+def residualkv_table_numerals():
+    """Roman numerals of the ResidualKV tables (`results/table<ROMAN>.csv` short names)."""
+    from kvbench.report.residualkv import TABLES
+
+    return [t.key.removeprefix("table") for t in TABLES.values()]
 CONDUIT_FIGURES = ["3"]
 
 
@@ -240,8 +251,6 @@ def _conduit_plan():
 
 
 CONDUIT = _conduit_plan()
-CONDUIT_RUNS = CONDUIT.run_slugs() if CONDUIT else {}  # run-directory name -> canonical spec
-CONDUIT_TABLES = ["table1", "table2", "table4", "table5"]
 
 
 def conduit_plan():
@@ -263,40 +272,17 @@ def conduit_limit():
     return [] if n is None else ["--limit", str(n)]
 
 
-def conduit_is_refresh(wc):
-    """Whether a conduit run reads image caches (every spec but `full`, the model.generate reference)."""
-    return CONDUIT_RUNS[wc.run] != "full"
-
-
-def conduit_eval_inputs(wc):
-    """Model config, split and (refresh methods only) the image-cache index of the run's model x dataset."""
-    inputs = eval_inputs(wc)
-    if conduit_is_refresh(wc):
-        inputs["cache"] = f"{conduit_cache_dir(wc)}/index.json"
-    return inputs
-
-
-def conduit_method_params(wc):
-    """`--method-params` JSON of a conduit run: the read-only image cache of refresh methods."""
-    if not conduit_is_refresh(wc):
-        return "{}"
-    return json.dumps({"cache_dir": conduit_cache_dir(wc), "build_missing": False})
-
-
-#: The column group each CONDUIT target averages over (Table 2 is the K = 1 table).
-CONDUIT_COLUMNS = {"table2": "single_image"}
-
-
 def conduit_run_inputs(target):
-    """Input function: predictions of every run ``target`` reads, plus the splits (K lookup).
+    """Input function: predictions of every run ``target`` (a ConduitPlan target: a table key or ``fig3``) reads,
+    plus the splits (K lookup).
 
     Raises (at DAG time) when the target's column group is empty: a schema-valid config without
     `conduit.single_image` ended in a ZeroDivisionError inside the Table 2 job.
     """
     def inputs(wc):
         plan = conduit_plan()
-        group = CONDUIT_COLUMNS.get(target, "multi_image")
-        if not config["conduit"].get(group):
+        group = "multi_image" if target == "fig3" else table_of(f"conduit/{target}").columns
+        if group != "all" and not config["conduit"].get(group):
             raise ValueError(f"config conduit.{group} is empty, so CONDUIT {target} has no column to average; "
                              f"name at least one dataset there (config/config.yaml shows how)")
         runs = [f"{plan.run_dir(m, d, s)}/predictions.jsonl" for m, d, s in plan.runs(target)]
@@ -305,7 +291,7 @@ def conduit_run_inputs(target):
 
 
 def conduit_report_spec(target):
-    """The JSON the report verb reads: profile, the conduit section, split paths, zoo model names."""
+    """The JSON the CONDUIT writers read: profile, the conduit section, split paths, zoo model names."""
     plan = conduit_plan()
     splits = {d: split_file(d) for _, d, _ in plan.runs(target)}
     return json.dumps({"profile": PROFILE, "conduit": config["conduit"], "splits": splits,
@@ -315,8 +301,9 @@ def conduit_report_spec(target):
 def conduit_targets():
     """Every CONDUIT accuracy target this config can build, for the `conduit` aggregate. A table whose column group
     is empty (e.g. no `conduit.single_image` for Table 2) is left out; asked for by name, it fails naming the key."""
-    tables = [t for t in CONDUIT_TABLES if config.get("conduit", {}).get(CONDUIT_COLUMNS.get(t, "multi_image"))]
-    return [f"results/conduit/{t}.csv" for t in tables] + ["results/conduit/staleness_gap.csv", "figures/conduit/fig3.pdf"]
+    tables = [t for t in TABLES.values() if t.section == "conduit"
+              and (t.columns == "all" or config.get("conduit", {}).get(t.columns))]
+    return [t.path for t in tables] + ["figures/conduit/fig3.pdf"]
 
 
 def model_resource(key, zoo_default, checkpoint_default):
@@ -348,9 +335,7 @@ def _rkv_plan():
 
 
 RKV = _rkv_plan()
-RKV_RUNS = RKV.run_slugs() if RKV else {}
 RKV_CODECS = RKV.codec_names() if RKV else {}  # "<variant>-<recipe hash>" -> variant (codecs/ directory names)
-RKV_TABLES = ["tableIII", "tableVI", "tableVII", "tableVIII"]
 
 
 def rkv_plan():
@@ -360,31 +345,8 @@ def rkv_plan():
     return RKV
 
 
-def rkv_codec_variant(wc):
-    return rkv_plan().codec_of(RKV_RUNS[wc.run])
-
-
-def rkv_eval_inputs(wc):
-    inputs = eval_inputs(wc)
-    variant = rkv_codec_variant(wc)
-    if variant is not None:
-        inputs["codec"] = f"{rkv_plan().codec_dir(variant)}/codec/codec.json"
-    return inputs
-
-
-def rkv_method_params(wc):
-    variant = rkv_codec_variant(wc)
-    if variant is None:
-        return "{}"
-    return json.dumps({"codec_dir": f"{rkv_plan().codec_dir(variant)}/codec"})
-
-
-def rkv_limit():
-    n = config.get("residualkv", {}).get("n_test")
-    return [] if n is None else ["--limit", str(n)]
-
-
 def rkv_run_inputs(target):
+    """Input function: predictions of every run ResidualKV ``target`` (a table key or ``fig5``) reads."""
     def inputs(wc):
         plan = rkv_plan()
         return [f"{plan.run_dir(t, s)}/predictions.jsonl" for t, s in plan.runs(target)]
@@ -392,6 +354,7 @@ def rkv_run_inputs(target):
 
 
 def rkv_report_spec():
+    """The JSON the ResidualKV writers read (:meth:`kvbench.report.rkv_plan.RKVPlan.from_spec`)."""
     model = config["residualkv"]["model"]
     return json.dumps({"profile": PROFILE, "residualkv": config["residualkv"], "zoo": is_zoo(model), "seed": SEED,
                        "model_dir": model_dir(model)}, sort_keys=True)
@@ -426,6 +389,140 @@ def rkv_default_variant():
     return DEFAULT_VARIANT
 
 
+# --- Runs and tables: the plan layer (kvbench.report.plan) -------------------------------------
+# One dict of runs (the `eval` rule, eval.smk) and one of tables (the `table` rule, tables.smk).
+
+def _runs():
+    """``{(model, task, run name): Run}`` of the eval matrix, the CONDUIT plan and the ResidualKV plan."""
+    from kvbench.eval.registry import parse_method_spec
+    from kvbench.report.plan import Run
+
+    runs = {}
+    for model, task, method in matrix_cells():
+        spec = parse_method_spec(method)
+        runs[(model, task, spec.slug)] = Run(model, task, spec.canonical, spec.slug)
+    if CONDUIT:
+        for target in conduit_plan_targets():
+            for m, d, s in CONDUIT.runs(target):
+                run = CONDUIT.run(m, d, s)
+                runs[(m, d, run.name)] = run
+    if RKV:
+        for target in RKV.targets():
+            for task, s in RKV.runs(target):
+                run = RKV.run(task, s)
+                runs[(RKV.model, task, run.name)] = run
+    return runs
+
+
+def conduit_plan_targets():
+    from kvbench.report.conduit import targets
+
+    return targets()
+
+
+RUNS = _runs()
+RUN_NAMES = sorted({name for _, _, name in RUNS})
+
+
+def run_of(wc):
+    """The :class:`~kvbench.report.plan.Run` of an `eval` job (model, task, run wildcards)."""
+    return RUNS[(wc.model, wc.task, wc.run)]
+
+
+#: Per run group: the config section's threads and record limit (`eval`, `conduit`, `residualkv`).
+def run_threads(wc):
+    section = {"eval": config["eval"], "conduit": config.get("conduit", {}), "residualkv": config.get("residualkv", {})}
+    return section[run_of(wc).group].get("threads", 1)
+
+
+def run_limit(wc):
+    """`--limit N` arguments (none: every record), each quoted in the command (`{params.limit:q}`)."""
+    key = {"eval": ("eval", "limit"), "conduit": ("conduit", "n_test"), "residualkv": ("residualkv", "n_test")}
+    section, name = key[run_of(wc).group]
+    n = config.get(section, {}).get(name)
+    return [] if n is None else ["--limit", str(n)]
+
+
+def run_runtime(wc):
+    """Scheduler minutes: an hour on the zoo; a checkpoint's ResidualKV runs (long contexts) 12 h, others 6 h."""
+    if is_zoo(wc.model):
+        return 60
+    return 720 if run_of(wc).group == "residualkv" else 360
+
+
+def _run_resource(wc):
+    """What a run reads besides model and split: CONDUIT refresh runs their image cache, ResidualKV runs their codec."""
+    run = run_of(wc)
+    if run.group == "conduit" and run.spec != "full":  # `full` is FullCache (model.generate): no image cache
+        root = f"cache/conduit/{wc.profile}/{wc.model}/{wc.task}"
+        return {"cache": f"{root}/index.json"}, {"cache_dir": root, "build_missing": False}
+    if run.group == "residualkv":
+        variant = rkv_plan().codec_of(run.spec)
+        if variant is not None:
+            codec = f"{rkv_plan().codec_dir(variant)}/codec"
+            return {"codec": f"{codec}/codec.json"}, {"codec_dir": codec}
+    return {}, {}
+
+
+def run_inputs(wc):
+    """Inputs of one run: the model's config.json, the evaluated split, and its resource (:func:`_run_resource`)."""
+    return {**eval_inputs(wc), **_run_resource(wc)[0]}
+
+
+def run_method_params(wc):
+    """`--method-params` JSON of one run (:func:`_run_resource`)."""
+    return json.dumps(_run_resource(wc)[1])
+
+
+def _tables():
+    from kvbench.report.tables import TABLES
+
+    return TABLES
+
+
+TABLES = _tables()
+
+
+def table_of(name):
+    """The :class:`~kvbench.report.plan.Table` of a target name, e.g. `conduit/table1`."""
+    return TABLES[name]
+
+
+def configured_tables():
+    """Names of the tables this config has: its section is there (and, ResidualKV, its rows)."""
+    names = []
+    for t in TABLES.values():
+        if t.section not in config:
+            continue
+        if t.section == "residualkv" and not RKV.configured(t.key):
+            continue
+        names.append(t.name)
+    return names
+
+
+def table_inputs(wc):
+    """Input function of the `table` rule: what table `wc.table` reads (runs and splits, or a raw CSV)."""
+    table = table_of(wc.table)
+    if table.section not in config:
+        raise ValueError(f"this config has no `{table.section}:` section, so it has no {table.paper} target "
+                         f"{table.path} (config/config.yaml shows one)")
+    if table.section == "conduit":
+        return conduit_run_inputs(table.key)(wc)
+    if table.section == "residualkv":
+        return rkv_run_inputs(table.key)(wc)
+    return [f"results/bench/{PROFILE}/conduit_latency.csv"]
+
+
+def table_spec(wc):
+    """The JSON `kvbench report <table>` reads (`--spec`)."""
+    table = table_of(wc.table)
+    if table.section == "conduit":
+        return conduit_report_spec(table.key)
+    if table.section == "residualkv":
+        return rkv_report_spec()
+    return json.dumps({"profile": PROFILE, "raw": f"results/bench/{PROFILE}/conduit_latency.csv"}, sort_keys=True)
+
+
 # --- The report (`snakemake --report report.html`) ----------------------------------------------
 
 def report_only():
@@ -447,13 +544,11 @@ def report_items():
     Fig. 11 its throughput CSV. Short-name copies (targets.smk) are not listed: they repeat these.
     """
     items = [[f] for f in zoo_report_targets()] if ZOO_MODELS else []
+    items += [[f] for f in (conduit_targets() if CONDUIT else []) if f.endswith(".csv")]
+    items += [[table_of(t).path] for t in configured_tables() if table_of(t).section != "conduit"]
     if CONDUIT:
-        items += [[f] for f in conduit_targets() if f.endswith(".csv")]
         items.append(["figures/conduit/fig3.pdf", "results/conduit/fig3.csv"])
-    if "conduit_latency" in config:
-        items.append(["results/conduit/table3.csv"])
     if RKV:
-        items += [[f"results/residualkv/{t}.csv"] for t in RKV_TABLES]
         items += [["results/residualkv/fig11_throughput.csv"]]
         for n in RESIDUALKV_ONLY_FIGURES:
             item = [f"figures/residualkv/fig{n}.pdf", f"results/residualkv/fig{n}.csv"]

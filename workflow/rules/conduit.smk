@@ -1,11 +1,11 @@
-# CONDUIT accuracy tables (issue #3): refresh runs and the tables built from them.
+# CONDUIT accuracy targets (issue #3): the image caches refresh runs read, and Figure 3.
 #
 #   conduit_cache  one per model x dataset: every image of the first `conduit.n_test` records prefilled
 #                  alone under its generic prefix -> cache/conduit/<profile>/<model>/<dataset>/ (index.json
 #                  is the declared output; the store entries are content-addressed and survive reruns).
-#   conduit_eval   one per model x dataset x method spec: `kvbench eval` reading that cache read-only
-#                  -> results/runs/<profile>/<model>/<dataset>/conduit/<slug>/ (predictions with plans).
-#   conduit_table  results/conduit/table{1,2,4,5}.csv;  conduit_gap  results/conduit/staleness_gap.csv;
+#   The refresh runs are `eval` jobs (eval.smk) reading that cache read-only
+#   -> results/runs/<profile>/<model>/<dataset>/conduit/<slug>/ (predictions with plans); the tables
+#   (results/conduit/table{1,2,4,5}.csv, staleness_gap.csv) are `table` jobs (tables.smk).
 #   conduit_fig3   figures/conduit/fig3.pdf (+ results/conduit/fig3.csv, the plotted numbers).
 # Which runs a target reads is decided by kvbench.report.conduit.ConduitPlan, for the rules and the
 # report alike (helpers: common.smk, "CONDUIT accuracy targets"). A config without a `conduit:`
@@ -34,96 +34,6 @@ rule conduit_cache:
     shell:
         "kvbench cache --model {params.model:q} --split {input.split:q} --cache-dir {params.cache_dir:q}"
         " --out {output:q} --threads {threads} {params.limit:q} > {log:q} 2>&1"
-
-
-rule conduit_eval:
-    input:
-        unpack(conduit_eval_inputs),
-    output:
-        metrics="results/runs/{profile}/{model}/{task}/conduit/{run}/metrics.json",
-        predictions="results/runs/{profile}/{model}/{task}/conduit/{run}/predictions.jsonl",
-        run_info="results/runs/{profile}/{model}/{task}/conduit/{run}/run_info.json",
-        timing="results/runs/{profile}/{model}/{task}/conduit/{run}/timing.csv",  # latency per record (wall-clock, kept out of the results)
-    wildcard_constraints:
-        run=alternation(CONDUIT_RUNS),
-    params:
-        model=lambda wc: model_dir(wc.model),
-        spec=lambda wc: CONDUIT_RUNS[wc.run],
-        method_params=conduit_method_params,
-        out=lambda wc, output: os.path.dirname(output.metrics),
-        seed=SEED,
-        limit=lambda wc: conduit_limit(),
-    log:
-        "logs/conduit/eval/{profile}/{model}/{task}/{run}.log",
-    benchmark:
-        "benchmarks/conduit/eval/{profile}/{model}/{task}/{run}.tsv"
-    threads: config.get("conduit", {}).get("threads", 1)
-    resources:
-        mem_mb=model_resource("mem_mb", 8000, 64000),
-        runtime=lambda wc: 60 if is_zoo(wc.model) else 360,
-        gpu=model_resource("gpus", 0, 1),
-    conda:
-        "../../envs/kvbench.yaml"
-    shell:
-        "kvbench eval --model {params.model:q} --split {input.split:q} --method {params.spec:q}"
-        " --method-params {params.method_params:q} --out {params.out:q} --seed {params.seed:q}"
-        " --threads {threads} {params.limit:q} > {log:q} 2>&1"
-
-
-rule conduit_table:
-    input:
-        lambda wc: conduit_run_inputs(wc.table)(wc),
-    output:
-        report(
-            "results/conduit/{table}.csv",
-            caption="../report/conduit_table.rst",
-            category="CONDUIT",
-            subcategory="Tables",
-        ),
-    wildcard_constraints:
-        table=alternation(CONDUIT_TABLES),
-    params:
-        spec=lambda wc: conduit_report_spec(wc.table),
-    log:
-        "logs/conduit/{table}.log",
-    benchmark:
-        "benchmarks/conduit/{table}.tsv"
-    threads: 1
-    resources:
-        mem_mb=2000,
-        runtime=10,
-        gpu=0,
-    conda:
-        "../../envs/kvbench.yaml"
-    shell:
-        "kvbench report conduit-{wildcards.table:q} --conduit {params.spec:q} --out {output:q} > {log:q} 2>&1"
-
-
-rule conduit_gap:
-    input:
-        conduit_run_inputs("gap"),
-    output:
-        report(
-            "results/conduit/staleness_gap.csv",
-            caption="../report/conduit_staleness_gap.rst",
-            category="CONDUIT",
-            subcategory="Tables",
-        ),
-    params:
-        spec=lambda wc: conduit_report_spec("gap"),
-    log:
-        "logs/conduit/staleness_gap.log",
-    benchmark:
-        "benchmarks/conduit/staleness_gap.tsv"
-    threads: 1
-    resources:
-        mem_mb=2000,
-        runtime=10,
-        gpu=0,
-    conda:
-        "../../envs/kvbench.yaml"
-    shell:
-        "kvbench report conduit-gap --conduit {params.spec:q} --out {output:q} > {log:q} 2>&1"
 
 
 rule conduit_fig3:

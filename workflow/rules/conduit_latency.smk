@@ -2,8 +2,8 @@
 #
 #   conduit_latency  `kvbench bench conduit-latency`: raw measurements, one row per (context size, method,
 #                    repeat) -> results/bench/<profile>/conduit_latency.csv
-#   conduit_table3   `kvbench bench conduit-table3` -> results/conduit/table3.csv (results/table3.csv is its
-#                    short name, targets.smk)
+#   Table 3 itself is a `table` job (tables.smk: `kvbench report conduit/table3`) -> results/conduit/table3.csv
+#                    (results/table3.csv is its short name, targets.smk)
 # `conduit_latency.model` is a timing model of kvbench.bench.timing_model (random weights, built in memory;
 # needs only the zoo tokenizer) or a `models:` entry with a checkpoint (kvbench.bench.workflow). The timing
 # job wants the machine to itself: it declares all the config's threads and is not part of `all`. A config
@@ -37,28 +37,3 @@ rule conduit_latency:
         "kvbench bench conduit-latency --out {output:q} {params.args} > {log:q} 2>&1"
 
 
-rule conduit_table3:
-    input:
-        f"results/bench/{PROFILE}/conduit_latency.csv",
-    output:
-        report(
-            "results/conduit/table3.csv",
-            caption="../report/conduit_table3.rst",
-            category="CONDUIT",
-            subcategory="Tables",
-        ),
-    params:
-        profile=PROFILE,
-    log:
-        "logs/conduit/table3.log",
-    benchmark:
-        "benchmarks/conduit/table3.tsv"
-    threads: 1
-    resources:
-        mem_mb=1000,
-        runtime=5,
-        gpu=0,
-    conda:
-        "../../envs/kvbench.yaml"
-    shell:
-        "kvbench bench conduit-table3 --raw {input:q} --profile {params.profile:q} --out {output:q} > {log:q} 2>&1"

@@ -3,8 +3,8 @@
 #   rkv_codec       one per codec variant: `kvbench codec-train` on the frozen zoo LM
 #                   -> codecs/<profile>/<model>/<variant>-<recipe hash>/{codec/,curves.csv,summary.json} (state/ resumes;
 #                   the hash covers what determines the weights, so a config change trains into a new directory)
-#   rkv_eval        one per task x press spec: `kvbench eval` -> results/runs/<profile>/<model>/<task>/residualkv/<slug>/
-#   rkv_table       results/residualkv/table{III,VI,VII,VIII}.csv
+#   runs            `eval` jobs (eval.smk): one per task x press spec -> results/runs/<profile>/<model>/<task>/residualkv/<slug>/
+#   tables          `table` jobs (tables.smk): results/residualkv/table{III,VI,VII,VIII}.csv
 #   rkv_fig5, rkv_codec_figures (fig10, fig11, fig12)   figures/residualkv/fig<N>.pdf (+ results/residualkv/fig<N>.csv)
 #   rkv_throughput  results/residualkv/fig8.csv (decode tokens/s vs context) -> rkv_fig8 figures/residualkv/fig8.pdf
 #   rkv_codec_cost  results/residualkv/fig6.csv (codec cost) -> rkv_fig6 figures/residualkv/fig6.pdf
@@ -47,69 +47,6 @@ rule rkv_codec:
         " --objective {params.train[objective]:q} --steps {params.train[steps]:q} --seq-len {params.train[seq_len]:q}"
         " --slice-s {resources.slice_s:q} --lr {params.train[lr]:q} --data {params.train[data]:q} --seed {params.seed:q}"
         " --threads {threads} > {log:q} 2>&1"
-
-
-rule rkv_eval:
-    input:
-        unpack(rkv_eval_inputs),
-    output:
-        metrics="results/runs/{profile}/{model}/{task}/residualkv/{run}/metrics.json",
-        predictions="results/runs/{profile}/{model}/{task}/residualkv/{run}/predictions.jsonl",
-        run_info="results/runs/{profile}/{model}/{task}/residualkv/{run}/run_info.json",
-        timing="results/runs/{profile}/{model}/{task}/residualkv/{run}/timing.csv",  # latency per record (wall-clock, kept out of the results)
-    wildcard_constraints:
-        run=alternation(RKV_RUNS),
-    params:
-        model=lambda wc: model_dir(wc.model),
-        spec=lambda wc: RKV_RUNS[wc.run],
-        method_params=rkv_method_params,
-        out=lambda wc, output: os.path.dirname(output.metrics),
-        seed=SEED,
-        limit=lambda wc: rkv_limit(),
-    log:
-        "logs/residualkv/eval/{profile}/{model}/{task}/{run}.log",
-    benchmark:
-        "benchmarks/residualkv/eval/{profile}/{model}/{task}/{run}.tsv"
-    threads: config.get("residualkv", {}).get("threads", 1)
-    resources:
-        mem_mb=model_resource("mem_mb", 8000, 64000),
-        runtime=lambda wc: 60 if is_zoo(wc.model) else 720,
-        gpu=model_resource("gpus", 0, 1),
-    conda:
-        "../../envs/kvbench.yaml"
-    shell:
-        "kvbench eval --model {params.model:q} --split {input.split:q} --method {params.spec:q}"
-        " --method-params {params.method_params:q} --out {params.out:q} --seed {params.seed:q}"
-        " --threads {threads} {params.limit:q} > {log:q} 2>&1"
-
-
-rule rkv_table:
-    input:
-        lambda wc: rkv_run_inputs(wc.table)(wc),
-    output:
-        report(
-            "results/residualkv/{table}.csv",
-            caption="../report/rkv_table.rst",
-            category="ResidualKV",
-            subcategory="Tables",
-        ),
-    wildcard_constraints:
-        table=alternation(RKV_TABLES),
-    params:
-        spec=lambda wc: rkv_report_spec(),
-    log:
-        "logs/residualkv/{table}.log",
-    benchmark:
-        "benchmarks/residualkv/{table}.tsv"
-    threads: 1
-    resources:
-        mem_mb=2000,
-        runtime=10,
-        gpu=0,
-    conda:
-        "../../envs/kvbench.yaml"
-    shell:
-        "kvbench report residualkv-{wildcards.table:q} --residualkv {params.spec:q} --out {output:q} > {log:q} 2>&1"
 
 
 rule rkv_fig5:
@@ -223,7 +160,7 @@ localrules:
 rule residualkv:
     """Every ResidualKV target of the config (Tables III, VI, VII, VIII; Figures 5, 6, 8, 10, 11, 12)."""
     input:
-        lambda wc: rkv_plan() and [f"results/residualkv/{t}.csv" for t in RKV_TABLES]
+        lambda wc: rkv_plan() and [table_of(t).path for t in configured_tables() if t.startswith("residualkv/")]
         + [f"figures/residualkv/fig{n}.pdf" for n in (5, 6, 8, 10, 11, 12)],
 
 

@@ -42,7 +42,7 @@ rule residualkv_table_alias:
     output:
         "results/table{n}.csv",
     wildcard_constraints:
-        n=alternation(RESIDUALKV_TABLE_NUMERALS),
+        n=alternation(residualkv_table_numerals()),
     log:
         "logs/targets/table{n}.log",
     benchmark:

@@ -20,6 +20,7 @@ threads and model, and saying these are not the paper's numbers.
 """
 from __future__ import annotations
 
+import json
 import os
 
 import pandas as pd
@@ -27,6 +28,7 @@ import pandas as pd
 from kvbench.bench import TABLE3_METHODS
 from kvbench.bench.clock import summarise
 from kvbench.bench.timing_model import TIMING_MODELS
+from kvbench.report.plan import Table
 from kvbench.reuse.policies import get_policy
 from kvbench.utils.io import atomic_path
 
@@ -109,3 +111,20 @@ def write_table3(raw_csv: str | os.PathLike, out: str | os.PathLike, profile: st
         f.write(header(raw, profile) + "\n")
         table.to_csv(f, index=False, float_format="%.6g")
     return table
+
+
+def _write(spec: str | dict, out: str | os.PathLike, root: str | os.PathLike = ".") -> pd.DataFrame:
+    """:func:`write_table3` from the workflow's JSON ``spec``: ``{"profile", "raw": raw CSV path}``."""
+    spec = json.loads(spec) if isinstance(spec, str) else spec
+    return write_table3(os.path.join(root, spec["raw"]), out, spec["profile"])
+
+
+#: CONDUIT Table 3 as a :class:`~kvbench.report.plan.Table` (built from ``kvbench bench conduit-latency``'s CSV).
+TABLES = {"conduit/table3": Table(
+    "conduit/table3", "CONDUIT", "conduit_latency", "Table 3 (prefill FLOPs and TTFT)",
+    "**CONDUIT Table 3** (paper §4.3, serving latency; per-setting breakdown as in §B.2): prefill FLOPs and time to "
+    "first token (TTFT) of full prefill and each refresh method at r = 0.10, per context size and averaged. FLOPs "
+    "are counted with ``torch.utils.flop_counter`` over the computation each method really does and checked "
+    "against an analytic count (``flops_rel_err``). TTFT is the median (with quartiles and min/max) over repeats "
+    "after warm-up. On the smoke profile it is timed on a wider Qwen2.5-VL with random weights built for timing "
+    "only, on this machine: these are not the paper's numbers.", _write)}

@@ -28,9 +28,14 @@ import numpy as np
 import pandas as pd
 
 from kvbench.eval.registry import canonical, parse_method_spec, run_slugs, slug, with_budget
+from kvbench.report.plan import Run, Table
 from kvbench.utils.io import atomic_path, read_jsonl
 
-TABLES = ("table1", "table2", "table4", "table5", "fig3", "gap")
+
+
+def targets() -> list[str]:
+    """Every target a ConduitPlan reads runs for: its tables (:data:`TABLES`, by key) and Figure 3."""
+    return [t.key for t in TABLES.values()] + ["fig3"]
 
 
 @dataclass(frozen=True)
@@ -87,21 +92,6 @@ class ConduitPlan:
         self.run_slugs()  # validates every spec and the run-directory names
 
     # --- rows of each target -----------------------------------------------------------------
-    def table1_rows(self) -> list[Row]:
-        return [Row(m["label"], with_budget(m["method"], r), r) for r in self.cfg["budgets"]
-                for m in self.cfg["methods"]]
-
-    def table2_rows(self) -> list[Row]:
-        return [_row(m) for m in self.cfg["single_image_rows"]]
-
-    def table4_rows(self) -> list[Row]:
-        lam = self.cfg["lambda"]
-        return [Row(f"λ = {v:g}", with_budget(f"{lam['method']}:lam={v!r}", lam["r"]), lam["r"])
-                for v in lam["values"]]
-
-    def table5_rows(self) -> list[Row]:
-        return [_row(m) for m in self.cfg["ablation"]]
-
     def fig3_rows(self) -> list[Row]:
         """Curve points (method label × r) and the two levels drawn as lines (r = None)."""
         labels = {m["label"]: m["method"] for m in self.cfg["methods"]}
@@ -112,23 +102,29 @@ class ConduitPlan:
                 for r in self.cfg["curve"]["r"]] + [Row("Full prefill", self.reference),
                                                      Row("Cache reuse", canonical("reuse"))]
 
-    def gap_rows(self) -> list[Row]:
-        return [Row("Cache reuse", canonical("reuse")), Row("Full prefill", self.reference)]
-
     def rows(self, target: str) -> list[Row]:
-        if target not in TABLES:
-            raise ValueError(f"unknown CONDUIT target {target!r}; expected one of {TABLES}")
-        return getattr(self, f"{target}_rows")()
+        """Rows of a table (its :class:`~kvbench.report.plan.Table` entry, by key) or of ``fig3``.
+
+        Raises:
+            ValueError: an unknown target.
+        """
+        if target == "fig3":
+            return self.fig3_rows()
+        return table_of(target).rows(self)
 
     def columns(self, target: str) -> list[Column]:
-        if target == "table2":
-            return self.single
-        return self.multi + self.single if target == "gap" else self.multi
+        """The columns a target averages over (its table's column group; Figure 3: the multi-image ones)."""
+        group = "multi_image" if target == "fig3" else table_of(target).columns
+        return {"multi_image": self.multi, "single_image": self.single, "all": self.multi + self.single}[group]
 
     # --- runs --------------------------------------------------------------------------------
+    def run(self, model: str, dataset: str, spec: str) -> Run:
+        """The :class:`~kvbench.report.plan.Run` of ``spec`` (canonical) on ``model`` x ``dataset``."""
+        return Run(model, dataset, spec, slug(spec), "conduit")
+
     def run_dir(self, model: str, dataset: str, spec: str) -> str:
         """``results/runs/<profile>/<model>/<dataset>/conduit/<slug(spec)>``."""
-        return f"results/runs/{self.profile}/{model}/{dataset}/conduit/{slug(spec)}"
+        return self.run(model, dataset, spec).path(self.profile)
 
     def runs(self, target: str) -> list[tuple[str, str, str]]:
         """Distinct ``(model, dataset, canonical spec)`` a target reads (the reference run included)."""
@@ -138,7 +134,7 @@ class ConduitPlan:
 
     def all_specs(self) -> list[str]:
         """Every canonical spec any target reads."""
-        return list(dict.fromkeys([r.spec for t in TABLES for r in self.rows(t)] + [self.reference]))
+        return list(dict.fromkeys([r.spec for t in targets() for r in self.rows(t)] + [self.reference]))
 
     def run_slugs(self) -> dict[str, str]:
         """``{run-directory name: canonical spec}`` of :meth:`all_specs` (checked injective)."""
@@ -286,21 +282,13 @@ def _column_counts(runs: Runs, plan: ConduitPlan, target: str) -> str:
     return ", ".join(parts)
 
 
-TITLES = {
-    "table1": "Table 1 (main results: budgeted refresh methods vs full prefill, per budget r)",
-    "table2": "Table 2 (K=1: one image cached under a generic instruction; r = 0, r = 0.05, full prefill)",
-    "table4": "Table 4 (λ ablation of the image coefficient)",
-    "table5": "Table 5 (component ablation: query-attention only, intra-image throughput only, composite)",
-}
-
-
 def write_score_table(plan: ConduitPlan, runs: Runs, target: str, out: str | Path) -> pd.DataFrame:
     """Write ``target``'s table (``table1``, ``table2``, ``table4``, ``table5``) to ``out`` as CSV with a header."""
     df = score_table(plan, runs, plan.rows(target), plan.columns(target))
     cols = ", ".join(f"{c.name} = {c.dataset}" + (f" with K in [{c.k[0]}, {c.k[1]}]" if c.k else "")
                      for c in plan.columns(target))
     header = [
-        plan.header(TITLES[target]),
+        plan.header(table_of(target).title),
         ("# cells: mean per-record score x 100; '<col> %full' = 100 x cell / full-prefill cell (same backbone and "
          f"column; full prefill = {plan.reference}); avg = unweighted mean over columns"),
         f"# columns: {cols}; records per column: {_column_counts(runs, plan, target)}",
@@ -356,7 +344,7 @@ def staleness_gap(plan: ConduitPlan, runs: Runs) -> pd.DataFrame:
         ValueError: the two runs of a column hold different record ids (not paired).
     """
     boot = plan.cfg["gap"]
-    cols = list(plan.columns("gap"))
+    cols = list(plan.columns("staleness_gap"))
     pooled = {c.dataset for c in plan.multi if c.k is not None}
     cols += [Column(f"{d} (all K)", d) for d in dict.fromkeys(c.dataset for c in plan.multi) if d in pooled]
     out = []
@@ -444,33 +432,102 @@ def write_fig3(plan: ConduitPlan, runs: Runs, out_pdf: str | Path, out_csv: str 
     return df
 
 
-WRITERS: dict[str, Callable] = {
-    "table1": lambda p, r, out: write_score_table(p, r, "table1", out),
-    "table2": lambda p, r, out: write_score_table(p, r, "table2", out),
-    "table4": lambda p, r, out: write_score_table(p, r, "table4", out),
-    "table5": lambda p, r, out: write_score_table(p, r, "table5", out),
-    "gap": write_staleness_gap,
-}
+def plan_and_runs(spec: str | dict, root: str | Path = ".") -> tuple[ConduitPlan, Runs]:
+    """The :class:`ConduitPlan` and :class:`Runs` of the workflow's JSON ``spec``: ``{"profile", "conduit": section,
+    "splits": {dataset: path}, "zoo_models": [...]}`` (``"allow_missing": true``: missing runs give empty cells).
 
-
-def report(target: str, spec: str | dict, out: str | Path, root: str | Path = ".", out_csv: str | Path | None = None,
-           allow_missing: bool = False) -> pd.DataFrame:
-    """Entry point of ``kvbench report conduit-<target>``.
-
-    Args:
-        target: one of :data:`TABLES`.
-        spec: JSON (or dict) ``{"profile", "conduit": section, "splits": {dataset: path}, "zoo_models": [...]}``.
-        out: output CSV (or PDF for ``fig3``, with ``out_csv`` for its data).
-        root: directory run paths are relative to.
-        allow_missing: empty cells (with a note naming the run) instead of an error for missing runs.
+    Raises:
+        ValueError: ``spec`` is not that JSON, or the section is invalid.
     """
-    spec = json.loads(spec) if isinstance(spec, str) else spec
+    if isinstance(spec, str):
+        try:
+            spec = json.loads(spec)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--spec must be JSON {{profile, conduit, splits}}, got {spec[:80]!r} ({e.msg})") from e
     plan = ConduitPlan(spec["conduit"], spec["profile"], spec.get("zoo_models", ()))
-    runs = Runs(root, spec.get("splits", {}), allow_missing=allow_missing)
-    if target == "fig3":
-        if out_csv is None:
-            raise ValueError("fig3 needs out_csv for the plotted numbers")
-        return write_fig3(plan, runs, out, out_csv)
-    if target not in WRITERS:
-        raise ValueError(f"unknown CONDUIT report {target!r}; expected one of {TABLES}")
-    return WRITERS[target](plan, runs, out)
+    return plan, Runs(root, spec.get("splits", {}), allow_missing=bool(spec.get("allow_missing", False)))
+
+
+def _score_table(key: str) -> Callable:
+    def write(spec, out, root="."):
+        plan, runs = plan_and_runs(spec, root)
+        return write_score_table(plan, runs, key, out)
+    return write
+
+
+def _gap(spec, out, root="."):
+    plan, runs = plan_and_runs(spec, root)
+    return write_staleness_gap(plan, runs, out)
+
+
+def _table1_rows(plan: ConduitPlan) -> list[Row]:
+    return [Row(m["label"], with_budget(m["method"], r), r) for r in plan.cfg["budgets"] for m in plan.cfg["methods"]]
+
+
+def _table4_rows(plan: ConduitPlan) -> list[Row]:
+    lam = plan.cfg["lambda"]
+    return [Row(f"λ = {v:g}", with_budget(f"{lam['method']}:lam={v!r}", lam["r"]), lam["r"]) for v in lam["values"]]
+
+
+_NOT_THE_PAPER = ("On the smoke profile the backbone is the tiny zoo VLM and the columns are docpages K buckets "
+                  "(digitgrid for Table 2): these are not the paper's numbers.")
+_CELLS = ("The CSV's ``#`` header lines name the columns, the records per column and the spread across rows "
+          "(a table that comes out flat says so).")
+
+#: CONDUIT's accuracy tables (:class:`~kvbench.report.plan.Table`); Figure 3 is :func:`write_fig3`.
+TABLES: dict[str, Table] = {t.name: t for t in (
+    Table("conduit/table1", "CONDUIT", "conduit",
+          "Table 1 (main results: budgeted refresh methods vs full prefill, per budget r)",
+          "**CONDUIT Table 1** (paper §4.2, main results): answer score of each budgeted refresh method (cache "
+          "reuse, CacheBlend, MPIC, KVShare, ProphetKV, CONDUIT) over the stale per-image KV cache, at refresh "
+          "budgets r = 0.05 and r = 0.10, against full prefill. Cells are mean per-record score x 100 per column, "
+          "``%full`` the share of the full-prefill cell, ``avg`` the unweighted mean over columns (the paper's "
+          f"five-dataset average). {_CELLS} {_NOT_THE_PAPER}",
+          _score_table("table1"), rows=_table1_rows, columns="multi_image"),
+    Table("conduit/table2", "CONDUIT", "conduit",
+          "Table 2 (K=1: one image cached under a generic instruction; r = 0, r = 0.05, full prefill)",
+          "**CONDUIT Table 2** (paper §4.2, K = 1): one image cached under a generic instruction and served under "
+          "the benchmark's own; CONDUIT with no visual token recomputed (r = 0) and with the top-throughput 5% "
+          f"refreshed (r = 0.05), against full prefill. Cells are mean per-record score x 100. {_CELLS} "
+          f"{_NOT_THE_PAPER}",
+          _score_table("table2"), rows=lambda plan: [_row(m) for m in plan.cfg["single_image_rows"]],
+          columns="single_image"),
+    Table("conduit/table4", "CONDUIT", "conduit", "Table 4 (λ ablation of the image coefficient)",
+          "**CONDUIT Table 4** (paper §4.4, λ ablation): CONDUIT at r = 0.10 with the image-coefficient strength λ "
+          "swept from 0 (no cross-image amplification) to 1 (the paper's default). Cells are mean per-record score "
+          f"x 100 per column. {_CELLS} {_NOT_THE_PAPER}",
+          _score_table("table4"), rows=_table4_rows, columns="multi_image"),
+    Table("conduit/table5", "CONDUIT", "conduit",
+          "Table 5 (component ablation: query-attention only, intra-image throughput only, composite)",
+          "**CONDUIT Table 5** (paper §4.4, component ablation at r = 0.10): query-attention only (no value-norm "
+          "weighting), intra-image throughput only (no image coefficient) and the composite score. Cells are mean "
+          f"per-record score x 100. {_CELLS} {_NOT_THE_PAPER}",
+          _score_table("table5"), rows=lambda plan: [_row(m) for m in plan.cfg["ablation"]], columns="multi_image"),
+    Table("conduit/staleness_gap", "CONDUIT", "conduit",
+          "staleness gap: cache reuse (stale per-image KV, r = 0) minus full prefill",
+          "**CONDUIT staleness gap** (the premise of paper §1 and the cache-reuse protocol of §4.1; not a table of "
+          "the paper): score of plain cache reuse (stale per-image KV, r = 0) minus full prefill, per backbone and "
+          "column, paired by record, x 100, with a 95% paired-bootstrap confidence interval and whether it "
+          "excludes 0. A refresh policy can only recover a gap that exists. On the smoke profile the backbone is "
+          "the tiny zoo VLM on docpages K buckets and digitgrid: these are not the paper's numbers.",
+          _gap, rows=lambda plan: [Row("Cache reuse", canonical("reuse")), Row("Full prefill", plan.reference)],
+          columns="all"),
+)}
+
+
+def table_of(key: str) -> Table:
+    """The :data:`TABLES` entry of a target key (``table1``, ``staleness_gap``).
+
+    Raises:
+        ValueError: no such table (naming the known targets).
+    """
+    if f"conduit/{key}" not in TABLES:
+        raise ValueError(f"unknown CONDUIT target {key!r}; expected one of {targets()}")
+    return TABLES[f"conduit/{key}"]
+
+
+def report_fig3(spec: str | dict, out: str | Path, out_csv: str | Path, root: str | Path = ".") -> pd.DataFrame:
+    """Entry point of ``kvbench report conduit/fig3``: :func:`write_fig3` from the workflow's JSON ``spec``
+    (:func:`plan_and_runs`)."""
+    plan, runs = plan_and_runs(spec, root)
+    return write_fig3(plan, runs, out, out_csv)

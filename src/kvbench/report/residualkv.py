@@ -20,6 +20,7 @@ from pathlib import Path
 import pandas as pd
 
 from kvbench.compress.residualkv import references
+from kvbench.report.plan import Table
 from kvbench.report.rkv_plan import RKVPlan, known_model_shape, press_spec
 from kvbench.utils.io import atomic_path, read_jsonl
 
@@ -135,19 +136,45 @@ def write_csv(df: pd.DataFrame, header: list[str], out: str | Path) -> None:
             df.to_csv(f, index=False)
 
 
-TITLES = {
-    "tableIII": "Table III (methods x tasks, KR/CR)",
-    "tableVI": "Table VI (dynamic stride alpha: references and score)",
-    "tableVII": "Table VII (standalone vs combined)",
-    "tableVIII": "Table VIII (ablation: without codec; codes unquantised)",
-}
-
-
 def write_table(plan: RKVPlan, target: str, out: str | Path, root: str | Path = ".") -> pd.DataFrame:
-    """Compute and write ``target`` (tableIII, tableVI, tableVII, tableVIII)."""
+    """Compute and write ``target`` (a key of :data:`TABLES`: tableIII, tableVI, tableVII, tableVIII)."""
     df = table_vi(plan, root) if target == "tableVI" else score_table(plan, target, root)
-    header = plan.header(TITLES[target]) + [
+    header = plan.header(TABLES[f"residualkv/{target}"].title) + [
         "# scores: mean per-record score x 100; KR %: bytes held / full FP16 cache (measured, incl. sinks, raw "
         "window, indices); CR %: keys read / keys visible after the context chunk; KR formula %: paper §V-A"]
     write_csv(df, header, out)
     return df
+
+
+def _writer(key: str):
+    def write(spec, out, root="."):
+        return write_table(RKVPlan.from_spec(spec), key, out, root)
+    return write
+
+
+_CELLS = ("Scores are mean per-record score x 100 (``avg``: unweighted mean over tasks); KR is the keep ratio (bytes "
+          "the cache held / the full FP16 cache, measured), CR the compute ratio (keys attention reads / keys "
+          "visible), and ``KR formula %`` the §V-A formula for ResidualKV rows. On the smoke profile the model is the "
+          "tiny zoo LM (codec trained here) and the tasks are smoke needle, key-value and code-completion tasks in "
+          "place of LongBench: these are not the paper's numbers.")
+
+#: ResidualKV's tables (:class:`~kvbench.report.plan.Table`); rows from the config key of the table's name
+#: (``residualkv.tableIII``, ...) or, for Table VI, the ``stride_sweep`` (:meth:`RKVPlan.rows`).
+TABLES: dict[str, Table] = {t.name: t for t in (
+    Table("residualkv/tableIII", "ResidualKV", "residualkv", "Table III (methods x tasks, KR/CR)",
+          "**ResidualKV Table III** (paper §V-B, main long-context results): every compression method (SnapKV, "
+          "PyramidKV, KVzip, Quest, OmniKV, KIVI, Palu, ResidualKV with and without its codec) against the full KV "
+          f"cache, per task. {_CELLS}", _writer("tableIII"), rows=lambda plan: plan.rows("tableIII")),
+    Table("residualkv/tableVI", "ResidualKV", "residualkv", "Table VI (dynamic stride alpha: references and score)",
+          "**ResidualKV Table VI** (paper §V-C, dynamic reference stride): per α, the number and share of reference "
+          "tokens at the longest evaluated context and at the paper's 262K context, then the score with the main "
+          f"codec. {_CELLS}", _writer("tableVI"), rows=lambda plan: plan.rows("tableVI")),
+    Table("residualkv/tableVII", "ResidualKV", "residualkv", "Table VII (standalone vs combined)",
+          "**ResidualKV Table VII** (paper §V-C, standalone vs combined): ResidualKV alone (every coded token "
+          "restored, CR 100%) and combined with OmniKV or SnapKV selection, against the full KV cache. "
+          f"{_CELLS}", _writer("tableVII"), rows=lambda plan: plan.rows("tableVII")),
+    Table("residualkv/tableVIII", "ResidualKV", "residualkv", "Table VIII (ablation: without codec; codes unquantised)",
+          "**ResidualKV Table VIII** (paper §V-D, ablation of the core modules, codes not quantised): ResidualKV, "
+          f"without the codec f_c/f_d (raw residuals stored) and without references. {_CELLS}",
+          _writer("tableVIII"), rows=lambda plan: plan.rows("tableVIII")),
+)}

@@ -25,13 +25,14 @@ from dataclasses import dataclass
 from kvbench.bench.settings import BY_FIGURE
 from kvbench.compress.registry import PRESS
 from kvbench.eval.registry import with_params
+from kvbench.report.plan import Run
 from kvbench.utils.recipe import recipe_hash
 from kvbench.utils.spec import MethodSpec, parse
 
-TARGETS = ("tableIII", "tableVI", "tableVII", "tableVIII", "fig5")
-#: The ``residualkv`` config key each target's rows come from (Table VI and Fig. 5 sweep ``stride_sweep``).
-ROWS_KEY = {"tableIII": "tableIII", "tableVI": "stride_sweep", "tableVII": "tableVII", "tableVIII": "tableVIII",
-            "fig5": "stride_sweep"}
+#: Targets whose rows are the config's ``stride_sweep`` (Table VI: its α values; Fig. 5: α values and fixed
+#: strides). Every other target ``tableX`` takes its rows from the config key of its own name, a list of
+#: ``{label, method}``: a new table needs no line here.
+SWEEP_TARGETS = ("tableVI", "fig5")
 #: Fig. 11 panels: hyper-parameter -> codec variants in increasing order of its value (``base`` is the
 #: default setting, trained as long as the others); each variant's value is in its config ``overrides``.
 FIG11_PANELS = {"d_c": ["dc_low", "base", "dc_high"], "d_ff": ["dff_low", "base", "dff_high"],
@@ -155,9 +156,7 @@ class RKVPlan:
         self._check_figure_steps()
         for fig in BY_FIGURE:
             self.bench_args(fig)
-        for target in TARGETS:
-            if not self.configured(target):
-                continue
+        for target in self.targets():
             rows = self.rows(target)
             labels = [row.label for row in rows]
             dup = sorted({x for x in labels if labels.count(x) > 1})
@@ -165,6 +164,22 @@ class RKVPlan:
                 raise ValueError(f"{target}: row label(s) {dup} given twice (each row is one line of the table)")
             for row in rows:
                 self._check_spec(row.spec)  # fail while the DAG is built
+
+    @classmethod
+    def from_spec(cls, spec: str | dict) -> "RKVPlan":
+        """The plan of the workflow's JSON ``spec``: ``{profile, residualkv: section, zoo, seed, model_dir}``
+        (``common.smk``'s ``report_spec``); ``seed`` and ``model_dir`` name the codec directories.
+
+        Raises:
+            ValueError: ``spec`` is not that JSON, or the section is invalid.
+        """
+        if isinstance(spec, str):
+            try:
+                spec = json.loads(spec)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"--spec must be JSON {{profile, residualkv}}, got {spec[:80]!r} ({e.msg})") from e
+        return cls(spec["residualkv"], spec["profile"], zoo=spec.get("zoo", True), seed=spec.get("seed"),
+                   model_dir=spec.get("model_dir"))
 
     def _check_codecs(self) -> None:
         """Every codec variant builds a valid CodecConfig (checked before any training). Without the model's
@@ -300,20 +315,29 @@ class RKVPlan:
         return variant
 
     # -- rows ----------------------------------------------------------------------------------------
+    def rows_key(self, target: str) -> str:
+        """The ``residualkv`` config key ``target``'s rows come from (:data:`SWEEP_TARGETS`, else its own name)."""
+        return "stride_sweep" if target in SWEEP_TARGETS else target
+
     def configured(self, target: str) -> bool:
-        """Whether the config has ``target``'s rows (its :data:`ROWS_KEY`; only Table III's is required)."""
-        return bool(self.s.get(ROWS_KEY[target]))
+        """Whether the config has ``target``'s rows (:meth:`rows_key`; only Table III's is required)."""
+        return bool(self.s.get(self.rows_key(target)))
+
+    def targets(self) -> list[str]:
+        """Every target this config has rows for: each ``table*`` list of rows, then the sweep targets."""
+        own = [k for k, v in self.s.items() if k.startswith("table") and isinstance(v, list) and v]
+        return own + [t for t in SWEEP_TARGETS if t not in own and self.configured(t)]
 
     def rows(self, target: str) -> list[Row]:
-        """Rows of ``target`` (Table VI and Fig. 5 generate theirs from ``stride_sweep``).
+        """Rows of ``target``: its config list of ``{label, method}``, or (Table VI, Fig. 5) the ``stride_sweep``.
 
         Raises:
-            ValueError: the config lacks ``target``'s key (:data:`ROWS_KEY`), naming it.
+            ValueError: the config lacks ``target``'s key (:meth:`rows_key`), naming it.
         """
         if not self.configured(target):
-            raise ValueError(f"config residualkv.{ROWS_KEY[target]} is not set, so {target} has no rows "
+            raise ValueError(f"config residualkv.{self.rows_key(target)} is not set, so {target} has no rows "
                              "(config/config.yaml shows one)")
-        if target in ("tableIII", "tableVII", "tableVIII"):
+        if target not in SWEEP_TARGETS:
             return [Row(e["label"], press_spec(e["method"]).canonical) for e in self.s[target]]
         sweep = self.s["stride_sweep"]
         rows = [Row(f"alpha = {a:g}", with_params(sweep["method"], alpha=float(a))) for a in sweep["alpha"]]
@@ -321,8 +345,14 @@ class RKVPlan:
             rows += [Row(f"stride = {s}", with_params(sweep["method"], stride=int(s))) for s in sweep.get("stride", [])]
         return rows
 
+    def run(self, task: str, spec: str) -> Run:
+        """The :class:`~kvbench.report.plan.Run` of press ``spec`` on the plan's model x ``task``."""
+        parsed = press_spec(spec)
+        return Run(self.model, task, parsed.canonical, parsed.slug, "residualkv")
+
     def run_dir(self, task: str, spec: str) -> str:
-        return f"results/runs/{self.profile}/{self.model}/{task}/residualkv/{press_spec(spec).slug}"
+        """``results/runs/<profile>/<model>/<task>/residualkv/<slug>``."""
+        return self.run(task, spec).path(self.profile)
 
     def runs(self, target: str) -> list[tuple[str, str]]:
         """``(task, spec)`` of every run ``target`` reads."""
@@ -335,7 +365,7 @@ class RKVPlan:
             ValueError: two specs map to one directory.
         """
         out: dict[str, str] = {}
-        for target in filter(self.configured, TARGETS):
+        for target in self.targets():
             for row in self.rows(target):
                 k = press_spec(row.spec).slug
                 if out.get(k, row.spec) != row.spec:

@@ -2,11 +2,10 @@
 or figure (:mod:`kvbench.report.rkv_figures`) from the workflow's JSON spec."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from kvbench.report import rkv_figures
-from kvbench.report.residualkv import TITLES, write_table
+from kvbench.report.residualkv import TABLES, write_table
 from kvbench.report.rkv_plan import RKVPlan
 
 
@@ -23,20 +22,15 @@ def report(target: str, spec: str | dict, out: str | Path, root: str | Path = ".
         ValueError: ``spec`` is not the JSON the workflow passes, ``target`` is unknown, or ``raw`` is given
             to a target other than fig11.
     """
-    if isinstance(spec, str):
-        try:
-            spec = json.loads(spec)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"--residualkv must be JSON {{profile, residualkv}}, got {spec[:80]!r} ({e.msg})") from e
     if raw is not None and target != "fig11":
         raise ValueError(f"--raw is not read by residualkv-{target} (only fig11's throughput CSV, fig6, fig8)")
-    plan = RKVPlan(spec["residualkv"], spec["profile"], zoo=spec.get("zoo", True), seed=spec.get("seed"),
-                   model_dir=spec.get("model_dir"))
+    plan = RKVPlan.from_spec(spec)
     if target == "fig11":
         rkv_figures.fig11(plan, out, out_csv, root, throughput=raw)
-    elif target in TITLES:
+    elif f"residualkv/{target}" in TABLES:
         write_table(plan, target, out, root)
     elif target in rkv_figures.FIGURES:
         rkv_figures.FIGURES[target](plan, out, out_csv, root)
     else:
-        raise ValueError(f"unknown ResidualKV report target {target!r}; known: {sorted([*TITLES, *rkv_figures.FIGURES])}")
+        known = sorted([*(t.key for t in TABLES.values()), *rkv_figures.FIGURES, "fig11"])
+        raise ValueError(f"unknown ResidualKV report target {target!r}; known: {known}")

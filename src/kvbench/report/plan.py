@@ -1,0 +1,88 @@
+"""The plan layer: what Snakemake builds and the reports read, named once.
+
+- :class:`Run`: one ``kvbench eval`` run, model x dataset x method spec -> its directory
+  ``results/runs/<profile>/<model>/<dataset>/[<group>/]<slug>``. Runs are grouped by the config section
+  that asks for them (``eval`` matrix: no group; ``conduit``; ``residualkv``).
+- :class:`Table`: one table target ``results/<name>.csv``: title, caption, the rows it compares and the
+  writer that builds it. Each paper's module holds its entries (:data:`kvbench.report.conduit.TABLES`,
+  :data:`kvbench.report.residualkv.TABLES`, :data:`kvbench.bench.table3.TABLES`); :data:`TABLES` joins them
+  for the workflow (one ``table`` rule) and for ``kvbench report <name>``. Adding a table is one entry plus
+  its config keys.
+
+The workflow's helpers (``workflow/rules/common.smk``) and the writers ask the same objects, so paths
+cannot drift apart.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+#: Run groups: the config section that asks for a run -> its sub-directory under the run's dataset.
+GROUPS = {"eval": "", "conduit": "conduit", "residualkv": "residualkv"}
+
+
+@dataclass(frozen=True)
+class Run:
+    """One evaluation run.
+
+    Attributes:
+        model: config model name.
+        dataset: config dataset name.
+        spec: canonical method spec (:mod:`kvbench.utils.spec`).
+        slug: the spec's run-directory name (:attr:`kvbench.utils.spec.MethodSpec.slug`).
+        group: ``eval``, ``conduit`` or ``residualkv`` (:data:`GROUPS`).
+    """
+
+    model: str
+    dataset: str
+    spec: str
+    slug: str
+    group: str = "eval"
+
+    @property
+    def name(self) -> str:
+        """The run's name under its dataset: ``<slug>`` or ``<group>/<slug>`` (the workflow's ``{run}``)."""
+        sub = GROUPS[self.group]
+        return f"{sub}/{self.slug}" if sub else self.slug
+
+    def path(self, profile: str) -> str:
+        """``results/runs/<profile>/<model>/<dataset>/<name>``."""
+        return f"results/runs/{profile}/{self.model}/{self.dataset}/{self.name}"
+
+
+@dataclass(frozen=True)
+class Table:
+    """One table target, ``results/<name>.csv``.
+
+    Attributes:
+        name: ``<paper dir>/<key>``, e.g. ``conduit/table1``, ``residualkv/tableIII``.
+        paper: ``CONDUIT`` or ``ResidualKV`` (the report's category).
+        section: the config section the table is built from (``conduit``, ``residualkv``, ``conduit_latency``);
+            a config without it has no such target.
+        title: the table's title, first header line of the CSV.
+        caption: reStructuredText shown with the table in ``snakemake --report``.
+        write: ``write(spec, out, root)`` builds the table from the workflow's JSON ``spec`` (the paper's config
+            section and paths) and writes ``out`` atomically; returns the DataFrame.
+        rows: ``rows(plan)`` -> the methods the table compares (paper plans that read runs), else None.
+        columns: which column group a CONDUIT table averages over (``multi_image``, ``single_image``, ``all``).
+    """
+
+    name: str
+    paper: str
+    section: str
+    title: str
+    caption: str
+    write: Callable[[dict, str, str], Any]
+    rows: Callable[[Any], list] | None = None
+    columns: str = ""
+
+    @property
+    def key(self) -> str:
+        """The name without its paper directory (``table1``): the plan's target name."""
+        return self.name.split("/", 1)[1]
+
+    @property
+    def path(self) -> str:
+        """``results/<name>.csv``."""
+        return f"results/{self.name}.csv"
