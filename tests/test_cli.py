@@ -23,7 +23,9 @@ from kvbench.cli import main
      "tokenizer directory 'nowhere' not found"),
     (["data", "--task", "kv_1k", "--tokenizer", "nowhere", "--out", "o"], "tokenizer directory 'nowhere' not found"),
     (["data", "--task", "kv_1k", "--tokenizer", ".", "--out", "o"], "tokenizer directory '.' holds no tokenizer.json"),
-    (["report", "conduit-table1", "--conduit", "{bad", "--out", "t.csv"], "--conduit must be a JSON object"),
+    (["report", "conduit/table1", "--spec", "{bad", "--out", "t.csv"], "--spec must be a JSON object"),
+    (["report", "conduit/table9", "--spec", "{}", "--out", "t.csv"], "unknown table 'conduit/table9'"),
+    (["report", "conduit-table1", "--out", "t.csv"], "unknown report 'conduit-table1'"),
 ])
 def test_bad_input_is_one_line_and_exit_2(argv, needle, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)

@@ -26,7 +26,8 @@ from kvbench.eval.refresh import MissingCacheEntry, RefreshMethod
 from kvbench.eval.runner import run_eval
 from kvbench.eval.registry import canonical, get_method, parse_method_spec, run_slugs, slug, with_budget
 from kvbench.models.loader import load_model
-from kvbench.report.conduit import ConduitPlan, Runs, report, staleness_gap
+from kvbench.report import tables
+from kvbench.report.conduit import ConduitPlan, Runs, report_fig3, staleness_gap
 from kvbench.reuse import refresh
 from kvbench.utils.io import read_jsonl
 
@@ -302,7 +303,7 @@ def test_table1_cells_and_percent_of_full(tmp_path, monkeypatch):
         ("dp", "reuse"): [1, 0, 0, 0, 0, 0],         # K2: 25, K3: 0
         ("dp", "conduit@0.1"): [1, 1, 0, 0, 1, 0],   # K2: 50, K3: 50
     })
-    report("table1", json.dumps(spec), tmp_path / "t1.csv", root=tmp_path)
+    tables.write("conduit/table1", json.dumps(spec), tmp_path / "t1.csv", root=tmp_path)
     header, df = _read(tmp_path / "t1.csv")
     assert "syn profile: tiny zoo (m) on smoke datasets; NOT the paper's numbers" in header[0]
     assert "records per column: K2=4, K3=2" in header[2]
@@ -317,8 +318,8 @@ def test_table1_cells_and_percent_of_full(tmp_path, monkeypatch):
 def test_missing_run_is_an_error_or_a_noted_empty_cell(tmp_path):
     _, spec = _synthetic(tmp_path, {("dp", "full"): [1] * 6, ("dp", "reuse"): [0] * 6})
     with pytest.raises(FileNotFoundError, match="run results/runs/syn/m/dp/conduit/conduit_r0.1 is missing"):
-        report("table1", spec, tmp_path / "t1.csv", root=tmp_path)
-    report("table1", spec, tmp_path / "t1.csv", root=tmp_path, allow_missing=True)
+        tables.write("conduit/table1", spec, tmp_path / "t1.csv", root=tmp_path)
+    tables.write("conduit/table1", {**spec, "allow_missing": True}, tmp_path / "t1.csv", root=tmp_path)
     _, df = _read(tmp_path / "t1.csv")
     row = df.set_index("method").loc["CONDUIT"]
     assert math.isnan(row["K2"]) and math.isnan(row["avg"])
@@ -329,7 +330,7 @@ def test_empty_reference_and_empty_bucket_are_noted(tmp_path):
     cfg = _cfg(multi_image={"K2": {"dataset": "dp", "k": [2, 2]}, "K9": {"dataset": "dp", "k": [9, 9]}})
     _, spec = _synthetic(tmp_path, {("dp", "full"): [0] * 6, ("dp", "reuse"): [0] * 6,
                                     ("dp", "conduit@0.1"): [1] * 6}, cfg)
-    report("table1", spec, tmp_path / "t1.csv", root=tmp_path)
+    tables.write("conduit/table1", spec, tmp_path / "t1.csv", root=tmp_path)
     _, df = _read(tmp_path / "t1.csv")
     row = df.set_index("method").loc["CONDUIT"]
     assert row["K2"] == 100.0 and math.isnan(row["K2 %full"]) and math.isnan(row["K9"])
@@ -342,22 +343,22 @@ def test_table2_table4_table5_rows(tmp_path):
         ("dg", "full"): [1, 1, 0, 0], ("dg", "conduit@0.0"): [1, 0, 0, 0],
         ("dp", "full"): [1] * 6, ("dp", "conduit@0.1:lam=0.0"): [1, 0, 1, 0, 1, 0], ("dp", "conduit@0.1"): [1] * 6,
     })
-    report("table2", spec, tmp_path / "t2.csv", root=tmp_path)
+    tables.write("conduit/table2", spec, tmp_path / "t2.csv", root=tmp_path)
     h2, t2 = _read(tmp_path / "t2.csv")
     assert t2.set_index("method").loc["r = 0", ["dg", "dg %full"]].tolist() == [25.0, 50.0]
     assert "# spread across rows (max - min, points): dg 25.00" in h2
-    report("table4", spec, tmp_path / "t4.csv", root=tmp_path)
+    tables.write("conduit/table4", spec, tmp_path / "t4.csv", root=tmp_path)
     _, t4 = _read(tmp_path / "t4.csv")
     assert list(t4["method"]) == ["λ = 0", "λ = 1"] and list(t4["spec"]) == ["conduit@0.1:lam=0.0", "conduit@0.1"]
     assert t4["K2"].tolist() == [50.0, 100.0] and t4["K3"].tolist() == [50.0, 100.0]
-    report("table5", spec, tmp_path / "t5.csv", root=tmp_path)
+    tables.write("conduit/table5", spec, tmp_path / "t5.csv", root=tmp_path)
     _, t5 = _read(tmp_path / "t5.csv")
     assert t5["avg %full"].tolist() == [100.0] and t5["r"].tolist() == [0.1]
 
 
 def test_flat_table_says_so_in_its_header(tmp_path):
     _, spec = _synthetic(tmp_path, {("dg", "full"): [1, 1, 0, 0], ("dg", "conduit@0.0"): [1, 0, 1, 0]})
-    report("table2", spec, tmp_path / "t2.csv", root=tmp_path)
+    tables.write("conduit/table2", spec, tmp_path / "t2.csv", root=tmp_path)
     header, _ = _read(tmp_path / "t2.csv")
     assert any(h.startswith("# FLAT on this profile") and "dg 0.00" in h for h in header)
 
@@ -367,7 +368,7 @@ def test_staleness_gap_ci_and_header(tmp_path):
         ("dp", "full"): [1, 1, 1, 1, 1, 0], ("dp", "reuse"): [0, 0, 0, 0, 1, 0],
         ("dg", "full"): [1, 0, 1, 0], ("dg", "reuse"): [1, 0, 1, 0],
     })
-    report("gap", spec, tmp_path / "gap.csv", root=tmp_path)
+    tables.write("conduit/staleness_gap", spec, tmp_path / "gap.csv", root=tmp_path)
     header, df = _read(tmp_path / "gap.csv")
     g = df.set_index("column")
     assert g.loc["K2", ["n", "full", "reuse", "gap", "ci95_lo", "ci95_hi"]].tolist() == [4, 100.0, 0.0, -100.0, -100.0, -100.0]
@@ -389,7 +390,7 @@ def test_staleness_gap_refuses_unpaired_runs(tmp_path):
 def test_fig3_pdf_and_data(tmp_path):
     _, spec = _synthetic(tmp_path, {("dp", "full"): [1] * 6, ("dp", "reuse"): [0] * 6,
                                     ("dp", "conduit@0.1"): [1, 1, 0, 0, 1, 1]})
-    report("fig3", spec, tmp_path / "fig3.pdf", root=tmp_path, out_csv=tmp_path / "fig3.csv")
+    report_fig3(spec, tmp_path / "fig3.pdf", tmp_path / "fig3.csv", root=tmp_path)
     assert (tmp_path / "fig3.pdf").read_bytes().startswith(b"%PDF")
     _, df = _read(tmp_path / "fig3.csv")
     assert df.set_index("spec").loc["conduit@0.1", "avg"] == 75.0
@@ -408,8 +409,8 @@ def test_conduit_targets_dry_run(tmp_path, configfile):
     r = snakemake(tmp_path, *args)
     assert r.returncode == 0, r.stdout[-3000:]
     jobs = planned_jobs(r.stdout)
-    assert jobs["conduit_table"] == 4 and jobs["conduit_table_alias"] == 4
-    assert jobs["conduit_gap"] == jobs["conduit_fig3"] == 1 and jobs["conduit_cache"] == 2
+    assert jobs["table"] == 5 and jobs["conduit_table_alias"] == 4  # Tables 1, 2, 4, 5 and the staleness gap
+    assert jobs["conduit_fig3"] == 1 and jobs["conduit_cache"] == 2
     n_test = 300 if configfile is None else 8
     assert f"--limit {n_test}" in r.stdout and "--method conduit@0.1:lam=0.5 " in r.stdout
     assert not (tmp_path / "results").exists()

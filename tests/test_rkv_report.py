@@ -101,7 +101,7 @@ def test_missing_run_is_named(tmp_path):
 
 
 def test_report_rejects_bad_json(tmp_path):
-    with pytest.raises(ValueError, match="--residualkv must be JSON"):
+    with pytest.raises(ValueError, match=r"report spec \(--spec, --residualkv\) must be JSON"):
         rkv_report.report("tableIII", "{bad", tmp_path / "t.csv")
     with pytest.raises(ValueError, match="unknown ResidualKV report target"):
         rkv_report.report("tableIX", json.dumps({"profile": "smoke", "residualkv": SECTION}), tmp_path / "t.csv")

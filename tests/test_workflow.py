@@ -105,7 +105,7 @@ def test_ambiguous_figure_fails_naming_both_canonical_targets(tmp_path, n):
 
 
 @pytest.mark.parametrize("alias, canonical, rule, producer", [
-    ("results/tableIII.csv", "results/residualkv/tableIII.csv", "residualkv_table_alias", "rkv_table"),
+    ("results/tableIII.csv", "results/residualkv/tableIII.csv", "residualkv_table_alias", "table"),
     ("figures/fig8.pdf", "figures/residualkv/fig8.pdf", "residualkv_figure_alias", "rkv_profile_figure"),
 ])
 def test_residualkv_short_names_resolve_through_their_rules(tmp_path, alias, canonical, rule, producer):

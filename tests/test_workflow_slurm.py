@@ -22,7 +22,7 @@ from snakemake_executor_plugin_slurm.utils import set_gres_string  # noqa: E402
 
 PROFILE = REPO / "profiles" / "slurm"
 # Every rule that submits work, with a GPU-asking job on the paper profile for each of these.
-GPU_RULES = {"eval", "conduit_cache", "conduit_eval", "rkv_eval", "conduit_latency", "rkv_throughput",
+GPU_RULES = {"eval", "conduit_cache", "conduit_latency", "rkv_throughput",
              "rkv_variant_throughput"}
 
 
@@ -68,7 +68,7 @@ def test_gpu_jobs_go_to_the_gpu_partition(tmp_path):
     config = profile.get("slurm-partition-config")
     partitions = read_partition_file(PROFILE / config) if config else None
     jobs = _jobs(r.stdout)
-    assert len(jobs) > 800 and {j.name for j in jobs} >= GPU_RULES | {"tokenizer", "rkv_table", "conduit_table"}
+    assert len(jobs) > 800 and {j.name for j in jobs} >= GPU_RULES | {"tokenizer", "table"}
     placed = {(job.name, int(job.resources.get("gpu", 0)), _partition(job, partitions)) for job in jobs}
     wrong = sorted(p for p in placed if p[2] != ("gpu" if p[1] else "cpu"))
     assert not wrong, f"(rule, gpus, partition) placed wrong: {wrong}"

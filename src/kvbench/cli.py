@@ -137,7 +137,8 @@ def _report(a: argparse.Namespace) -> None:
         from kvbench.report import tables
 
         if not a.spec:
-            raise ValueError(f"table {a.what} needs --spec (the workflow's JSON: profile and the paper's config section)")
+            raise ValueError(f"table {a.what} needs --spec (the workflow's JSON: profile and the paper's "
+                             "config section)")
         spec = _json_object(a.spec, "--spec")
         if a.allow_missing:
             spec["allow_missing"] = True
@@ -326,14 +327,15 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=_replay)
 
     s = sub.add_parser("report", help="tables and figures from finished runs")
-    s.add_argument("what", help="a table target (conduit/table1, conduit/table2, conduit/table3, conduit/table4, "
-                   "conduit/table5, conduit/staleness_gap, residualkv/tableIII, residualkv/tableVI, residualkv/tableVII, "
-                   "residualkv/tableVIII: see kvbench.report.tables), zoo, zoo-figure, conduit-fig3, or "
-                   "residualkv-fig{5,6,8,10,11,12}")
+    s.add_argument("what", help="a table target (conduit/table1, conduit/table2, conduit/table3, "
+                   "conduit/table4, conduit/table5, conduit/staleness_gap, residualkv/tableIII, residualkv/tableVI, "
+                   "residualkv/tableVII, residualkv/tableVIII: see kvbench.report.tables), zoo, zoo-figure, "
+                   "conduit-fig3, or residualkv-fig{5,6,8,10,11,12}")
     s.add_argument("--runs", nargs="*", default=[], help="run directories (eval outputs)")
     s.add_argument("--train", nargs="*", default=[], help="training work directories (curves, summary)")
     s.add_argument("--spec", default="", help="tables: the workflow's JSON (profile and the paper's config section)")
-    s.add_argument("--conduit", default="", help="conduit-fig3: JSON {profile, conduit: config section, splits, zoo_models}")
+    s.add_argument("--conduit", default="",
+                   help="conduit-fig3: JSON {profile, conduit: config section, splits, zoo_models}")
     s.add_argument("--data-out", default=None, help="conduit-fig3, residualkv-fig{5,10,11,12}: CSV of the plotted numbers")
     s.add_argument("--residualkv", default="", help="residualkv-*: JSON {profile, residualkv: config section}")
     s.add_argument("--raw", default=None, help="residualkv-fig8 / -fig6: the profiling CSV to plot; "

@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, ClassVar, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -267,6 +267,9 @@ class Press:
     exact cache."""
 
     name = "full"
+    #: Parameters under which the press keeps every token exactly, so it must reproduce the full cache (the
+    #: registry-driven check in tests/test_press_matrix.py); resources (a codec) are the test's to give.
+    exact: ClassVar[dict] = {}
 
     def make_layer(self, ctx: LayerContext, cache: PressCache) -> StoreLayer:
         """The store of decoder layer ``ctx.layer_idx``."""

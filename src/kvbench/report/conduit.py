@@ -443,7 +443,8 @@ def plan_and_runs(spec: str | dict, root: str | Path = ".") -> tuple[ConduitPlan
         try:
             spec = json.loads(spec)
         except json.JSONDecodeError as e:
-            raise ValueError(f"--spec must be JSON {{profile, conduit, splits}}, got {spec[:80]!r} ({e.msg})") from e
+            raise ValueError(f"the report spec (--spec, --conduit) must be JSON {{profile, conduit, splits}}, "
+                             f"got {spec[:80]!r} ({e.msg})") from e
     plan = ConduitPlan(spec["conduit"], spec["profile"], spec.get("zoo_models", ()))
     return plan, Runs(root, spec.get("splits", {}), allow_missing=bool(spec.get("allow_missing", False)))
 

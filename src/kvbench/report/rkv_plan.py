@@ -177,7 +177,8 @@ class RKVPlan:
             try:
                 spec = json.loads(spec)
             except json.JSONDecodeError as e:
-                raise ValueError(f"--spec must be JSON {{profile, residualkv}}, got {spec[:80]!r} ({e.msg})") from e
+                raise ValueError(f"the report spec (--spec, --residualkv) must be JSON {{profile, residualkv}}, "
+                                 f"got {spec[:80]!r} ({e.msg})") from e
         return cls(spec["residualkv"], spec["profile"], zoo=spec.get("zoo", True), seed=spec.get("seed"),
                    model_dir=spec.get("model_dir"))
 

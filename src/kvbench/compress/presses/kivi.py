@@ -162,6 +162,7 @@ class KIVIPress(Press):
     """
 
     name = "kivi"
+    exact = {"residual": 1024}  # every token of a context up to 1024 stays in the raw window
     bits: int = 2
     group: int = 32
     residual: int = 32

@@ -99,6 +99,7 @@ class KVzipPress(Press):
     """
 
     name = "kvzip"
+    exact = {"ratio": 1.0}
     ratio: float = 0.3
     level: str = "pair"
     chunk_size: int = 2000

@@ -144,6 +144,7 @@ class OmniKVPress(Press):
     """
 
     name = "omnikv"
+    exact = {"keep": 1.0}
     keep: float = 0.17
     filter_layers: tuple[int, ...] = ()
     n_sink: int = 8

@@ -125,6 +125,7 @@ class PaluPress(Press):
     """
 
     name = "palu"
+    exact = {"rank_ratio": 1.0}  # full rank: exact up to float rounding
     rank_ratio: float = 0.5
     group_heads: int = 4
 

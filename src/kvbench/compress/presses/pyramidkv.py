@@ -55,6 +55,7 @@ class PyramidKVPress(SnapKVPress):
     """
 
     name = "pyramidkv"
+    exact = {"keep": 1.0}
     beta: float = 20.0
 
     def __post_init__(self) -> None:

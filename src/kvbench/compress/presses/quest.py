@@ -119,6 +119,7 @@ class QuestPress(Press):
     """
 
     name = "quest"
+    exact = {"keep": 1.0}
     keep: float = 0.3
     page_size: int = 16
     sparse_prefill: bool = True

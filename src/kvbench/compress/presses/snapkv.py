@@ -117,6 +117,7 @@ class SnapKVPress(Press):
     """
 
     name = "snapkv"
+    exact = {"keep": 1.0}
     keep: float = 0.3
     window: int = 32
     kernel: int = 5

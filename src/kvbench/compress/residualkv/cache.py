@@ -313,6 +313,7 @@ class ResidualKVPress(Press):
     """
 
     name = "residualkv"
+    exact = {"mode": "standalone", "bits": 32, "ref_fp8": False}  # with an identity codec (d_c = d_kv)
     codec_dir: str = ""
     mode: str = "omnikv"
     full_layers: tuple[int, ...] = ()
