@@ -220,13 +220,6 @@ def _bench(a: argparse.Namespace) -> None:
     for name in ("model", "methods", "repeats", "warmup"):   # None: the verb's own default
         if getattr(a, name) is None:
             setattr(a, name, d[name])
-    if a.what == "conduit-table3":
-        from kvbench.bench.table3 import write_table3
-
-        if not a.raw:
-            raise ValueError("conduit-table3 needs --raw (the CSV written by `kvbench bench conduit-latency`)")
-        print(write_table3(a.raw, a.out, a.profile).to_string(index=False))
-        return
     import pandas as pd
 
     from kvbench.bench.latency import RAW_COLUMNS, LatencyConfig, run_conduit_latency
@@ -353,11 +346,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     fig8, fig6, fig11 = rkv.DecodeThroughputConfig, rkv.CodecCostConfig, rkv.VariantThroughputConfig
 
-    s = sub.add_parser("bench", help="latency benchmarks: conduit-latency (raw TTFT/FLOPs CSV), conduit-table3, "
+    s = sub.add_parser("bench", help="latency benchmarks: conduit-latency (raw TTFT/FLOPs CSV; Table 3 is "
+                                      "`kvbench report conduit/table3`), "
                                       "rkv-throughput (ResidualKV Fig. 8), rkv-variants (Fig. 11's throughput), "
                                       "codec-cost (ResidualKV Fig. 6)")
-    s.add_argument("what", choices=["conduit-latency", "conduit-table3", "rkv-throughput", "rkv-variants", "codec-cost"])
-    s.add_argument("--out", required=True, help="raw measurements CSV (conduit-latency) or table CSV (conduit-table3)")
+    s.add_argument("what", choices=["conduit-latency", "rkv-throughput", "rkv-variants", "codec-cost"])
+    s.add_argument("--out", required=True, help="raw measurements CSV")
     s.add_argument("--model", default=None, help=f"timing model name (random weights) or checkpoint dir "
                    f"(default: {d['model']}; rkv-throughput: {fig8.model})")
     s.add_argument("--tokenizer", default=None, help="tokenizer directory (timing models; rkv-throughput: the zoo's "
@@ -377,8 +371,6 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--device", type=_device, default="auto", help="auto (CUDA if available), cpu or cuda[:i]")
     s.add_argument("--dtype", choices=d_dtypes, default="auto", help="auto (bfloat16 on CUDA, float32 on CPU) or a torch dtype")
     s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--raw", default=None, help="conduit-table3: the raw CSV")
-    s.add_argument("--profile", default="smoke", help="conduit-table3: profile named in the header line")
     s.add_argument("--contexts", type=_positive_int, nargs="+", default=None,
                    help=f"rkv-throughput: context lengths in tokens (default {_words(fig8.contexts)}, for a CPU; "
                         f"the paper's range on a GPU: {_words(rkv.PAPER_CONTEXTS)}); rkv-variants: one context "
