@@ -360,3 +360,30 @@ def test_unknown_names_fail_the_dry_run(tmp_path, patch, needle):
     path.write_text(yaml.safe_dump(cfg))
     r = snakemake(tmp_path, "-n", "--configfile", str(path))
     assert r.returncode != 0 and needle in r.stdout, r.stdout[-3000:]
+
+
+@pytest.mark.parametrize("profile", ["smoke", "paper"])
+def test_every_table_and_run_of_a_profile_is_in_the_dag(tmp_path, profile):
+    """Driven by the table registry: every table of a configured section, and every run the plans name, is one job."""
+    from kvbench.report.tables import TABLES
+
+    config = []
+    if profile == "paper":
+        root = tmp_path / "kvbench-data"
+        cfg = _fake_paper_root(root)
+        config = ["--configfile", str(PAPER_CONFIG), "--config", f"paths={{root: {root}}}"]
+    else:
+        cfg = load(CONFIG)
+    tables = [t for t in TABLES.values() if t.section in cfg and t.section != "conduit_latency"]
+    # targets before --config, which takes every argument after it
+    r = snakemake(tmp_path, "-n", "conduit", "residualkv", "runs", *[t.path for t in tables], *config)
+    assert r.returncode == 0, r.stdout[-3000:]
+    jobs = planned_jobs(r.stdout)
+    assert jobs["table"] == len(tables), sorted(t.name for t in tables)
+    for t in tables:
+        assert f"output: {t.path}" in r.stdout, t.path
+    outs = re.findall(r"output: (results/runs/\S+)/metrics\.json", r.stdout)
+    assert len(outs) == len(set(outs)) == jobs["eval"]  # one job per run directory
+    n_matrix = sum(len(t) for t in cfg["eval"]["matrix"].values()) * len(cfg["eval"].get("methods", ["full"]))
+    assert sum("/conduit/" not in o and "/residualkv/" not in o for o in outs) == n_matrix
+    assert any("/conduit/" in o for o in outs) and any("/residualkv/" in o for o in outs)
