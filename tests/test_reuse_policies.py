@@ -56,8 +56,9 @@ def reuse(vlm, req):
 
 
 def test_registry_has_every_method():
+    # the papers' methods are all there (a new policy file adds to these, with no line here)
     assert {"conduit", "prophetkv", "mpic", "mpic-first", "cacheblend", "cacheblend-conduit",
-            "kvshare-conduit"} == set(BUDGETED)
+            "kvshare-conduit"} <= set(BUDGETED)
     assert set(BUDGETED) | {"reuse", "full", "kvshare"} == set(available_policies())
 
 
