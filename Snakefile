@@ -42,7 +42,6 @@ wildcard_constraints:
     profile=re.escape(PROFILE),
     model=alternation(MODELS),
     task=alternation(DATASETS),
-    method=r"[A-Za-z0-9][A-Za-z0-9._-]*",
     recipe=r"[0-9a-f]{8}",
 
 
