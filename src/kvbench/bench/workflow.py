@@ -5,8 +5,6 @@ the logic is testable without Snakemake.
 """
 from __future__ import annotations
 
-import contextlib
-import io
 import os
 import re
 import shlex
@@ -33,7 +31,7 @@ def latency_job(config: dict, model_dir: Callable[[str], str], tokenizer_dir: st
 
     Raises:
         ValueError: no ``conduit_latency`` section, a model that is neither a timing model nor
-            defined under ``models``, or a value the bench would refuse (the CLI's own parser, then
+            defined under ``models``, or a value the bench would refuse (its counts and device, then
             the refresh policy registry); the message names the config key and value. Raised while
             the DAG is built, before Snakemake removes the previous CSV.
     """
@@ -52,28 +50,44 @@ def latency_job(config: dict, model_dir: Callable[[str], str], tokenizer_dir: st
     argv = [*where, "--sizes", *map(str, s["sizes"]), "--page-px", str(s["page_px"]), "--r", str(s["r"]),
             "--methods", *map(str, s["methods"]), "--repeats", str(s["repeats"]), "--warmup", str(s["warmup"]),
             "--threads", str(s["threads"]), "--device", str(s["device"]), "--seed", str(config.get("seed", 0))]
-    _check_args(s, argv)
+    _check_section(s)
     return LatencyJob(input=path, args=shlex.join(argv))
 
 
-def _check_args(section: dict, argv: list[str]) -> None:
-    """What ``kvbench bench conduit-latency`` would refuse only after Snakemake removed the old CSV:
-    a value its parser rejects (``--device``, counts), then a method that is no refresh policy."""
-    from kvbench.cli import build_parser
+def _is_int(v, lo: int) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= lo
+
+
+def _check_section(section: dict) -> None:
+    """What ``kvbench bench conduit-latency`` would refuse only after Snakemake removed the old CSV: each value
+    of the section (counts, device), then what :class:`~kvbench.bench.latency.LatencyConfig` checks (r, the
+    methods as refresh policies).
+
+    Raises:
+        ValueError: naming the config key, its value and what was expected.
+    """
+    from kvbench.bench.latency import LatencyConfig
+    from kvbench.bench.settings import DEVICE_PATTERN
     from kvbench.reuse import get_policy
 
-    err = io.StringIO()
-    try:
-        with contextlib.redirect_stderr(err):
-            build_parser().parse_args(["bench", "conduit-latency", "--out", "x.csv", *argv])
-    except SystemExit:
-        msg = (err.getvalue().strip().splitlines() or ["invalid value"])[-1]
-        flag = re.search(r"argument --([\w-]+)", msg)
-        key = flag.group(1).replace("-", "_") if flag else None
-        where = f"conduit_latency.{key} = {section[key]!r}" if key in section else "conduit_latency"
-        raise ValueError(f"config {where}: {msg.removeprefix('kvbench bench: error: ')}") from None
+    expected = {"sizes": ("page counts >= 1", lambda v: isinstance(v, list) and v and all(_is_int(x, 1) for x in v)),
+                "page_px": ("an integer >= 1", lambda v: _is_int(v, 1)),
+                "repeats": ("an integer >= 1", lambda v: _is_int(v, 1)),
+                "warmup": ("an integer >= 0", lambda v: _is_int(v, 0)),
+                "threads": ("a positive integer", lambda v: _is_int(v, 1)),
+                "device": ("auto, cpu, cuda or cuda:<index>",
+                           lambda v: isinstance(v, str) and re.fullmatch(DEVICE_PATTERN, v))}
+    for key, (what, ok) in expected.items():
+        if key in section and not ok(section[key]):
+            raise ValueError(f"config conduit_latency.{key} = {section[key]!r}: expected {what}")
     for method in section["methods"]:
         try:
             get_policy(method)
         except ValueError as e:
             raise ValueError(f"config conduit_latency.methods: {method!r}: {e}") from None
+    try:
+        LatencyConfig(model=section["model"], tokenizer="-", sizes=section["sizes"], page_px=section["page_px"],
+                      r=section["r"], methods=section["methods"], repeats=section["repeats"],
+                      warmup=section["warmup"], device=section["device"]).validate()
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"config conduit_latency: {e}") from None

@@ -426,7 +426,7 @@ def write_fig3(plan: ConduitPlan, runs: Runs, out_pdf: str | Path, out_csv: str 
     fig.suptitle(plan.header("Figure 3 (budget-quality curves)").lstrip("# "), fontsize=8)
     fig.tight_layout()
     with atomic_path(out_pdf) as tmp:
-        fig.savefig(tmp, format="pdf")
+        fig.savefig(tmp, format="pdf", metadata={"CreationDate": None})  # no timestamp: same bytes on a rerun
     plt.close(fig)
     _write_csv(df, [plan.header("Figure 3 data (average over multi-image columns, points)")], out_csv)
     return df

@@ -30,7 +30,7 @@ SMOKE_NOTE = "tiny zoo LM trained here; not the paper's numbers"
 def _save(fig, out: str | Path) -> None:
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     with atomic_path(out) as tmp:
-        fig.savefig(tmp, format="pdf", bbox_inches="tight")
+        fig.savefig(tmp, format="pdf", bbox_inches="tight", metadata={"CreationDate": None})  # same bytes on a rerun
     plt.close(fig)
 
 
