@@ -372,3 +372,15 @@ def test_table_i_settings_are_checked_against_the_checkpoint():
         check_table_i("llama", entry, (28, 1024))
     with pytest.raises(ValueError, match=r"full_attention_layers \[18\] outside its checkpoint's 16 layers"):
         check_table_i("llama", entry, (16, 2048))
+
+
+def test_kr_formula_reads_the_press_fields():
+    """Bugs: a standalone spec's full layers were counted as 0 (the cache keeps them full), and ``full_layers=0``
+    (one index) crashed the formula with ``TypeError: object of type 'int' has no len()``."""
+    plan = RKVPlan(SECTION, "smoke")
+    shape = (8, 128)
+    with_full = residualkv.kr_formula(plan, "residualkv:mode=standalone,full_layers=0+1", 1024.0, shape)
+    without = residualkv.kr_formula(plan, "residualkv:mode=standalone", 1024.0, shape)
+    assert with_full > without  # β = 2/8 of the layers at 100%
+    assert residualkv.kr_formula(plan, "residualkv:mode=omnikv,full_layers=0", 1024.0, shape) is not None
+    assert residualkv.kr_formula(plan, "snapkv:keep=0.3", 1024.0, shape) is None  # measured only
