@@ -9,7 +9,7 @@ import pytest
 
 from kvbench.eval.compress import CompressMethod
 from kvbench.eval.registry import get_method
-from kvbench.report import residualkv, rkv_report
+from kvbench.report import residualkv, rkv_report, tables
 from kvbench.report.rkv_plan import RKVPlan, press_spec
 from kvbench.utils.io import write_jsonl
 
@@ -85,19 +85,23 @@ def test_table_iii_cells_kr_and_cr(tmp_path):
     _fake_run(tmp_path, plan, "niah_1k", full, [1, 0], 1.0, 1.0)
     _fake_run(tmp_path, plan, "kv_1k", rkv, [1, 0], 0.4, 0.5)
     _fake_run(tmp_path, plan, "niah_1k", rkv, [0, 0], 0.2, 0.3)
-    df = residualkv.score_table(plan, "tableIII", tmp_path, model_shape=(8, 128))
+    df = residualkv.score_table(plan, "tableIII", tmp_path, shape=(8, 128))
     assert df["kv_1k"].tolist() == [100.0, 50.0] and df["niah_1k"].tolist() == [50.0, 0.0]
     assert df["avg"].tolist() == [75.0, 25.0]
     assert df["KR %"].tolist() == [100.0, 30.0] and df["CR %"].tolist() == [100.0, 40.0]
     # formula: 2 of 8 layers full (q = 1), 99 refs in 1000 tokens (sinks 8, stride 10) FP8, d_c/d_kv = 1/4 at INT4
     want = 0.25 * 1 + 0.75 * (99 / 1000 * 0.5 + 0.3125 * 0.25)
     assert df["KR formula %"].tolist()[1] == round(100 * want, 1) and pd.isna(df["KR formula %"].tolist()[0])
+    # the table target as the workflow builds it: no shape given, so the zoo model's shape by name (was a TypeError)
+    tables.write("residualkv/tableIII", {"profile": "smoke", "residualkv": SECTION, "seed": 0,
+                                         "model_dir": str(tmp_path / "absent")}, tmp_path / "t3.csv", root=tmp_path)
+    assert pd.read_csv(tmp_path / "t3.csv", comment="#")["KR formula %"].tolist()[1] == round(100 * want, 1)
 
 
 def test_missing_run_is_named(tmp_path):
     plan = RKVPlan(SECTION, "smoke")
     with pytest.raises(FileNotFoundError, match="fullkv has no predictions.jsonl"):
-        residualkv.score_table(plan, "tableIII", tmp_path, model_shape=(8, 128))
+        residualkv.score_table(plan, "tableIII", tmp_path, shape=(8, 128))
 
 
 def test_report_rejects_bad_json(tmp_path):

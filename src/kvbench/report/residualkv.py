@@ -64,10 +64,10 @@ def kr_formula(plan: RKVPlan, spec: str, n_tokens: float, shape: tuple[int, int]
     return press.kr_formula(int(round(n_tokens)), *shape, codec=codec)
 
 
-def score_table(plan: RKVPlan, target: str, root: str | Path = ".", model_shape: tuple[int, int] | None = None) -> pd.DataFrame:
-    """Rows x tasks table of ``target`` (module docstring). ``model_shape``: ``(n_layers, d_kv)`` for the
-    KR formula (read from the zoo config when None)."""
-    n_layers, d_kv = model_shape or model_shape(plan, root)
+def score_table(plan: RKVPlan, target: str, root: str | Path = ".", shape: tuple[int, int] | None = None) -> pd.DataFrame:
+    """Rows x tasks table of ``target`` (module docstring). ``shape``: ``(n_layers, d_kv)`` for the KR formula
+    (None: :func:`model_shape`)."""
+    n_layers, d_kv = shape or model_shape(plan, root)
     out = []
     for row in plan.rows(target):
         cells, notes, krs, crs, toks = {"method": row.label, "spec": row.spec}, [], [], [], []
