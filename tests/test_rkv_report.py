@@ -107,8 +107,16 @@ def test_missing_run_is_named(tmp_path):
 def test_report_rejects_bad_json(tmp_path):
     with pytest.raises(ValueError, match=r"report spec \(--spec, --residualkv\) must be JSON"):
         rkv_report.report("tableIII", "{bad", tmp_path / "t.csv")
-    with pytest.raises(ValueError, match="unknown ResidualKV report target"):
+    with pytest.raises(ValueError, match="unknown ResidualKV figure"):
         rkv_report.report("tableIX", json.dumps({"profile": "smoke", "residualkv": SECTION}), tmp_path / "t.csv")
+    # a table is built by `kvbench report residualkv/<table>` only (one route per table)
+    with pytest.raises(ValueError, match=r"tables are `kvbench report residualkv/tableIII --spec"):
+        rkv_report.report("tableIII", json.dumps({"profile": "smoke", "residualkv": SECTION}), tmp_path / "t.csv")
+    with pytest.raises(ValueError, match="lacks key 'residualkv'"):
+        tables.write("residualkv/tableIII", {"profile": "smoke"}, tmp_path / "t.csv")
+    with pytest.raises(ValueError, match="--allow-missing applies to CONDUIT"):
+        tables.write("residualkv/tableIII", {"profile": "smoke", "residualkv": SECTION, "allow_missing": True},
+                     tmp_path / "t.csv")
 
 
 def test_a_single_layer_index_is_one_layer():

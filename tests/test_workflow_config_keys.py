@@ -54,8 +54,9 @@ NOT_DEFAULTED = {
     "residualkv.variants": ("smoke", ["residualkv"], "residualkv.variants does not configure"),
     **{f"residualkv.variants.*.{k}": ("smoke", ["residualkv"], None)
        for k in ("overrides", "objective", "steps", "seq_len", "slice_s", "lr", "data")},
-    "residualkv.tableVII": ("smoke", ["residualkv"], "residualkv.tableVII is not set"),
-    "residualkv.tableVIII": ("smoke", ["residualkv"], "residualkv.tableVIII is not set"),
+    # the `residualkv` aggregate builds the tables the config has; asked for by name, a table without rows fails
+    "residualkv.tableVII": ("smoke", ["results/residualkv/tableVII.csv"], "residualkv.tableVII is not set"),
+    "residualkv.tableVIII": ("smoke", ["results/residualkv/tableVIII.csv"], "residualkv.tableVIII is not set"),
     "residualkv.stride_sweep": ("smoke", ["residualkv"], "residualkv.stride_sweep is not set"),
     "residualkv.stride_sweep.stride": ("smoke", ["residualkv"], None),
     "models.*.gpus": ("paper", ["all"], None),

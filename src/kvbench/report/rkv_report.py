@@ -1,11 +1,11 @@
-"""Entry point of ``kvbench report residualkv-<target>``: a ResidualKV table (:mod:`kvbench.report.residualkv`)
-or figure (:mod:`kvbench.report.rkv_figures`) from the workflow's JSON spec."""
+"""Entry point of ``kvbench report residualkv-fig<N>``: a ResidualKV figure (:mod:`kvbench.report.rkv_figures`) from
+the workflow's JSON spec. Tables are ``kvbench report residualkv/table<N>`` (:mod:`kvbench.report.tables`)."""
 from __future__ import annotations
 
 from pathlib import Path
 
 from kvbench.report import rkv_figures
-from kvbench.report.residualkv import TABLES, write_table
+from kvbench.report.residualkv import TABLES
 from kvbench.report.rkv_plan import RKVPlan
 
 
@@ -27,10 +27,8 @@ def report(target: str, spec: str | dict, out: str | Path, root: str | Path = ".
     plan = RKVPlan.from_spec(spec)
     if target == "fig11":
         rkv_figures.fig11(plan, out, out_csv, root, throughput=raw)
-    elif f"residualkv/{target}" in TABLES:
-        write_table(plan, target, out, root)
     elif target in rkv_figures.FIGURES:
         rkv_figures.FIGURES[target](plan, out, out_csv, root)
     else:
-        known = sorted([*(t.key for t in TABLES.values()), *rkv_figures.FIGURES, "fig11"])
-        raise ValueError(f"unknown ResidualKV report target {target!r}; known: {known}")
+        hint = f" (tables are `kvbench report residualkv/{target} --spec ...`)" if f"residualkv/{target}" in TABLES else ""
+        raise ValueError(f"unknown ResidualKV figure {target!r}{hint}; known: {sorted([*rkv_figures.FIGURES, 'fig11'])}")
