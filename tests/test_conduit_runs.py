@@ -471,3 +471,12 @@ def test_conduit_targets_real_run(tmp_path, vlm_dir):
     run = tmp_path / "results" / "runs" / "tiny" / "rand-vl" / "docpages" / "conduit" / "conduit_r0.1"
     rid = read_jsonl(run / "predictions.jsonl")[0]["id"]
     assert main(["replay", "--run", str(run), "--id", rid]) == 0
+
+
+def test_policy_layers_outside_the_model_fail_before_any_run():
+    """Review finding: `conduit@0.1:layers=99` passed the dry run and failed every sample of the run."""
+    plan = ConduitPlan(_cfg(ablation=[{"label": "L", "method": "conduit@0.1:layers=99"}]), "syn", ["m"])
+    with pytest.raises(ValueError, match=r"'conduit@0.1:layers=99' on 'm': layers \[99\] outside the model's 6 layers"):
+        plan.check_layers({"m": 6})
+    plan.check_layers({"m": 100})
+    plan.check_layers({})  # a checkpoint not there yet: checked when its run starts

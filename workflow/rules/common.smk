@@ -229,6 +229,7 @@ def ambiguous_figure(wc):
 def _conduit_plan():
     """The ConduitPlan of the config (None without a `conduit:` section); fails early on bad names or specs."""
     from kvbench.report.conduit import ConduitPlan
+    from kvbench.report.rkv_plan import known_model_shape
 
     if "conduit" not in config:
         return None
@@ -245,7 +246,14 @@ def _conduit_plan():
             if "k" in col and col["k"][0] > col["k"][1]:
                 raise ValueError(f"config conduit.{group}.{name}: k range {col['k']} is empty (lo > hi)")
     try:
-        return ConduitPlan(section, PROFILE, ZOO_MODELS)
+        plan = ConduitPlan(section, PROFILE, ZOO_MODELS)
+        depth = {}
+        for model in section["models"]:
+            shape = known_model_shape(model, MODELS[model], None if is_zoo(model) else model_dir(model))
+            if shape is not None:
+                depth[model] = shape[0]
+        plan.check_layers(depth)
+        return plan
     except ValueError as e:
         raise ValueError(f"config conduit: {e}") from e
 

@@ -140,6 +140,24 @@ class ConduitPlan:
         """``{run-directory name: canonical spec}`` of :meth:`all_specs` (checked injective)."""
         return run_slugs(self.all_specs())
 
+    def check_layers(self, n_layers: dict[str, int]) -> None:
+        """Every refresh spec's layer indices against each backbone's depth (``{model: n_layers}``, models whose
+        depth is known before anything runs), so ``conduit@0.1:layers=99`` fails while the DAG is built.
+
+        Raises:
+            ValueError: naming the spec, the model and the bad indices.
+        """
+        for spec in self.all_specs():
+            parsed = parse_method_spec(spec)
+            if parsed.family != "refresh":
+                continue
+            for model in self.models:
+                if model in n_layers:
+                    try:
+                        parsed.build().check_layers(n_layers[model])
+                    except ValueError as e:
+                        raise ValueError(f"method spec {spec!r} on {model!r}: {e}") from None
+
     def header(self, title: str) -> str:
         """First line of every output: which profile and models produced the numbers."""
         zoo = [m for m in self.models if m in self.zoo_models]

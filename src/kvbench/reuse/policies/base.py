@@ -98,6 +98,17 @@ class RefreshPolicy(ABC):
         """Visual rows the plan of ``req`` at ratio ``r`` computes at each of ``n_layers`` layers
         (analytic, from the policy's definition; ``k = ⌈r·N_visual⌉``)."""
 
+    def check_layers(self, n_layers: int) -> None:
+        """Check the policy's layer indices against a model with ``n_layers`` decoder layers (also at DAG time,
+        from the config's model shape). Default: a ``layers`` field, when the policy has one, within the model.
+
+        Raises:
+            ValueError: a layer index the model does not have, naming it.
+        """
+        bad = [i for i in (getattr(self, "layers", None) or []) if not 0 <= i < n_layers]
+        if bad:
+            raise ValueError(f"layers {bad} outside the model's {n_layers} layers")
+
     def mass_layers(self, rows: list[int]) -> list[int]:
         """Layers after which the policy also computes the queries of every computed row and their
         attention mass (KVShare's reselection); ``rows``: :meth:`visual_rows`. Default: none."""
