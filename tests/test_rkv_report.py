@@ -112,7 +112,7 @@ def test_report_rejects_bad_json(tmp_path):
     # a table is built by `kvbench report residualkv/<table>` only (one route per table)
     with pytest.raises(ValueError, match=r"tables are `kvbench report residualkv/tableIII --spec"):
         rkv_report.report("tableIII", json.dumps({"profile": "smoke", "residualkv": SECTION}), tmp_path / "t.csv")
-    with pytest.raises(ValueError, match="lacks key 'residualkv'"):
+    with pytest.raises(ValueError, match="with `profile` and a `residualkv` mapping"):
         tables.write("residualkv/tableIII", {"profile": "smoke"}, tmp_path / "t.csv")
     with pytest.raises(ValueError, match="--allow-missing applies to CONDUIT"):
         tables.write("residualkv/tableIII", {"profile": "smoke", "residualkv": SECTION, "allow_missing": True},

@@ -18,7 +18,6 @@ bootstrap (percentile method) of the mean difference.
 """
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,7 +27,7 @@ import numpy as np
 import pandas as pd
 
 from kvbench.eval.registry import canonical, parse_method_spec, run_slugs, slug, with_budget
-from kvbench.report.plan import Run, Table
+from kvbench.report.plan import Run, Table, load_spec
 from kvbench.utils.io import atomic_path, read_jsonl
 
 
@@ -457,12 +456,7 @@ def plan_and_runs(spec: str | dict, root: str | Path = ".") -> tuple[ConduitPlan
     Raises:
         ValueError: ``spec`` is not that JSON, or the section is invalid.
     """
-    if isinstance(spec, str):
-        try:
-            spec = json.loads(spec)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"the report spec (--spec, --conduit) must be JSON {{profile, conduit, splits}}, "
-                             f"got {spec[:80]!r} ({e.msg})") from e
+    spec = load_spec(spec, "conduit")
     plan = ConduitPlan(spec["conduit"], spec["profile"], spec.get("zoo_models", ()))
     return plan, Runs(root, spec.get("splits", {}), allow_missing=bool(spec.get("allow_missing", False)))
 

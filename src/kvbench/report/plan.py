@@ -14,6 +14,7 @@ cannot drift apart.
 """
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -86,3 +87,21 @@ class Table:
     def path(self) -> str:
         """``results/<name>.csv``."""
         return f"results/{self.name}.csv"
+
+
+def load_spec(spec: str | dict, section: str) -> dict:
+    """The workflow's JSON report spec (``{"profile", <section>: config section, ...}``) as a dict.
+
+    Raises:
+        ValueError: ``spec`` is not a JSON object, or it lacks ``profile`` or ``section``.
+    """
+    if isinstance(spec, str):
+        try:
+            spec = json.loads(spec)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"the report spec (--spec, --{section}) must be JSON {{profile, {section}, ...}}, "
+                             f"got {spec[:80]!r} ({e.msg})") from e
+    if not isinstance(spec, dict) or not isinstance(spec.get(section), dict) or "profile" not in spec:
+        raise ValueError(f"the report spec must be a JSON object with `profile` and a `{section}` mapping (the "
+                         f"config section), got {str(spec)[:80]!r}")
+    return spec

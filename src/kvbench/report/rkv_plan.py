@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from kvbench.bench.settings import BY_FIGURE
 from kvbench.compress.registry import PRESS
 from kvbench.eval.registry import with_params
-from kvbench.report.plan import Run
+from kvbench.report.plan import Run, load_spec
 from kvbench.utils.recipe import recipe_hash
 from kvbench.utils.spec import MethodSpec, parse
 
@@ -173,12 +173,7 @@ class RKVPlan:
         Raises:
             ValueError: ``spec`` is not that JSON, or the section is invalid.
         """
-        if isinstance(spec, str):
-            try:
-                spec = json.loads(spec)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"the report spec (--spec, --residualkv) must be JSON {{profile, residualkv}}, "
-                                 f"got {spec[:80]!r} ({e.msg})") from e
+        spec = load_spec(spec, "residualkv")
         return cls(spec["residualkv"], spec["profile"], zoo=spec.get("zoo", True), seed=spec.get("seed"),
                    model_dir=spec.get("model_dir"))
 
