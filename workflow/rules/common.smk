@@ -249,7 +249,10 @@ def _conduit_plan():
         plan = ConduitPlan(section, PROFILE, ZOO_MODELS)
         depth = {}
         for model in section["models"]:
-            shape = known_model_shape(model, MODELS[model], None if is_zoo(model) else model_dir(model))
+            try:
+                shape = known_model_shape(model, MODELS[model], None if is_zoo(model) else model_dir(model))
+            except ValueError:  # a config.json without the head counts: the depth is checked when the run starts
+                shape = None
             if shape is not None:
                 depth[model] = shape[0]
         plan.check_layers(depth)
