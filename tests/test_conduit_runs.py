@@ -480,3 +480,9 @@ def test_policy_layers_outside_the_model_fail_before_any_run():
         plan.check_layers({"m": 6})
     plan.check_layers({"m": 100})
     plan.check_layers({})  # a checkpoint not there yet: checked when its run starts
+
+
+def test_a_press_in_a_conduit_row_is_refused():
+    """Review finding: `snapkv:keep=0.3` as a Table 2 row passed the dry run and failed at run time."""
+    with pytest.raises(ValueError, match=r"'snapkv:keep=0.3' is a compression press; CONDUIT rows take refresh"):
+        ConduitPlan(_cfg(single_image_rows=[{"label": "a", "method": "snapkv:keep=0.3"}]), "syn", ["m"])

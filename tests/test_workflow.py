@@ -350,6 +350,8 @@ def test_ci_runs_the_readme_test_command():
 
 @pytest.mark.parametrize("patch,needle", [
     ({"eval": {"methods": ["full", "bogusmethod"]}}, "unknown method 'bogusmethod'"),
+    # review finding: a refresh policy on text tasks (or a press on VLM tasks) failed only at run time
+    ({"eval": {"methods": ["full", "reuse"]}}, "'reuse' serves vlm datasets only, but the eval matrix has"),
     ({"training": {"overrides": {"bogus": 1}}}, "unknown training override"),
     ({"datasets": {"nope_task": {"kind": "text", "smoke": {"n_train": 1, "n_test": 1}}}}, "no smoke generator named 'nope_task'"),
 ])

@@ -43,11 +43,23 @@ def _check_names():
     from kvbench.eval.registry import check_method_spec
     from kvbench.train.recipes import RECIPES, apply_overrides
 
+    from kvbench.eval.registry import parse_method_spec
+
+    # refresh policies serve VLM records with cached images, presses serve text records: a method of the eval
+    # matrix that cannot serve one of its datasets would fail only at run time, after the models had trained
+    serves = {"refresh": "vlm", "press": "text"}
     for method in config["eval"]["methods"]:
         try:
-            check_method_spec(method)  # a registry name (full) or a refresh spec (reuse); conduit.smk checks its own
+            check_method_spec(method)  # a registry name (full), a refresh spec (reuse) or a press
         except ValueError as e:
             raise ValueError(f"config eval.methods: unknown method {method!r} or bad method spec: {e}") from e
+        wanted = serves.get(parse_method_spec(method).family)
+        for tasks in config["eval"]["matrix"].values():
+            for task in tasks:
+                if wanted and DATASETS[task]["kind"] != wanted:
+                    raise ValueError(f"config eval.methods: {method!r} serves {wanted} datasets only, but the eval "
+                                     f"matrix has {task!r} ({DATASETS[task]['kind']}); list it in the conduit or "
+                                     f"residualkv section instead")
     for name in SMOKE_DATASETS:
         if name not in TASKS:
             raise ValueError(f"config datasets.{name}: no smoke generator named {name!r}; expected one of {sorted(TASKS)}")

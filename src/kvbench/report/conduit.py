@@ -89,6 +89,10 @@ class ConduitPlan:
                       for n, c in conduit["multi_image"].items()]
         self.single = [Column(n, c["dataset"]) for n, c in conduit["single_image"].items()]
         self.run_slugs()  # validates every spec and the run-directory names
+        for spec in self.all_specs():  # a compression press cannot serve cached images
+            if parse_method_spec(spec).family not in ("refresh", "plain"):
+                raise ValueError(f"method spec {spec!r} is a compression press; CONDUIT rows take refresh policies "
+                                 f"(or full)")
 
     # --- rows of each target -----------------------------------------------------------------
     def fig3_rows(self) -> list[Row]:
