@@ -418,6 +418,7 @@ def rkv_default_variant():
 def _runs():
     """``{(model, task, run name): Run}`` of the eval matrix, the CONDUIT plan and the ResidualKV plan."""
     from kvbench.eval.registry import parse_method_spec
+    from kvbench.report.conduit import targets as conduit_plan_targets
     from kvbench.report.plan import Run
 
     runs = {}
@@ -435,12 +436,6 @@ def _runs():
                 run = RKV.run(task, s)
                 runs[(RKV.model, task, run.name)] = run
     return runs
-
-
-def conduit_plan_targets():
-    from kvbench.report.conduit import targets
-
-    return targets()
 
 
 RUNS = _runs()

@@ -113,7 +113,7 @@ def write_table3(raw_csv: str | os.PathLike, out: str | os.PathLike, profile: st
     return table
 
 
-def _write(spec: str | dict, out: str | os.PathLike, root: str | os.PathLike = ".") -> pd.DataFrame:
+def _write(key: str, spec: str | dict, out: str | os.PathLike, root: str | os.PathLike = ".") -> pd.DataFrame:
     """:func:`write_table3` from the workflow's JSON ``spec``: ``{"profile", "raw": raw CSV path}``."""
     spec = json.loads(spec) if isinstance(spec, str) else spec
     return write_table3(os.path.join(root, spec["raw"]), out, spec["profile"])

@@ -19,7 +19,6 @@ bootstrap (percentile method) of the mean difference.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -465,14 +464,12 @@ def plan_and_runs(spec: str | dict, root: str | Path = ".") -> tuple[ConduitPlan
     return plan, Runs(root, spec.get("splits", {}), allow_missing=bool(spec.get("allow_missing", False)))
 
 
-def _score_table(key: str) -> Callable:
-    def write(spec, out, root="."):
-        plan, runs = plan_and_runs(spec, root)
-        return write_score_table(plan, runs, key, out)
-    return write
+def _score_table(key: str, spec: str | dict, out: str | Path, root: str | Path = ".") -> pd.DataFrame:
+    plan, runs = plan_and_runs(spec, root)
+    return write_score_table(plan, runs, key, out)
 
 
-def _gap(spec, out, root="."):
+def _gap(key: str, spec: str | dict, out: str | Path, root: str | Path = ".") -> pd.DataFrame:
     plan, runs = plan_and_runs(spec, root)
     return write_staleness_gap(plan, runs, out)
 
@@ -500,26 +497,26 @@ TABLES: dict[str, Table] = {t.name: t for t in (
           "budgets r = 0.05 and r = 0.10, against full prefill. Cells are mean per-record score x 100 per column, "
           "``%full`` the share of the full-prefill cell, ``avg`` the unweighted mean over columns (the paper's "
           f"five-dataset average). {_CELLS} {_NOT_THE_PAPER}",
-          _score_table("table1"), rows=_table1_rows, columns="multi_image"),
+          _score_table, rows=_table1_rows, columns="multi_image"),
     Table("conduit/table2", "CONDUIT", "conduit",
           "Table 2 (K=1: one image cached under a generic instruction; r = 0, r = 0.05, full prefill)",
           "**CONDUIT Table 2** (paper §4.2, K = 1): one image cached under a generic instruction and served under "
           "the benchmark's own; CONDUIT with no visual token recomputed (r = 0) and with the top-throughput 5% "
           f"refreshed (r = 0.05), against full prefill. Cells are mean per-record score x 100. {_CELLS} "
           f"{_NOT_THE_PAPER}",
-          _score_table("table2"), rows=lambda plan: [_row(m) for m in plan.cfg["single_image_rows"]],
+          _score_table, rows=lambda plan: [_row(m) for m in plan.cfg["single_image_rows"]],
           columns="single_image"),
     Table("conduit/table4", "CONDUIT", "conduit", "Table 4 (λ ablation of the image coefficient)",
           "**CONDUIT Table 4** (paper §4.4, λ ablation): CONDUIT at r = 0.10 with the image-coefficient strength λ "
           "swept from 0 (no cross-image amplification) to 1 (the paper's default). Cells are mean per-record score "
           f"x 100 per column. {_CELLS} {_NOT_THE_PAPER}",
-          _score_table("table4"), rows=_table4_rows, columns="multi_image"),
+          _score_table, rows=_table4_rows, columns="multi_image"),
     Table("conduit/table5", "CONDUIT", "conduit",
           "Table 5 (component ablation: query-attention only, intra-image throughput only, composite)",
           "**CONDUIT Table 5** (paper §4.4, component ablation at r = 0.10): query-attention only (no value-norm "
           "weighting), intra-image throughput only (no image coefficient) and the composite score. Cells are mean "
           f"per-record score x 100. {_CELLS} {_NOT_THE_PAPER}",
-          _score_table("table5"), rows=lambda plan: [_row(m) for m in plan.cfg["ablation"]], columns="multi_image"),
+          _score_table, rows=lambda plan: [_row(m) for m in plan.cfg["ablation"]], columns="multi_image"),
     Table("conduit/staleness_gap", "CONDUIT", "conduit",
           "staleness gap: cache reuse (stale per-image KV, r = 0) minus full prefill",
           "**CONDUIT staleness gap** (the premise of paper §1 and the cache-reuse protocol of §4.1; not a table of "

@@ -65,7 +65,8 @@ class Table:
         caption: reStructuredText shown with the table in ``snakemake --report``.
         write: ``write(spec, out, root)`` builds the table from the workflow's JSON ``spec`` (the paper's config
             section and paths) and writes ``out`` atomically; returns the DataFrame.
-        rows: ``rows(plan)`` -> the methods the table compares (paper plans that read runs), else None.
+        rows: ``rows(plan)`` -> the methods a CONDUIT table compares (ResidualKV tables take theirs from the config
+            list of their own name, :meth:`kvbench.report.rkv_plan.RKVPlan.rows`), else None.
         columns: which column group a CONDUIT table averages over (``multi_image``, ``single_image``, ``all``).
     """
 
@@ -74,7 +75,7 @@ class Table:
     section: str
     title: str
     caption: str
-    write: Callable[[dict, str, str], Any]
+    write: Callable[[str, dict, str, str], Any]
     rows: Callable[[Any], list] | None = None
     columns: str = ""
 
@@ -82,6 +83,10 @@ class Table:
     def key(self) -> str:
         """The name without its paper directory (``table1``): the plan's target name."""
         return self.name.split("/", 1)[1]
+
+    def build(self, spec: str | dict, out: str, root: str = ".") -> Any:
+        """Build this table from the workflow's JSON ``spec`` into ``out`` (runs and splits under ``root``)."""
+        return self.write(self.key, spec, out, root)
 
     @property
     def path(self) -> str:

@@ -146,10 +146,8 @@ def write_table(plan: RKVPlan, target: str, out: str | Path, root: str | Path = 
     return df
 
 
-def _writer(key: str):
-    def write(spec, out, root="."):
-        return write_table(RKVPlan.from_spec(spec), key, out, root)
-    return write
+def _write(key: str, spec: str | dict, out: str | Path, root: str | Path = ".") -> pd.DataFrame:
+    return write_table(RKVPlan.from_spec(spec), key, out, root)
 
 
 _CELLS = ("Scores are mean per-record score x 100 (``avg``: unweighted mean over tasks); KR is the keep ratio (bytes "
@@ -164,17 +162,17 @@ TABLES: dict[str, Table] = {t.name: t for t in (
     Table("residualkv/tableIII", "ResidualKV", "residualkv", "Table III (methods x tasks, KR/CR)",
           "**ResidualKV Table III** (paper §V-B, main long-context results): every compression method (SnapKV, "
           "PyramidKV, KVzip, Quest, OmniKV, KIVI, Palu, ResidualKV with and without its codec) against the full KV "
-          f"cache, per task. {_CELLS}", _writer("tableIII"), rows=lambda plan: plan.rows("tableIII")),
+          f"cache, per task. {_CELLS}", _write),
     Table("residualkv/tableVI", "ResidualKV", "residualkv", "Table VI (dynamic stride alpha: references and score)",
           "**ResidualKV Table VI** (paper §V-C, dynamic reference stride): per α, the number and share of reference "
           "tokens at the longest evaluated context and at the paper's 262K context, then the score with the main "
-          f"codec. {_CELLS}", _writer("tableVI"), rows=lambda plan: plan.rows("tableVI")),
+          f"codec. {_CELLS}", _write),
     Table("residualkv/tableVII", "ResidualKV", "residualkv", "Table VII (standalone vs combined)",
           "**ResidualKV Table VII** (paper §V-C, standalone vs combined): ResidualKV alone (every coded token "
           "restored, CR 100%) and combined with OmniKV or SnapKV selection, against the full KV cache. "
-          f"{_CELLS}", _writer("tableVII"), rows=lambda plan: plan.rows("tableVII")),
+          f"{_CELLS}", _write),
     Table("residualkv/tableVIII", "ResidualKV", "residualkv", "Table VIII (ablation: without codec; codes unquantised)",
           "**ResidualKV Table VIII** (paper §V-D, ablation of the core modules, codes not quantised): ResidualKV, "
           f"without the codec f_c/f_d (raw residuals stored) and without references. {_CELLS}",
-          _writer("tableVIII"), rows=lambda plan: plan.rows("tableVIII")),
+          _write),
 )}

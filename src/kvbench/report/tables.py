@@ -27,7 +27,7 @@ def write(name: str, spec: str | dict, out: str | Path, root: str | Path = ".") 
     if isinstance(spec, dict) and spec.get("allow_missing") and table.section != "conduit":
         raise ValueError(f"--allow-missing applies to CONDUIT's accuracy tables only, not {name}")
     try:
-        return table.write(spec, str(out), str(root))
+        return table.build(spec, str(out), str(root))
     except KeyError as e:  # a spec written by hand that lacks a key the workflow always gives
         raise ValueError(f"the --spec of {name} lacks key {e.args[0]!r} (the workflow's spec: `snakemake -n -p "
                          f"{table.path}` prints it)") from None
