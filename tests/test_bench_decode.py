@@ -74,7 +74,7 @@ def test_methods_build_their_presses(tmp_path):
     assert type(decode.make_press("full", tmp_path, (0, 1))) is Press
     q = decode.make_press("residualkv-omnikv", tmp_path, (0, 1))
     u = decode.make_press("residualkv-omnikv-unquantised", tmp_path, (0, 1))
-    assert isinstance(q, ResidualKVPress) and (q.mode, q.bits, q.ref_fp8, q.keep, q.full_kv_bits) == ("omnikv", 4, True, 0.17, 4)
+    assert isinstance(q, ResidualKVPress) and (type(q.selector).name, q.bits, q.ref_fp8, q.selector.keep, q.full_kv_bits) == ("omnikv", 4, True, 0.17, 4)
     assert (u.bits, u.ref_fp8, u.full_layers, u.full_kv_bits) == (16, False, (0, 1), 16)
     with pytest.raises(ValueError, match="'h2o'"):
         decode.make_press("h2o", tmp_path, (0, 1))

@@ -1,6 +1,7 @@
 """Quest and OmniKV: full KV kept, attention reads a query-dependent subset (Quest pages, OmniKV tokens)."""
 from __future__ import annotations
 
+import functools
 import math
 from types import SimpleNamespace
 
@@ -11,7 +12,7 @@ from test_rkv_cache import _run as chunked_run
 from kvbench.compress.cache import Press, StepState, StoreLayer
 from kvbench.compress.generate import greedy_generate
 from kvbench.compress.presses import omnikv
-from kvbench.compress.presses.omnikv import FilterLayer, OmniKVPress
+from kvbench.compress.presses.omnikv import OmniKVPress, filter_step
 from kvbench.compress.presses.quest import QuestPress, page_bounds, page_scores
 
 CUTS = (100, 110, 111, 112)   # context, question chunk, three decode-like single tokens, a last chunk
@@ -89,15 +90,21 @@ def test_filter_layer_selects_by_max_logit_over_heads():
     """Candidate i is token position i: scores |s_p| (two query heads q = ±e0), sinks and window excluded."""
     cache = SimpleNamespace(step=StepState(), selections=[])
     selector = SimpleNamespace(n_sink=2, window=3, audit_steps=1, n_keep=lambda n: 2)
-    layer = FilterLayer(SimpleNamespace(layer_idx=0), cache, selector)
+    layer = StoreLayer(SimpleNamespace(layer_idx=0), cache)
+    layer.after_commit = functools.partial(filter_step, selector)
     s = torch.tensor([0.0, 0.0, 1.0, -5.0, 2.0, 0.5, -3.0, 9.0, 9.0, 9.0, 0.0])
     keys = torch.stack([s, torch.zeros_like(s)], -1).view(1, 1, 11, 2)
     q = torch.tensor([[1.0, 0.0], [-1.0, 0.0]]).view(1, 2, 1, 2)
-    layer.update(keys[..., :10, :], keys[..., :10, :])
-    layer.commit(layer._pending, q.expand(1, 2, 10, 2))
+
+    def attend(n0: int, n1: int, query: torch.Tensor) -> None:   # as the press attention does, after attention
+        layer.update(keys[..., n0:n1, :], keys[..., n0:n1, :])
+        chunk = layer._pending
+        layer.commit(chunk, query)
+        layer.after_commit(layer, chunk, query)
+
+    attend(0, 10, q.expand(1, 2, 10, 2))
     assert cache.step.selected.tolist() == [] and cache.selections == []   # nothing before the window yet
-    layer.update(keys[..., 10:, :], keys[..., 10:, :])
-    layer.commit(layer._pending, q)
+    attend(10, 11, q)
     # candidates 2..6 (boundary 10 - 3 = 7) with |s| = 1, 5, 2, 0.5, 3: top 2 are positions 3 and 6
     assert cache.step.selected.tolist() == [3, 6] and cache.step.selected.dtype == torch.long
     assert cache.selections == [[3, 6]]
@@ -117,7 +124,8 @@ def test_omnikv_sparse_layer_reads_sinks_selected_window(tiny_lm):
     assert torch.equal(view.positions[0, 0], want)
     ref = full.layers[2]._view
     assert torch.equal(view.keys, ref.keys[..., want, :]) and torch.equal(view.values, ref.values[..., want, :])
-    assert [type(layer) for layer in cache.layers] == [StoreLayer, FilterLayer, omnikv.SparseLayer]
+    assert [type(layer) for layer in cache.layers] == [StoreLayer, StoreLayer, omnikv.SparseLayer]
+    assert [layer.after_commit for layer in cache.layers] == [None, press.filter, None]
     assert cache.attended[-1] == [61, 61, 4 + 9 + 9]
 
 
@@ -141,6 +149,14 @@ def test_omnikv_defaults_tiny_context_and_errors(tiny_lm):
         OmniKVPress(keep=1.5)
 
 
-def test_residualkv_uses_this_filter_layer():
-    from kvbench.compress.residualkv import cache as rkv_cache
-    assert rkv_cache.FilterLayer is omnikv.FilterLayer
+def test_residualkv_omnikv_runs_this_filter_step(tiny_lm, tmp_path):
+    """residualkv+omnikv composes OmniKV's own filter step (with the storage's sinks and window)."""
+    from test_rkv_cache import _identity_codec
+
+    from kvbench.compress.residualkv.cache import ResidualKVPress
+    codec_dir = _identity_codec(tiny_lm, tmp_path / "id", n_sink=2, window=4, stride=5)
+    press = ResidualKVPress(codec_dir=str(codec_dir), selector=OmniKVPress(keep=0.5), full_layers=(0, 1))
+    cache = press.new_cache(tiny_lm)
+    hook = cache.layers[1].after_commit
+    assert hook.__func__ is OmniKVPress.filter and (hook.__self__.n_sink, hook.__self__.window) == (2, 4)
+    assert cache.layers[0].after_commit is None and all(x.after_commit is None for x in cache.layers[2:])

@@ -14,7 +14,9 @@ import torch
 
 from kvbench.compress.cache import Press
 from kvbench.compress.generate import greedy_generate
+from kvbench.compress.presses.snapkv import SnapKVPress
 from kvbench.compress.registry import PRESS, PRESSES
+from kvbench.compress.residualkv.cache import ResidualKVPress
 from kvbench.compress.residualkv.codec import ResidualCodec
 from kvbench.utils.spec import fmt, parse
 
@@ -75,10 +77,58 @@ def test_exact_spec_round_trips_through_the_grammar(name):
     assert isinstance(spec.build(), cls)  # constructing checks it: no resource is read before load()
 
 
-@pytest.mark.parametrize("name", sorted(PRESSES))
+#: every press alone and composed with each selector it takes (``<storage>+<selector>``)
+SPECS = sorted(PRESSES) + [f"{n}+{s}" for n, cls in sorted(PRESSES.items()) for s in getattr(cls, "selectors", ())]
+USUAL = {"residualkv+omnikv": ":full_layers=0,keep=0.5", "residualkv+snapkv": ":keep=0.5,window=8"}
+
+
+@pytest.mark.parametrize("name", SPECS)
 def test_runs_on_the_tiny_lm(tiny_lm, identity_codec, name):
-    cls = PRESSES[name]
-    usual = {"residualkv": {"mode": "omnikv", "full_layers": (0,), "keep": 0.5}}.get(name, {})
-    press = cls(**usual, **resources(cls, identity_codec))
+    spec = parse(name + USUAL.get(name, ""), PRESS)
+    press = spec.build(**resources(spec.cls, identity_codec))
     new = _generate(tiny_lm, press, 70, 60, n_new=5, seed=1)
     assert len(new) == 5 and all(0 <= t < 256 for t in new)
+
+
+# -- composition: <storage>+<selector> (kvbench.utils.spec) ----------------------------------------------
+def test_composed_spec_routes_each_parameter_to_its_method():
+    spec = parse("residualkv+snapkv:keep=0.4,full_layers=0+1,kernel=7,pooling=max", PRESS)
+    assert spec.name == "residualkv+snapkv" and spec.cls is ResidualKVPress and spec.selector_cls is SnapKVPress
+    assert spec.canonical == "residualkv+snapkv:full_layers=0+1,keep=0.4,kernel=7,pooling=max"
+    assert spec.slug == "residualkv.snapkv_full_layers-0.1_keep-0.4_kernel-7_pooling-max"
+    press = spec.build(codec_dir="c")
+    assert press.full_layers == (0, 1) and press.codec_dir == "c"
+    assert (press.selector.keep, press.selector.kernel, press.selector.pooling, press.selector.window) == (0.4, 7, "max", 32)
+    assert parse(spec.canonical, PRESS) == spec
+    # the standalone storage is the plain name: no selector
+    assert parse("residualkv:full_layers=0+1", PRESS).build().selector is None
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("residualkv+quest:keep=0.3", r"'residualkv' takes the selectors \['omnikv', 'snapkv'\], not 'quest'"),
+    ("snapkv+omnikv", "'snapkv' takes no selector, not 'omnikv'"),
+    ("residualkv+nope", "not 'nope'"),
+    ("residualkv:selector=omnikv", "unknown parameter 'selector'"),
+    ("residualkv+omnikv:keep=0.2", "needs full_layers"),
+    ("residualkv+omnikv:full_layers=0,n_sink=2", r"takes \['n_sink'\] from the storage"),
+    ("residualkv+snapkv:keep=2", "keep"),
+    ("residualkv+snapkv:bogus=1", "unknown parameter 'bogus' for 'residualkv\\+snapkv'"),
+])
+def test_bad_composed_specs_name_what_is_wrong(text, needle):
+    with pytest.raises(ValueError, match=needle):
+        parse(text, PRESS)
+
+
+def test_storage_and_selector_never_share_a_parameter_name():
+    """A spec routes a parameter by its name, so a storage and any selector it takes share none."""
+    for name, cls in PRESSES.items():
+        for sel in getattr(cls, "selectors", ()):
+            shared = set(PRESS.parameters(cls)) & set(PRESS.parameters(PRESSES[sel]))
+            assert not shared, (name, sel, shared)
+
+
+def test_an_int_for_a_float_parameter_is_the_same_run():
+    """``keep=1`` and ``keep=1.0`` were two canonical forms, so two runs of one setting."""
+    assert parse("snapkv:keep=1", PRESS).canonical == parse("snapkv:keep=1.0", PRESS).canonical == "snapkv:keep=1.0"
+    assert parse("residualkv:alpha=0", PRESS).slug == "residualkv_alpha-0.0"
+    assert parse("residualkv:stride=5", PRESS).canonical == "residualkv:stride=5"   # ints stay ints

@@ -6,6 +6,9 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from kvbench.compress.cache import Press, press_attention
+from kvbench.compress.presses.kivi import KIVIPress
+from kvbench.compress.presses.omnikv import OmniKVPress
+from kvbench.compress.presses.snapkv import SnapKVPress
 from kvbench.compress.residualkv.cache import ResidualKVLayer, ResidualKVPress
 from kvbench.compress.residualkv.codec import ResidualCodec
 
@@ -38,7 +41,7 @@ CUTS = [30, 45, *range(46, 60)]   # context chunk, question chunk, then one toke
 
 def test_identity_codec_equals_vanilla_cache(tiny_lm, tmp_path):
     codec_dir = _identity_codec(tiny_lm, tmp_path / "id", n_sink=2, window=4, stride=5)
-    press = ResidualKVPress(codec_dir=str(codec_dir), mode="standalone", bits=32, ref_fp8=False)
+    press = ResidualKVPress(codec_dir=str(codec_dir), bits=32, ref_fp8=False)
     got, cache = _run(tiny_lm, press, IDS, CUTS)
     want, _ = _run(tiny_lm, Press(), IDS, CUTS)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
@@ -51,7 +54,7 @@ def test_identity_codec_equals_vanilla_cache(tiny_lm, tmp_path):
 
 def test_restored_keys_get_rope_at_their_own_positions(tiny_lm, tmp_path):
     codec_dir = _identity_codec(tiny_lm, tmp_path / "id", n_sink=2, window=4, stride=5)
-    press = ResidualKVPress(codec_dir=str(codec_dir), mode="standalone", bits=32, ref_fp8=False)
+    press = ResidualKVPress(codec_dir=str(codec_dir), bits=32, ref_fp8=False)
     _, cache = _run(tiny_lm, press, IDS[:, :40], [30])
     _, full = _run(tiny_lm, Press(), IDS[:, :40], [30])
     for i in range(3):
@@ -64,8 +67,8 @@ def test_restored_keys_get_rope_at_their_own_positions(tiny_lm, tmp_path):
 
 def test_quantised_codes_change_little_and_store_fewer_bytes(tiny_lm, tmp_path):
     codec_dir = _identity_codec(tiny_lm, tmp_path / "id", n_sink=2, window=4, stride=5)
-    exact, _ = _run(tiny_lm, ResidualKVPress(codec_dir=str(codec_dir), mode="standalone", bits=32, ref_fp8=False), IDS, [30])
-    q4, c4 = _run(tiny_lm, ResidualKVPress(codec_dir=str(codec_dir), mode="standalone", bits=4), IDS, [30])
+    exact, _ = _run(tiny_lm, ResidualKVPress(codec_dir=str(codec_dir), bits=32, ref_fp8=False), IDS, [30])
+    q4, c4 = _run(tiny_lm, ResidualKVPress(codec_dir=str(codec_dir), bits=4), IDS, [30])
     assert not torch.equal(exact, q4)
     b4 = c4.layers[1].stored_bytes()
     # 60 tokens: 11 refs FP8 (64 bytes each), 43 codes at 4 bits (32 bytes) + 2 groups x 2 fp16 (8 bytes)
@@ -79,32 +82,36 @@ def test_codec_of_another_model_is_refused(tiny_lm, tmp_path):
                                          num_key_value_heads=2, head_dim=16, intermediate_size=128, vocab_size=256))
     codec_dir = _identity_codec(other, tmp_path / "other")
     with pytest.raises(ValueError, match="does not fit the model"):
-        ResidualKVPress(codec_dir=str(codec_dir), mode="standalone").new_cache(tiny_lm)
+        ResidualKVPress(codec_dir=str(codec_dir)).new_cache(tiny_lm)
 
 
-@pytest.mark.parametrize("kw, match", [({"mode": "fast"}, "mode must be"), ({"keep": 0}, "keep must be"),
-                                       ({"mode": "omnikv"}, "needs full_layers"), ({"bits": 3}, "bits"),
-                                       ({"full_kv_bits": 4}, "full_layers is empty"), ({"stride": 0}, "stride"),
-                                       ({"alpha": -0.5}, "alpha .* >= 0"), ({"audit_steps": -1}, "audit_steps")])
+@pytest.mark.parametrize("kw, match", [
+    ({"selector": "omnikv"}, "selector must be an OmniKVPress or a SnapKVPress"),
+    ({"selector": KIVIPress()}, "selector must be"),
+    ({"selector": OmniKVPress()}, "needs full_layers"),
+    ({"selector": OmniKVPress(window=4), "full_layers": (0, 1)}, r"takes \['window'\] from the storage"),
+    ({"selector": OmniKVPress(filter_layers=(1,)), "full_layers": (0, 1)}, "filter_layers"),
+    ({"bits": 3}, "bits"), ({"full_kv_bits": 4}, "full_layers is empty"), ({"stride": 0}, "stride"),
+    ({"alpha": -0.5}, "alpha .* >= 0")])
 def test_bad_press_parameters(tiny_lm, tmp_path, kw, match):
     codec_dir = _identity_codec(tiny_lm, tmp_path / "id")
     with pytest.raises(ValueError, match=match):
-        ResidualKVPress(codec_dir=str(codec_dir), **{"mode": "standalone", **kw})
+        ResidualKVPress(codec_dir=str(codec_dir), **kw)
 
 
 def test_missing_codec_dir_is_named(tiny_lm, tmp_path):
-    press = ResidualKVPress(codec_dir=str(tmp_path / "nowhere"), mode="standalone")  # resources load later
+    press = ResidualKVPress(codec_dir=str(tmp_path / "nowhere"))  # resources load later
     with pytest.raises(ValueError, match="holds no trained codec"):
         press.load()
     # the variant folder instead of its codec/ subfolder: the error points at the right one
     _identity_codec(tiny_lm, tmp_path / "variant" / "codec")
     with pytest.raises(ValueError, match=r"did you mean '.*variant/codec'\?"):
-        ResidualKVPress(codec_dir=str(tmp_path / "variant"), mode="standalone").load()
+        ResidualKVPress(codec_dir=str(tmp_path / "variant")).load()
 
 
-def test_snapkv_mode_keeps_the_keep_share_of_codes_and_every_reference(tiny_lm, tmp_path):
+def test_snapkv_selector_keeps_the_keep_share_of_codes_and_every_reference(tiny_lm, tmp_path):
     codec_dir = _identity_codec(tiny_lm, tmp_path / "id", n_sink=2, window=4, stride=5)
-    press = ResidualKVPress(codec_dir=str(codec_dir), mode="snapkv", keep=0.5)
+    press = ResidualKVPress(codec_dir=str(codec_dir), selector=SnapKVPress(keep=0.5, kernel=7, pooling="max"))
     _, cache = _run(tiny_lm, press, IDS, [50])
     layer = cache.layers[1]
     # context chunk of 50: 2 sinks, 4 raw, 44 flushed = 9 refs (2, 7, ..., 42) + 35 codes -> ceil(17.5) = 18 kept,
@@ -118,7 +125,7 @@ def test_snapkv_mode_keeps_the_keep_share_of_codes_and_every_reference(tiny_lm, 
 
 def test_without_references_every_token_is_coded_and_identity_stays_exact(tiny_lm, tmp_path):
     codec_dir = _identity_codec(tiny_lm, tmp_path / "noref", n_sink=2, window=4, references=False)
-    press = ResidualKVPress(codec_dir=str(codec_dir), mode="standalone", bits=32, ref_fp8=False)
+    press = ResidualKVPress(codec_dir=str(codec_dir), bits=32, ref_fp8=False)
     got, cache = _run(tiny_lm, press, IDS, CUTS)
     want, _ = _run(tiny_lm, Press(), IDS, CUTS)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
@@ -130,16 +137,16 @@ def test_full_kv_bits_store_full_layers_kivi_style(tiny_lm, tmp_path):
     from kvbench.compress.accounting import StoredBytes
     from kvbench.compress.cache import StoreLayer
     from kvbench.compress.presses.kivi import KIVIPress
-    from kvbench.compress.presses.omnikv import FilterLayer
-    from kvbench.compress.residualkv.cache import QuantizedFilterLayer, QuantizedFullLayer
+    from kvbench.compress.residualkv.cache import QuantizedFullLayer
 
     codec_dir = _identity_codec(tiny_lm, tmp_path / "id", n_sink=2, window=4, stride=5)
-    base = dict(codec_dir=str(codec_dir), mode="omnikv", full_layers=(0, 1), keep=0.5)
+    base = dict(codec_dir=str(codec_dir), selector=OmniKVPress(keep=0.5), full_layers=(0, 1))
     _, c16 = _run(tiny_lm, ResidualKVPress(**base), IDS, CUTS)
     _, c4 = _run(tiny_lm, ResidualKVPress(**base, full_kv_bits=4), IDS, CUTS)
     _, kivi = _run(tiny_lm, KIVIPress(bits=4), IDS, CUTS)
-    assert [type(x) for x in c16.layers[:2]] == [StoreLayer, FilterLayer]
-    assert [type(x) for x in c4.layers[:2]] == [QuantizedFullLayer, QuantizedFilterLayer]
+    assert [type(x) for x in c16.layers[:2]] == [StoreLayer, StoreLayer]
+    assert [type(x) for x in c4.layers[:2]] == [QuantizedFullLayer, QuantizedFullLayer]
+    assert [x.after_commit is not None for x in c4.layers[:3]] == [False, True, False]   # layer 1 filters
     # FP16 full layer: 60 tokens x d_kv 64 x 2 bytes; 4-bit: exactly KIVI-4's bytes, reported as the full_layer part
     assert c16.layers[0].stored_bytes() == StoredBytes(layer=0, full_layer=60 * 64 * 2)
     for i in (0, 1):

@@ -19,8 +19,8 @@ SECTION = {
     "train": {"objective": "joint", "steps": 10, "seq_len": 64, "lr": 0.001, "data": "tasks"},
     "variants": {"norefs": {"overrides": {"references": False}}},
     "tableIII": [{"label": "Full cache", "method": "fullkv"},
-                 {"label": "ResidualKV", "method": "residualkv:mode=omnikv,full_layers=0+1,keep=0.2"}],
-    "stride_sweep": {"method": "residualkv:mode=omnikv,full_layers=0+1", "alpha": [0, 0.1], "stride": [5]},
+                 {"label": "ResidualKV", "method": "residualkv+omnikv:full_layers=0+1,keep=0.2"}],
+    "stride_sweep": {"method": "residualkv+omnikv:full_layers=0+1", "alpha": [0, 0.1], "stride": [5]},
 }
 
 
@@ -31,7 +31,7 @@ CODEC_KW = {"seed": 0, "model_dir": "zoo/tiny-qwen2-lm"}
 def test_press_specs_parse_and_canonicalise():
     assert press_spec("snapkv:window=16,keep=0.3").canonical == "snapkv:keep=0.3,window=16"
     assert press_spec("residualkv:full_layers=0+1,use_codec=false").params == {"full_layers": (0, 1), "use_codec": False}
-    assert press_spec("residualkv:mode=omnikv,full_layers=0+1").slug == "residualkv_full_layers-0.1_mode-omnikv"
+    assert press_spec("residualkv+omnikv:full_layers=0+1").slug == "residualkv.omnikv_full_layers-0.1"
 
 
 @pytest.mark.parametrize("spec, match", [
@@ -52,7 +52,7 @@ def test_get_method_routes_press_specs():
     m = get_method("snapkv:keep=0.5")
     assert isinstance(m, CompressMethod) and m.press().keep == 0.5
     with pytest.raises(ValueError, match="needs codec_dir"):
-        get_method("residualkv:mode=standalone").press()
+        get_method("residualkv").press()
 
 
 def test_compress_method_refuses_vlm_records():
@@ -62,14 +62,14 @@ def test_compress_method_refuses_vlm_records():
 
 def test_plan_maps_specs_to_runs_and_codecs():
     plan = RKVPlan(SECTION, "smoke")
-    assert plan.codec_of("fullkv") is None and plan.codec_of("residualkv:mode=standalone") == "main"
+    assert plan.codec_of("fullkv") is None and plan.codec_of("residualkv") == "main"
     with pytest.raises(ValueError, match="needs full_layers"):  # a spec is checked by constructing its press
-        plan.codec_of("residualkv")
+        plan.codec_of("residualkv+omnikv")
     assert plan.run_dir("kv_1k", "fullkv") == "results/runs/smoke/tiny-qwen2-lm/kv_1k/residualkv/fullkv"
     assert [r.label for r in plan.rows("fig5")] == ["alpha = 0", "alpha = 0.1", "stride = 5"]
     assert plan.codec_overrides("norefs")["references"] is False and plan.codec_training("norefs")["data"] == "tasks"
     with pytest.raises(ValueError, match="codec variant 'other'"):
-        RKVPlan({**SECTION, "tableIII": [{"label": "x", "method": "residualkv:mode=standalone,codec=other"}]}, "smoke")
+        RKVPlan({**SECTION, "tableIII": [{"label": "x", "method": "residualkv:codec=other"}]}, "smoke")
 
 
 def _fake_run(root, plan, task, spec, scores, kr, cr, n_tokens=1000):
@@ -151,15 +151,17 @@ class _ByteTok:
 @pytest.mark.parametrize("section, match", [
     ({"codec": {"dc": 48}}, "unknown CodecConfig field"),
     ({"variants": {"x": {"overrides": {"dc": 16}}}}, "variant 'x': unknown CodecConfig field"),
-    ({"tableIII": [{"label": "r", "method": "residualkv:mode=fast"}]}, "mode must be one of"),
+    ({"tableIII": [{"label": "r", "method": "residualkv:mode=omnikv"}]}, "unknown parameter 'mode'"),
+    ({"tableIII": [{"label": "r", "method": "residualkv+quest"}]}, r"takes the selectors \['omnikv', 'snapkv'\], not 'quest'"),
+    ({"tableIII": [{"label": "r", "method": "residualkv+omnikv:full_layers=0+1,window=4"}]}, r"takes \['window'\] from the storage"),
     ({"tableIII": [{"label": "k", "method": "kivi:bits=3"}]}, "kivi:bits=3"),
     # review findings: codec settings that only failed once training started, and bench flags that only
     # failed (or were silently mangled) when the profiling job ran
     ({"codec": {"d_c": 48, "d_ff": 192}}, r"variant 'main'.*d_c=48 must be a multiple of group=32"),
     ({"variants": {"k0": {"overrides": {"k": 0}}}}, r"variant 'k0'.*k \(references per token\) must be an int >= 1"),
     ({"variants": {"s0": {"overrides": {"stride": 0}}}}, r"variant 's0'.*stride must be a positive int, got 0"),
-    ({"tableIII": [{"label": "r", "method": "residualkv:mode=omnikv,full_layers=0+1,stride=0"}]}, "stride .* >= 1, got 0"),
-    ({"tableIII": [{"label": "r", "method": "residualkv:mode=standalone,full_kv_bits=4"}]}, "full_layers is empty"),
+    ({"tableIII": [{"label": "r", "method": "residualkv+omnikv:full_layers=0+1,stride=0"}]}, "stride .* >= 1, got 0"),
+    ({"tableIII": [{"label": "r", "method": "residualkv:full_kv_bits=4"}]}, "full_layers is empty"),
     ({"fig8": {"contxts": [512]}}, r"residualkv.fig8: unknown key\(s\) \['contxts'\]"),
     ({"fig8": {"repeats": "many"}}, "residualkv.fig8: repeats must be a positive integer, got 'many'"),
     # review findings: values the parser took but the bench refused only after Snakemake removed the old CSV
@@ -179,16 +181,16 @@ def test_plan_refuses_bad_sections_before_any_job(section, match):
 
 def test_plan_checks_layers_and_default_codec_size_against_a_known_shape():
     with pytest.raises(ValueError, match=r"full_layers \[9\] outside the model's 8 layers"):
-        RKVPlan({**SECTION, "tableIII": [{"label": "r", "method": "residualkv:mode=omnikv,full_layers=0+9"}]},
+        RKVPlan({**SECTION, "tableIII": [{"label": "r", "method": "residualkv+omnikv:full_layers=0+9"}]},
                 "smoke", shape=(8, 128))
     with pytest.raises(ValueError, match=r"filter_layers \[8\] outside"):
         RKVPlan({**SECTION, "tableIII": [{"label": "o", "method": "omnikv:filter_layers=8"}]}, "smoke", shape=(8, 128))
     # review finding: OmniKV whose only full layer is the last has no filter layer (it ran with CR 1.0)
     with pytest.raises(ValueError, match=r"needs a full layer followed by a sparse one .* full_layers \[7\]"):
-        RKVPlan({**SECTION, "tableIII": [{"label": "r", "method": "residualkv:mode=omnikv,full_layers=7"}]},
+        RKVPlan({**SECTION, "tableIII": [{"label": "r", "method": "residualkv+omnikv:full_layers=7"}]},
                 "smoke", shape=(8, 128))
     with pytest.raises(ValueError, match="keep all 8 layers full: nothing is compressed"):
-        RKVPlan({**SECTION, "tableIII": [{"label": "r", "method": "residualkv:mode=standalone,full_layers=0+1+2+3+4+5+6+7"}]},
+        RKVPlan({**SECTION, "tableIII": [{"label": "r", "method": "residualkv:full_layers=0+1+2+3+4+5+6+7"}]},
                 "smoke", shape=(8, 128))
     with pytest.raises(ValueError, match="d_c=256 is wider than d_kv=128"):
         RKVPlan({**SECTION, "codec": {"d_c": 256, "d_ff": 192}}, "smoke", shape=(8, 128))
@@ -391,8 +393,18 @@ def test_kr_formula_reads_the_press_fields():
     (one index) crashed the formula with ``TypeError: object of type 'int' has no len()``."""
     plan = RKVPlan(SECTION, "smoke")
     shape = (8, 128)
-    with_full = residualkv.kr_formula(plan, "residualkv:mode=standalone,full_layers=0+1", 1024.0, shape)
-    without = residualkv.kr_formula(plan, "residualkv:mode=standalone", 1024.0, shape)
+    with_full = residualkv.kr_formula(plan, "residualkv:full_layers=0+1", 1024.0, shape)
+    without = residualkv.kr_formula(plan, "residualkv", 1024.0, shape)
     assert with_full > without  # β = 2/8 of the layers at 100%
-    assert residualkv.kr_formula(plan, "residualkv:mode=omnikv,full_layers=0", 1024.0, shape) is not None
+    assert residualkv.kr_formula(plan, "residualkv+omnikv:full_layers=0", 1024.0, shape) is not None
     assert residualkv.kr_formula(plan, "snapkv:keep=0.3", 1024.0, shape) is None  # measured only
+
+
+def test_config_errors_name_the_table_and_the_row():
+    """A bad spec in one row of a long table names that row, not only the section."""
+    rows = [{"label": "ok", "method": "fullkv"}, {"label": "bad row", "method": "snapkv:keep=2"}]
+    with pytest.raises(ValueError, match=r"residualkv.tableIII, row 'bad row': method spec 'snapkv:keep=2'"):
+        RKVPlan({**SECTION, "tableIII": rows}, "smoke")
+    rows = [{"label": "deep", "method": "residualkv:full_layers=0+9"}]
+    with pytest.raises(ValueError, match=r"residualkv.tableIII, row 'deep': .*full_layers \[9\] outside"):
+        RKVPlan({**SECTION, "tableIII": rows}, "smoke", shape=(8, 128))

@@ -293,7 +293,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--method", default="full",
                    help="'full' (model.generate), a CONDUIT spec such as reuse, conduit@0.1, conduit@0.1:lam=0.5, "
                         "prophetkv@0.05, mpic-first@0.1, or a compression press spec such as fullkv, snapkv:keep=0.3, "
-                        "kivi:bits=2, residualkv:mode=omnikv,full_layers=0+1,keep=0.2 (needs --method-params '{\"codec_dir\": ...}') "
+                        "kivi:bits=2, residualkv+omnikv:full_layers=0+1,keep=0.2 (needs --method-params '{\"codec_dir\": ...}') "
                         "(default: full)")
     s.add_argument("--out", required=True, help="run directory: predictions.jsonl, metrics.json, timing.csv, run_info.json "
                                            "(an unfinished run there with the same arguments resumes)")

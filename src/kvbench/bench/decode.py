@@ -18,7 +18,7 @@ ResidualKV+OmniKV, quantised and unquantised. Here, per (context, method):
 Methods (:data:`METHODS`):
 
 - ``full``: :class:`~kvbench.compress.cache.Press`, the exact full cache;
-- ``residualkv-omnikv``: :class:`ResidualKVPress` (mode ``omnikv``, 4-bit residual codes, FP8
+- ``residualkv-omnikv``: :class:`ResidualKVPress` (``residualkv+omnikv``, 4-bit residual codes, FP8
   references, ``keep`` 0.17, the authors' OmniKV config);
 - ``residualkv-omnikv-unquantised``: the same with 16-bit codes and float32 references.
 
@@ -58,6 +58,7 @@ from kvbench.bench.timing_lm import (
 )
 from kvbench.compress.accounting import compute_ratio_measured, keep_ratio_measured
 from kvbench.compress.cache import Press, PressCache, press_attention
+from kvbench.compress.presses.omnikv import OmniKVPress
 from kvbench.compress.residualkv.cache import ResidualKVPress
 from kvbench.compress.residualkv.codec import CodecConfig, ResidualCodec, model_kv_shape
 
@@ -99,7 +100,7 @@ def make_press(method: str, codec_dir: str | Path, full_layers: Sequence[int], k
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; expected one of {list(METHODS)}")
     quantised = method == "residualkv-omnikv"
-    return ResidualKVPress(codec_dir=str(codec_dir), mode="omnikv", full_layers=tuple(full_layers), keep=keep,
+    return ResidualKVPress(codec_dir=str(codec_dir), selector=OmniKVPress(keep=keep), full_layers=tuple(full_layers),
                            bits=4 if quantised else 16, ref_fp8=quantised, full_kv_bits=4 if quantised else 16)
 
 
@@ -143,7 +144,7 @@ def time_decode(model: Any, press: Press, contexts: Sequence[int], decode_steps:
     then prefilled further up to the next context (the decoded tokens count as context); a fresh cache
     is started only when a context is shorter than what the cache already holds. Each context's prefix
     is therefore prefilled once per method, as in a fresh run, at about half the untimed work. The
-    methods here have no ``after_context`` step (it is a no-op for ``Press`` and ResidualKV's omnikv mode).
+    methods here have no ``after_context`` step (it is a no-op for ``Press`` and ``residualkv+omnikv``).
 
     Returns:
         Per context: ``tokens_per_s`` (median over repeats), ``q1``, ``q3`` (tokens/s), ``ms_per_token``

@@ -8,7 +8,9 @@ A compression method is a :class:`StoreLayer` subclass (one per decoder layer) w
 - :meth:`StoreLayer.commit`: store a chunk of new tokens once its attention has run (so a single-chunk
   prefill is exact, as in the ResidualKV code and in SnapKV/KVzip, and methods that score the chunk with
   its own queries, e.g. SnapKV's observation window, see those queries);
-- :meth:`StoreLayer.narrow` (optional): a per-query mask over the keys read (Quest's page selection).
+- :meth:`StoreLayer.narrow` (optional): a per-query mask over the keys read (Quest's page selection);
+- :attr:`StoreLayer.after_commit` (optional): a selector's step after the commit (OmniKV's filter
+  layers), set by the press that builds the layer, so a selector composes with any store.
 
 :class:`PressCache` calls them from ``update`` and from the attention function registered as
 ``"kvbench_press"``, which builds the causal mask from the key positions (the model's own mask has the
@@ -24,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Iterator
+from typing import Any, Callable, ClassVar, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -110,6 +112,9 @@ class StoreLayer(CacheLayerMixin):
         self._pending: KVView | None = None
         self._view: KVView | None = None
         self._query_pos: torch.Tensor | None = None
+        #: called as ``after_commit(layer, chunk, query)`` once :meth:`commit` stored ``chunk`` (``_view``
+        #: still the keys this step's attention read): a selector composed with this store
+        self.after_commit: Callable[[StoreLayer, KVView, torch.Tensor], None] | None = None
 
     # -- the method's hooks ------------------------------------------------------------------
     def history(self) -> KVView | None:
@@ -240,6 +245,8 @@ def _press_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value:
                                          attn_mask=allowed, scale=scaling)
     pending, layer._pending = layer._pending, None
     layer.commit(pending, query)
+    if layer.after_commit is not None:
+        layer.after_commit(layer, pending, query)
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -4,7 +4,7 @@ Spec grammar (:mod:`kvbench.utils.spec`, family :data:`kvbench.compress.registry
 
     spec := press [ ":" key "=" value { "," key "=" value } ]
 
-e.g. ``fullkv``, ``snapkv:keep=0.3``, ``kivi:bits=2``, ``residualkv:mode=omnikv,keep=0.2``.
+e.g. ``fullkv``, ``snapkv:keep=0.3``, ``kivi:bits=2``, ``residualkv+omnikv:full_layers=0+1,keep=0.2``.
 ``press`` names a class of :data:`kvbench.compress.registry.PRESSES`; keys are its dataclass fields.
 A ResidualKV press needs ``codec_dir`` (a path, passed as a method parameter, not in the spec, so that run
 names do not hold paths; the spec's ``codec`` field names the codec variant for the record).

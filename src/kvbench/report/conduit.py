@@ -61,8 +61,15 @@ class Row:
 
 
 def _row(entry: dict) -> Row:
-    """A row from a config entry ``{label, method}`` whose method is a full spec (r taken from it)."""
-    spec = parse_method_spec(entry["method"])
+    """A row from a config entry ``{label, method}`` whose method is a full spec (r taken from it).
+
+    Raises:
+        ValueError: an invalid spec, naming the row's label (the config may list one spec in several rows).
+    """
+    try:
+        spec = parse_method_spec(entry["method"])
+    except ValueError as e:
+        raise ValueError(f"conduit row {entry['label']!r}: {e}") from None
     return Row(entry["label"], spec.canonical, spec.r)
 
 

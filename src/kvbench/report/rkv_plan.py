@@ -163,7 +163,10 @@ class RKVPlan:
             if dup:
                 raise ValueError(f"{target}: row label(s) {dup} given twice (each row is one line of the table)")
             for row in rows:
-                self._check_spec(row.spec)  # fail while the DAG is built
+                try:
+                    self._check_spec(row.spec)  # fail while the DAG is built
+                except ValueError as e:
+                    raise ValueError(f"residualkv.{self.rows_key(target)}, row {row.label!r}: {e}") from None
 
     @classmethod
     def from_spec(cls, spec: str | dict) -> "RKVPlan":
@@ -334,12 +337,20 @@ class RKVPlan:
             raise ValueError(f"config residualkv.{self.rows_key(target)} is not set, so {target} has no rows "
                              "(config/config.yaml shows one)")
         if target not in SWEEP_TARGETS:
-            return [Row(e["label"], press_spec(e["method"]).canonical) for e in self.s[target]]
+            return [Row(e["label"], self._row_spec(target, e)) for e in self.s[target]]
         sweep = self.s["stride_sweep"]
         rows = [Row(f"alpha = {a:g}", with_params(sweep["method"], alpha=float(a))) for a in sweep["alpha"]]
         if target == "fig5":
             rows += [Row(f"stride = {s}", with_params(sweep["method"], stride=int(s))) for s in sweep.get("stride", [])]
         return rows
+
+    @staticmethod
+    def _row_spec(target: str, row: dict) -> str:
+        """The canonical press spec of one configured row; errors name the table and the row's label."""
+        try:
+            return press_spec(row["method"]).canonical
+        except ValueError as e:
+            raise ValueError(f"residualkv.{target}, row {row['label']!r}: {e}") from None
 
     def run(self, task: str, spec: str) -> Run:
         """The :class:`~kvbench.report.plan.Run` of press ``spec`` on the plan's model x ``task``."""

@@ -2,16 +2,24 @@
 
 Grammar::
 
-    spec   := name [ "@" r ] [ ":" key "=" value { "," key "=" value } ]
+    spec   := name [ "+" selector ] [ "@" r ] [ ":" key "=" value { "," key "=" value } ]
     value  := true | false | none | <int> | <float> | <int>+<int>+... (a list) | <word>
 
 e.g. ``reuse``, ``full``, ``conduit@0.1:lam=0.5``, ``conduit@0.1:layers=2+3+4``, ``snapkv:keep=0.3``,
-``residualkv:mode=omnikv,full_layers=0+1,keep=0.2``. ``name`` is a method of one :class:`Family`: a
+``residualkv:full_layers=0+1``, ``residualkv+omnikv:full_layers=0+1,keep=0.2``. ``name`` is a method of one :class:`Family`: a
 dataclass whose fields are the method's hyper-parameters. A spec is parsed once (:func:`parse`): the
 values are typed from the class's field annotations, then the class is constructed, so its own
 ``__post_init__`` checks them; a bad spec therefore fails while the Snakemake DAG is built, and
 nothing here repeats a method's validation. Resources (a trained codec, a tokenizer) are fields a
 spec never sets (:attr:`Family.resources`); they are loaded when the method meets a model.
+
+A **composed** spec ``<storage>+<selector>`` names a storage method that takes another method of its
+family as its ``selector`` field (kvpress's ``ComposedPress`` / ``AdaKVPress(SnapKVPress())`` idea):
+``residualkv+omnikv`` stores residual codes and lets OmniKV's filter layers choose what the sparse layers
+restore. The storage class lists the selectors it accepts (``selectors`` class attribute); each
+parameter goes to whichever of the two has a field of that name (a name both have is refused when
+the classes are composed), the selector is built first, and the storage's ``__post_init__`` checks
+the pair.
 
 :attr:`MethodSpec.canonical` is one string per distinct run (aliases resolved, parameters sorted, values
 as the constructed method holds them); :attr:`MethodSpec.slug` is its run-directory name.
@@ -25,7 +33,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-_SPEC = re.compile(r"^(?P<name>[A-Za-z0-9][A-Za-z0-9_-]*)(?:@(?P<r>[^:]*))?(?::(?P<params>.*))?$")
+_SPEC = re.compile(r"^(?P<name>[A-Za-z0-9][A-Za-z0-9_-]*)(?:\+(?P<selector>[A-Za-z0-9][A-Za-z0-9_-]*))?"
+                   r"(?:@(?P<r>[^:]*))?(?::(?P<params>.*))?$")
 _SLUG = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
 
@@ -54,8 +63,10 @@ class Family:
     resources: tuple[str, ...] = ()
 
     def parameters(self, cls: type) -> dict[str, dataclasses.Field]:
-        """Fields of ``cls`` a spec may set (dataclass fields minus :attr:`resources`)."""
-        return {f.name: f for f in dataclasses.fields(cls) if f.init and f.name not in self.resources}
+        """Fields of ``cls`` a spec may set (dataclass fields minus :attr:`resources` and ``selector``, which a
+        composed spec names as ``<storage>+<selector>``)."""
+        return {f.name: f for f in dataclasses.fields(cls)
+                if f.init and f.name not in self.resources and f.name != "selector"}
 
 
 @dataclass(frozen=True)
@@ -70,6 +81,8 @@ class MethodSpec:
         params: the parameters the spec sets, typed, as the constructed method holds them (defaults
             dropped where the family says so).
         fixed_r: the budget a fixed-budget name runs at (None for others).
+        selector_cls: the selector's dataclass of a composed spec (``name`` is then ``<storage>+<selector>``
+            and ``params`` holds both methods' parameters), None otherwise.
     """
 
     family: str
@@ -78,6 +91,7 @@ class MethodSpec:
     r: float | None = None
     params: dict = field(default_factory=dict)
     fixed_r: float | None = None
+    selector_cls: type | None = None
 
     @property
     def policy(self) -> str:
@@ -120,8 +134,18 @@ class MethodSpec:
         return out
 
     def build(self, **resources: Any) -> Any:
-        """A new instance of the method with these parameters and ``resources`` (e.g. ``codec_dir``)."""
-        return self.cls(**self.params, **resources)
+        """A new instance of the method with these parameters and ``resources`` (e.g. ``codec_dir``); a
+        composed spec builds its selector first and gives it to the storage as ``selector``."""
+        if self.selector_cls is None:
+            return self.cls(**self.params, **resources)
+        own, sel = _split(self.cls, self.selector_cls, self.params)
+        return self.cls(**own, selector=self.selector_cls(**sel), **resources)
+
+
+def _split(storage: type, selector: type, params: dict) -> tuple[dict, dict]:
+    """``params`` of a composed spec as (storage's, selector's), by field name."""
+    own = {f.name for f in dataclasses.fields(storage)}
+    return ({k: v for k, v in params.items() if k in own}, {k: v for k, v in params.items() if k not in own})
 
 
 def fmt(v: Any) -> str:
@@ -161,7 +185,8 @@ def typed(spec: str, key: str, value: Any, f: dataclasses.Field) -> Any:
     """``value`` checked against field ``f``'s annotation (a string under ``from __future__ import annotations``).
 
     bool fields take ``true``/``false`` only (``use_v_norm=no`` once became the string "no", which the
-    policy read as True: the ablation silently ran as default CONDUIT); numbers take numbers; words take
+    policy read as True: the ablation silently ran as default CONDUIT); numbers take numbers, and a float
+    field holds a float (``keep=1`` is ``keep=1.0``: one canonical form, so one run); words take
     words; layer lists (``list[int]``, ``tuple[int, ...]``) take indices >= 0 joined by ``+`` (one index
     is a list of one); ``none`` only where the annotation allows None.
 
@@ -182,6 +207,8 @@ def typed(spec: str, key: str, value: Any, f: dataclasses.Field) -> Any:
     if kind == "float" and (isinstance(value, bool) or not isinstance(value, (int, float))
                             or not math.isfinite(value)):
         raise ValueError(f"method spec {spec!r}: {key} must be a number, got {value!r}")
+    if kind == "float":
+        return float(value)   # keep=1 and keep=1.0 are one run (one canonical form)
     if kind == "str" and not isinstance(value, str):
         raise ValueError(f"method spec {spec!r}: {key} must be a word, got {value!r}")
     if kind in ("list[int]", "tuple[int,...]"):
@@ -217,18 +244,51 @@ def parse(spec: str, *families: Family) -> MethodSpec:
         raise ValueError(f"unknown method {m['name']!r} in spec {spec!r}; known methods ({known})")
     cls = fam.classes[m["name"]]
     name = cls.name
+    sel_cls = None if m["selector"] is None else _selector(spec, fam, cls, m["selector"])
     fixed = fam.fixed_r.get(name)
     r = _budget(spec, fam, name, fixed, m["r"])
-    params = _params(spec, fam, cls, m["params"])
+    fields = fam.parameters(cls)
+    if sel_cls is not None:
+        name = f"{name}+{sel_cls.name}"
+        fields = fields | fam.parameters(sel_cls)
+    params = _params(spec, fields, name, m["params"])
     try:
-        method = cls(**params)
+        if sel_cls is None:
+            method, sel = cls(**params), None
+        else:
+            own, theirs = _split(cls, sel_cls, params)
+            sel = sel_cls(**theirs)
+            method = cls(**own, selector=sel)
     except (TypeError, ValueError) as e:
         raise ValueError(f"method spec {spec!r}: {e}") from None
-    held = {k: getattr(method, k) for k in params}
+    own_fields = _field_names(cls)
+    held = {k: getattr(method if k in own_fields else sel, k) for k in params}
     if fam.drops_defaults:
-        defaults = fam.parameters(cls)
-        held = {k: v for k, v in held.items() if v != defaults[k].default}
-    return MethodSpec(family=fam.name, name=name, cls=cls, r=r, params=held, fixed_r=fixed)
+        held = {k: v for k, v in held.items() if v != fields[k].default}
+    return MethodSpec(family=fam.name, name=name, cls=cls, r=r, params=held, fixed_r=fixed, selector_cls=sel_cls)
+
+
+def _field_names(cls: type) -> set[str]:
+    return {f.name for f in dataclasses.fields(cls)}
+
+
+def _selector(spec: str, fam: Family, cls: type, text: str) -> type:
+    """The selector class ``text`` of a composed spec whose storage is ``cls``.
+
+    Raises:
+        ValueError: ``cls`` takes no selector, or not this one (listing those it takes), or the two
+            classes share a parameter name (a spec could not say whose it is).
+    """
+    takes = tuple(getattr(cls, "selectors", ()))
+    sel = fam.classes.get(text)
+    if sel is None or sel.name not in takes:
+        what = f"takes the selectors {list(takes)}" if takes else "takes no selector"
+        raise ValueError(f"method spec {spec!r}: {cls.name!r} {what}, not {text!r}")
+    shared = set(fam.parameters(cls)) & set(fam.parameters(sel))
+    if shared:
+        raise ValueError(f"method spec {spec!r}: {cls.name!r} and {sel.name!r} both have the parameter(s) "
+                         f"{sorted(shared)}, so the spec cannot say whose they are")
+    return sel
 
 
 def _budget(spec: str, fam: Family, name: str, fixed: float | None, text: str | None) -> float | None:
@@ -251,10 +311,9 @@ def _budget(spec: str, fam: Family, name: str, fixed: float | None, text: str | 
     return r
 
 
-def _params(spec: str, fam: Family, cls: type, text: str | None) -> dict[str, Any]:
+def _params(spec: str, fields: dict[str, dataclasses.Field], name: str, text: str | None) -> dict[str, Any]:
     if text is None:
         return {}
-    fields = fam.parameters(cls)
     params: dict[str, Any] = {}
     for item in text.split(","):
         key, sep, val = item.partition("=")
@@ -262,7 +321,7 @@ def _params(spec: str, fam: Family, cls: type, text: str | None) -> dict[str, An
         if not sep or not key or not val.strip():
             raise ValueError(f"method spec {spec!r}: parameter {item!r} is not key=value")
         if key not in fields:
-            raise ValueError(f"method spec {spec!r}: unknown parameter {key!r} for {cls.name!r}; "
+            raise ValueError(f"method spec {spec!r}: unknown parameter {key!r} for {name!r}; "
                              f"accepted: {sorted(fields) or 'none'}")
         if key in params:
             raise ValueError(f"method spec {spec!r}: parameter {key!r} given twice")

@@ -8,8 +8,11 @@ queries, max over query heads and query rows, and keeps the top ``ceil(keep · n
 sparse layers up to the next filter layer read sinks + selected + window, one set shared by all heads.
 Layers before the first filter layer are dense.
 
-:class:`FilterLayer` is the one implementation of the filter step; ResidualKV's ``omnikv`` mode
-(:mod:`kvbench.compress.residualkv.cache`) uses it too, with its own sinks and window.
+:func:`filter_step` is the one implementation of the filter step. It runs after a layer's commit
+(:attr:`~kvbench.compress.cache.StoreLayer.after_commit`), so it composes with any store: OmniKV's own
+exact layers here, and ResidualKV's full layers (FP16 or KIVI-style 4-bit) when :class:`OmniKVPress` is
+the selector of ``residualkv+omnikv`` (:mod:`kvbench.compress.residualkv.cache`), with the storage's sinks
+and window.
 """
 from __future__ import annotations
 
@@ -27,7 +30,7 @@ AUTHORS_FILTER_LAYERS = {32: (2, 8, 18), 28: (2, 4, 7, 14)}
 
 
 class Selector(Protocol):
-    """What a :class:`FilterLayer` needs from its press."""
+    """What :func:`filter_step` needs from its press."""
 
     n_sink: int
     window: int
@@ -44,41 +47,32 @@ def keep_count(keep: float, n_candidates: int) -> int:
     return max(1, min(n_candidates, math.ceil(keep * n_candidates)))
 
 
-class FilterLayer(StoreLayer):
-    """A full-attention layer whose queries select the tokens of the following sparse layers.
+def filter_step(selector: Selector, layer: StoreLayer, chunk: KVView, query: torch.Tensor) -> None:
+    """OmniKV's filter step at ``layer``, after its attention read ``layer._view`` and committed ``chunk``.
 
-    After this layer's attention (in :meth:`commit`), with ``query`` ``[1, H_q, t, D]`` the chunk's
-    post-RoPE queries: candidates are the stored positions ``p`` with ``n_sink <= p < boundary``,
-    ``boundary = (tokens before the chunk) − window``; score(p) = max over query heads and rows of
-    q·k_p (raw logits, no softmax, no scaling, GQA by repeating KV heads); the top
-    ``selector.n_keep(n_candidates)`` positions, sorted, int64 ``[m]``, go to ``cache.step.selected``
-    and the first ``selector.audit_steps`` non-empty selections to ``cache.selections``. With no
-    candidate, ``selected`` is an empty int64 tensor. The candidate index is the absolute token
-    position, the same index the sparse layers' stores use.
+    With ``query`` ``[1, H_q, t, D]`` the chunk's post-RoPE queries: candidates are the positions ``p`` of
+    the view with ``n_sink <= p < boundary``, ``boundary = (tokens before the chunk) − window``;
+    score(p) = max over query heads and rows of q·k_p (raw logits, no softmax, no scaling, GQA by
+    repeating KV heads), with the keys this layer's attention read (dequantised ones for a quantised
+    store); the top ``selector.n_keep(n_candidates)`` positions, sorted, int64 ``[m]``, go to
+    ``cache.step.selected`` and the first ``selector.audit_steps`` non-empty selections to
+    ``cache.selections``. With no candidate, ``selected`` is an empty int64 tensor. The candidate index
+    is the absolute token position, the same index the sparse layers' stores use.
     """
-
-    def __init__(self, ctx: LayerContext, cache: PressCache, selector: Selector, **store_kwargs: Any):
-        # store_kwargs go to the next store class in the MRO (e.g. KIVILayer's bits when the filter layer
-        # is itself quantised, ResidualKV's full_kv_bits)
-        super().__init__(ctx, cache, **store_kwargs)
-        self.selector = selector
-
-    def commit(self, chunk: KVView, query: torch.Tensor) -> None:
-        view = self._view
-        super().commit(chunk, query)
-        boundary = self.seen - len(chunk) - self.selector.window
-        pos = view.positions[0, 0]
-        cand = (pos >= self.selector.n_sink) & (pos < boundary)
-        if not cand.any():
-            self.cache.step.selected = torch.zeros(0, dtype=torch.long, device=pos.device)
-            return
-        keys = view.keys[..., cand, :].repeat_interleave(query.shape[1] // view.keys.shape[1], 1)
-        scores = (query.float() @ keys.float().transpose(-1, -2)).amax(dim=(0, 1, 2))   # [n_cand]
-        top = scores.topk(self.selector.n_keep(int(cand.sum()))).indices
-        selected = pos[cand][top].sort().values
-        self.cache.step.selected = selected
-        if len(self.cache.selections) < self.selector.audit_steps:
-            self.cache.selections.append(selected.tolist())
+    view, cache = layer._view, layer.cache
+    boundary = layer.seen - len(chunk) - selector.window
+    pos = view.positions[0, 0]
+    cand = (pos >= selector.n_sink) & (pos < boundary)
+    if not cand.any():
+        cache.step.selected = torch.zeros(0, dtype=torch.long, device=pos.device)
+        return
+    keys = view.keys[..., cand, :].repeat_interleave(query.shape[1] // view.keys.shape[1], 1)
+    scores = (query.float() @ keys.float().transpose(-1, -2)).amax(dim=(0, 1, 2))   # [n_cand]
+    top = scores.topk(selector.n_keep(int(cand.sum()))).indices
+    selected = pos[cand][top].sort().values
+    cache.step.selected = selected
+    if len(cache.selections) < selector.audit_steps:
+        cache.selections.append(selected.tolist())
 
 
 class SparseLayer(StoreLayer):
@@ -177,6 +171,10 @@ class OmniKVPress(Press):
     def check_layers(self, n_layers: int) -> None:
         self.layers_for(n_layers)
 
+    def filter(self, layer: StoreLayer, chunk: KVView, query: torch.Tensor) -> None:
+        """:func:`filter_step` with this press's settings (a layer's ``after_commit`` hook)."""
+        filter_step(self, layer, chunk, query)
+
     def new_cache(self, model: Any) -> PressCache:
         self.check_layers(model.config.get_text_config().num_hidden_layers)   # validates before building
         return super().new_cache(model)
@@ -184,7 +182,9 @@ class OmniKVPress(Press):
     def make_layer(self, ctx: LayerContext, cache: PressCache) -> StoreLayer:
         filters = self.layers_for(ctx.n_layers)
         if ctx.layer_idx in filters:
-            return FilterLayer(ctx, cache, self)
+            layer = StoreLayer(ctx, cache)
+            layer.after_commit = self.filter
+            return layer
         if not filters or ctx.layer_idx < filters[0]:
             return StoreLayer(ctx, cache)
         return SparseLayer(ctx, cache, self)

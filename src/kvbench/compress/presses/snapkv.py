@@ -136,6 +136,15 @@ class SnapKVPress(Press):
         """Prefix tokens kept per KV head in layer ``layer_idx``: ``round(keep · n_prefix)``, in [1, n_prefix]."""
         return budget(self.keep, n_prefix)
 
+    def token_scores(self, query: torch.Tensor, view: KVView) -> torch.Tensor:
+        """SnapKV scores of every token of ``view`` for a store that keeps or drops a token across all its
+        KV heads (the selector of ``residualkv+snapkv``, whose codes span the heads): the last
+        ``min(window, t)`` rows of ``query`` ``[1, H_q, t, D]`` are the observation window, whose own keys
+        end ``view``; returns float32 ``[n]`` (:func:`snapkv_scores` with this press's ``kernel`` and
+        ``pooling``, averaged over KV heads; the window's own tokens score +inf)."""
+        w = min(self.window, query.shape[-2])
+        return snapkv_scores(query[..., -w:, :], view.keys, self.kernel, self.pooling).mean(dim=(0, 1))
+
     def make_layer(self, ctx: LayerContext, cache: PressCache) -> SnapKVLayer:
         """A :class:`SnapKVLayer` reading this press's settings."""
         return SnapKVLayer(ctx, cache, self)

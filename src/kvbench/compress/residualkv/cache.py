@@ -14,16 +14,22 @@ single-chunk prefill is exact, decode reads restored K/V). Restoring is kv̂ = f
 split into pre-RoPE K and V, and K is rotated at the token's own position. References are read as they are
 stored (FP8 round trip), and the SAME dequantised references are used to encode and to restore.
 
-Modes (:class:`ResidualKVPress`):
+Selectors (:class:`ResidualKVPress`, a spec ``residualkv[+<selector>]``), composed with this storage as
+kvpress composes presses (``AdaKVPress(SnapKVPress())``):
 
-- ``standalone``: every sparse layer restores all its coded tokens each step (CR 100%, §IV-C);
-- ``omnikv``: layers in ``full_layers`` keep the full KV; a full layer followed by a sparse layer is a
-  **filter layer**: with the current queries it scores the candidates (the positions that sparse layers hold
-  compressed) by raw q·k logits, max over query heads and query rows, keeps the top ``keep`` share, and the
-  following sparse layers restore only those tokens (plus sinks and window);
-- ``snapkv``: at the end of the context prefill, SnapKV's observation-window scores (window 32, pooling 7,
-  :mod:`kvbench.compress.presses.snapkv`) pick ``keep`` of the coded tokens per layer; the others are dropped
-  for good (references stay: other tokens need them).
+- none (``residualkv``, standalone): every sparse layer restores all its coded tokens each step (CR 100%,
+  §IV-C);
+- :class:`~kvbench.compress.presses.omnikv.OmniKVPress` (``residualkv+omnikv``): layers in ``full_layers``
+  keep the full KV; a full layer followed by a sparse layer is a **filter layer**: OmniKV's filter step
+  (:func:`~kvbench.compress.presses.omnikv.filter_step`, run after the full layer's commit) scores the
+  candidates (the positions that sparse layers hold compressed: the storage's sinks and raw window are
+  not candidates) and the following sparse layers restore only the selected tokens (plus sinks and
+  window);
+- :class:`~kvbench.compress.presses.snapkv.SnapKVPress` (``residualkv+snapkv``): at the end of the context
+  prefill, SnapKV's observation-window scores (its own ``window``, ``kernel`` and ``pooling``; the authors'
+  baseline configuration is window 32, max-pool 7) pick ``keep`` of the coded tokens per layer, averaged
+  over KV heads since a token's K‖V is coded across heads; the others are dropped for good (references
+  stay: other tokens need them).
 """
 from __future__ import annotations
 
@@ -39,13 +45,14 @@ from kvbench.compress import accounting
 from kvbench.compress.accounting import StoredBytes
 from kvbench.compress.cache import KVView, LayerContext, PressCache, Press, StoreLayer
 from kvbench.compress.presses.kivi import KIVILayer
-from kvbench.compress.presses.omnikv import FilterLayer, layer_list
-from kvbench.compress.presses.snapkv import snapkv_scores
+from kvbench.compress.presses.omnikv import OmniKVPress, keep_count, layer_list
+from kvbench.compress.presses.snapkv import SnapKVPress
 from kvbench.compress.residualkv import quant, references
 from kvbench.compress.residualkv.codec import CodecConfig, ResidualCodec, model_kv_shape
 
-MODES = ("standalone", "omnikv", "snapkv")
-SNAP_WINDOW = 32
+#: OmniKV's fields the storage sets in ``residualkv+omnikv``: candidates are what the sparse layers hold
+#: coded (the codec's sinks and window are raw), and the filter layers are full layers followed by a sparse one.
+_STORAGE_OWNS = ("n_sink", "window", "filter_layers")
 
 
 @functools.lru_cache(maxsize=8)
@@ -76,7 +83,7 @@ class _Codes:
         self.pos.append(pos)
 
     def keep(self, mask: torch.Tensor) -> None:
-        """Drop coded tokens where ``mask`` (over all coded tokens, in order) is False (SnapKV mode)."""
+        """Drop coded tokens where ``mask`` (over all coded tokens, in order) is False (``+snapkv``)."""
         out, start = _Codes(self.device), 0
         for c, n, v, p in zip(self.chunks, self.nbr, self.valid, self.pos):
             m = mask[start:start + len(p)]
@@ -135,6 +142,7 @@ class ResidualKVLayer(StoreLayer):
         self.ref_pos = torch.zeros(0, dtype=torch.long)
         self.codes = _Codes()
         self.n_saturated = 0
+        self._first_chunk = False
 
     # -- storage ---------------------------------------------------------------------------------------
     def _kv_pre(self, view: KVView) -> torch.Tensor:
@@ -161,26 +169,23 @@ class ResidualKVLayer(StoreLayer):
         return quant.from_fp8(self.ref_store) if self.press.ref_fp8 else self.ref_store
 
     def commit(self, chunk: KVView, query: torch.Tensor) -> None:
-        first_chunk = self.sink is None and len(chunk) > 1
-        view = self._view
+        self._first_chunk = self.sink is None and len(chunk) > 1
         self._store(chunk)
-        if self.press.mode == "snapkv" and first_chunk:
-            self._snap(query, view)
 
-    def _snap(self, query: torch.Tensor, view: KVView) -> None:
-        """ResidualKV + SnapKV (§IV-C): keep the ``keep`` share of coded tokens that the context's
-        observation window attends most (SnapKV scores, the authors' baseline config: window 32, max-pool 7,
-        averaged over KV heads since a token's K‖V is coded across heads); references stay."""
+    def snap(self, layer: "ResidualKVLayer", chunk: KVView, query: torch.Tensor) -> None:
+        """``residualkv+snapkv`` (§IV-C), the ``after_commit`` hook of a sparse layer: after the context's
+        first chunk, keep the selector's ``keep`` share (``ceil``, at least one) of the coded tokens that the
+        chunk's observation window attends most (:meth:`SnapKVPress.token_scores` over the keys this step
+        read); references stay."""
         code_pos = self.codes.positions()
-        if not len(code_pos):
+        if not self._first_chunk or not len(code_pos):
             return
-        w = min(SNAP_WINDOW, query.shape[-2])
-        scores = snapkv_scores(query[..., -w:, :], view.keys, kernel=7, pooling="max").mean(dim=(0, 1))  # [n]
+        view = self._view
+        scores = self.press.selector.token_scores(query, view)                      # [n]
         by_pos = torch.full((int(view.positions.max()) + 1,), float("-inf"), device=scores.device)
         by_pos[view.positions[0, 0]] = scores
         s = by_pos[code_pos]
-        n_keep = max(1, math.ceil(self.press.keep * len(code_pos)))
-        self.drop_unselected(code_pos[s.topk(n_keep).indices])
+        self.drop_unselected(code_pos[s.topk(keep_count(self.press.selector.keep, len(code_pos))).indices])
 
     def _store(self, chunk: KVView) -> None:
         n_sink_left = self.cfg.n_sink - (0 if self.sink is None else len(self.sink))
@@ -245,7 +250,7 @@ class ResidualKVLayer(StoreLayer):
     def history(self) -> KVView | None:
         if self.sink is None:
             return None
-        selected = self.cache.step.selected if self.press.mode == "omnikv" else None
+        selected = self.cache.step.selected   # set only by an OmniKV filter layer of this step
         parts = [self.sink]
         if len(self.ref_pos):
             keep = torch.ones_like(self.ref_pos, dtype=torch.bool) if selected is None else torch.isin(self.ref_pos, selected)
@@ -268,7 +273,7 @@ class ResidualKVLayer(StoreLayer):
                            raw_window=raw(self.window), sinks=raw(self.sink))
 
     def drop_unselected(self, keep_positions: torch.Tensor) -> None:
-        """SnapKV mode: keep only coded tokens at ``keep_positions`` (references stay)."""
+        """``+snapkv``: keep only coded tokens at ``keep_positions`` (references stay)."""
         self.codes.keep(torch.isin(self.codes.positions(), keep_positions))
 
 
@@ -283,23 +288,21 @@ class QuantizedFullLayer(KIVILayer):
         return StoredBytes(layer=self.ctx.layer_idx, full_layer=super().stored_bytes().total())
 
 
-class QuantizedFilterLayer(FilterLayer, QuantizedFullLayer):
-    """An OmniKV filter layer (:class:`FilterLayer`) whose own KV is stored as :class:`QuantizedFullLayer`;
-    candidates are scored with the keys this layer's attention read (dequantised history + the chunk)."""
-
-
 @dataclass
 class ResidualKVPress(Press):
-    """ResidualKV as a cache press (paper §IV; defaults from §V-A and the authors' configs).
+    """ResidualKV as a cache press (paper §IV; defaults from §V-A and the authors' configs), optionally
+    composed with a token selector (module docstring): spec ``residualkv``, ``residualkv+omnikv`` or
+    ``residualkv+snapkv`` (:mod:`kvbench.utils.spec`).
 
     Parameters:
         codec: name of the codec variant (recorded; the workflow maps it to ``codec_dir``).
         codec_dir: directory of a trained codec (``codec.safetensors`` + ``codec.json``, :class:`ResidualCodec`).
-        mode: ``standalone`` | ``omnikv`` | ``snapkv`` (module docstring).
+        selector: None (standalone, §IV-C), an :class:`OmniKVPress` (its ``keep``: share of candidate tokens
+            restored at sparse layers, the authors' configs 0.11-0.185; its ``audit_steps``; sinks, window
+            and filter layers are the storage's) or a :class:`SnapKVPress` (its ``keep``: share of coded
+            tokens kept; its ``window``, ``kernel``, ``pooling``).
         full_layers: decoder layers kept as full KV (paper Table I; e.g. Llama-3.1-8B [0, 1, 2, 8, 18]).
-            Required non-empty for ``omnikv``.
-        keep: OmniKV share of candidate tokens restored at sparse layers (authors' configs 0.11-0.185),
-            or SnapKV share of coded tokens kept.
+            Required non-empty with OmniKV (a filter layer is a full layer followed by a sparse one).
         bits: residual-code bits (4 = paper text default, 2 = multimodal, 16 = unquantised fp16,
             32 = stored exactly in float32: for the identity-codec invariant only).
         ref_fp8: references stored FP8 e4m3 (paper §V-A deployment); False keeps them float32.
@@ -309,15 +312,14 @@ class ResidualKVPress(Press):
         use_codec: False = Table VIII "without f_c, f_d" (the raw residual, quantised).
         alpha, stride: the reference schedule at inference (None: the codec's training values). Table VI
             and Fig. 5 vary them at inference with one trained codec.
-        audit_steps: OmniKV selections recorded per request (the audit record).
     """
 
     name = "residualkv"
-    exact = {"mode": "standalone", "bits": 32, "ref_fp8": False}  # with an identity codec (d_c = d_kv)
+    selectors = ("omnikv", "snapkv")
+    exact = {"bits": 32, "ref_fp8": False}  # standalone, with an identity codec (d_c = d_kv)
     codec_dir: str = ""
-    mode: str = "omnikv"
+    selector: OmniKVPress | SnapKVPress | None = None
     full_layers: tuple[int, ...] = ()
-    keep: float = 0.2
     bits: int = 4
     use_codec: bool = True
     ref_fp8: bool = True
@@ -325,28 +327,34 @@ class ResidualKVPress(Press):
     codec: str = "main"
     alpha: float | None = None
     stride: int | None = None
-    audit_steps: int = 8
 
     def __post_init__(self):
         """Check the parameters (no codec is read: that happens in :meth:`load`, when the press meets a model).
 
         Raises:
-            ValueError: naming the bad value and what is expected: also ``full_kv_bits`` other than 16
-                without ``full_layers`` (it would change nothing), ``stride`` not a positive int, ``alpha``
-                negative, ``audit_steps`` negative.
+            ValueError: naming the bad value and what is expected: also a selector other than OmniKV or
+                SnapKV, an OmniKV selector without ``full_layers`` or with its own ``n_sink``, ``window`` or
+                ``filter_layers`` (the storage's), ``full_kv_bits`` other than 16 without ``full_layers``
+                (it would change nothing), ``stride`` not a positive int, ``alpha`` negative.
         """
-        if self.mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
-        if not 0 < self.keep <= 1:
-            raise ValueError(f"keep must be in (0, 1], got {self.keep}")
+        if self.selector is not None and not isinstance(self.selector, (OmniKVPress, SnapKVPress)):
+            raise ValueError(f"selector must be an OmniKVPress or a SnapKVPress (residualkv+omnikv, "
+                             f"residualkv+snapkv), got {self.selector!r}")
         if self.bits not in (2, 4, 8, 16, 32):
             raise ValueError(f"bits must be 2, 4, 8, 16 (unquantised) or 32 (exact), got {self.bits!r}")
         if self.full_kv_bits not in (2, 4, 8, 16):
             raise ValueError(f"full_kv_bits must be 2, 4, 8 (KIVI-style full layers) or 16 (exact), "
                              f"got {self.full_kv_bits!r}")
         self.full_layers = tuple(layer_list("full_layers", self.full_layers))
-        if self.mode == "omnikv" and not self.full_layers:
-            raise ValueError("mode 'omnikv' needs full_layers (the filter layers are full layers followed by a sparse one)")
+        if isinstance(self.selector, OmniKVPress):
+            if not self.full_layers:
+                raise ValueError("residualkv+omnikv needs full_layers (the filter layers are full layers "
+                                 "followed by a sparse one)")
+            defaults = {f.name: f.default for f in dataclasses.fields(OmniKVPress)}
+            own = [k for k in _STORAGE_OWNS if getattr(self.selector, k) != defaults[k]]
+            if own:
+                raise ValueError(f"residualkv+omnikv takes {own} from the storage (the codec's sinks and raw "
+                                 f"window; filter layers = full layers followed by a sparse one); drop them")
         if self.full_kv_bits != 16 and not self.full_layers:
             raise ValueError(f"full_kv_bits={self.full_kv_bits} quantises the full layers, but full_layers is empty; "
                              f"set full_layers (e.g. full_layers=0+1) or drop full_kv_bits")
@@ -355,9 +363,6 @@ class ResidualKVPress(Press):
             raise ValueError(f"stride (reference stride s_0) must be an int >= 1, got {stride!r}")
         if alpha is not None and not alpha >= 0:
             raise ValueError(f"alpha (dynamic-stride growth) must be >= 0, got {alpha!r}")
-        audit = self.audit_steps
-        if not isinstance(audit, int) or isinstance(audit, bool) or audit < 0:
-            raise ValueError(f"audit_steps must be an int >= 0, got {audit!r}")
 
     def load(self) -> None:
         """Read the trained codec and check this press against it (the schedule's ``alpha``/``stride``, the
@@ -375,7 +380,8 @@ class ResidualKVPress(Press):
 
         Raises:
             ValueError: an index outside the model; every layer full (nothing would be compressed); in
-                ``omnikv`` mode no full layer followed by a sparse one (no filter layer, so nothing selected).
+                ``residualkv+omnikv`` no full layer followed by a sparse one (no filter layer, so nothing
+                selected).
         """
         layers = set(self.full_layers)
         bad = sorted(i for i in layers if not 0 <= i < n_layers)
@@ -383,8 +389,8 @@ class ResidualKVPress(Press):
             raise ValueError(f"full_layers {bad} outside the model's {n_layers} layers")
         if layers >= set(range(n_layers)):
             raise ValueError(f"full_layers {sorted(layers)} keep all {n_layers} layers full: nothing is compressed")
-        if self.mode == "omnikv" and not any(i + 1 < n_layers and i + 1 not in layers for i in layers):
-            raise ValueError(f"mode 'omnikv' needs a full layer followed by a sparse one (the filter layer); "
+        if isinstance(self.selector, OmniKVPress) and not any(i + 1 < n_layers and i + 1 not in layers for i in layers):
+            raise ValueError(f"residualkv+omnikv needs a full layer followed by a sparse one (the filter layer); "
                              f"full_layers {sorted(layers)} of {n_layers} layers have none")
 
     def schedule(self, codec: CodecConfig | None = None) -> CodecConfig:
@@ -402,8 +408,8 @@ class ResidualKVPress(Press):
         model of ``n_layers`` layers and K‖V width ``d_kv`` at ``n_tokens`` tokens, from its own fields and
         ``codec`` (the codec variant's config; default: the trained codec's).
 
-        Terms: β = len(full_layers) / n_layers in every mode (the cache keeps those layers full in standalone
-        mode too), full layers at ``full_kv_bits``; references FP8 (FP16 when ``ref_fp8`` is False) at the
+        Terms: β = len(full_layers) / n_layers with or without a selector (a standalone cache keeps those
+        layers full too), full layers at ``full_kv_bits``; references FP8 (FP16 when ``ref_fp8`` is False) at the
         measured density of the schedule (:meth:`schedule`), none when the codec has no references (Table
         VIII); codes at ``bits`` in groups of the codec's ``group``, or the raw residual (d_c = d_kv) when
         ``use_codec`` is False.
@@ -434,16 +440,13 @@ class ResidualKVPress(Press):
 
     @property
     def n_sink(self) -> int:
-        """Leading raw tokens of the sparse layers (the codec's), never OmniKV candidates."""
+        """Leading raw tokens of the sparse layers (the codec's), never selector candidates."""
         return self.codec_model.config.n_sink
 
     @property
     def window(self) -> int:
-        """Recent raw tokens of the sparse layers (the codec's), never OmniKV candidates."""
+        """Recent raw tokens of the sparse layers (the codec's), never selector candidates."""
         return self.codec_model.config.window
-
-    def n_keep(self, n_candidates: int) -> int:
-        return max(1, min(n_candidates, math.ceil(self.keep * n_candidates)))
 
     def new_cache(self, model) -> PressCache:
         self.load()
@@ -458,16 +461,27 @@ class ResidualKVPress(Press):
         return super().new_cache(model)
 
     def make_layer(self, ctx: LayerContext, cache: PressCache) -> StoreLayer:
+        """Full layers: exact (:class:`StoreLayer`) or KIVI-style (:class:`QuantizedFullLayer`); with an
+        OmniKV selector, one followed by a sparse layer runs the filter step after its commit (with the
+        storage's sinks and window). Sparse layers: :class:`ResidualKVLayer`; with a SnapKV selector, it
+        evicts coded tokens after the context chunk."""
         i = ctx.layer_idx
         if i in self.full_layers:
-            quantised = self.full_kv_bits < 16
-            kw = {"bits": self.full_kv_bits} if quantised else {}
-            if self.mode == "omnikv" and i + 1 < ctx.n_layers and i + 1 not in self.full_layers:
-                return (QuantizedFilterLayer if quantised else FilterLayer)(ctx, cache, self, **kw)
-            return (QuantizedFullLayer if quantised else StoreLayer)(ctx, cache, **kw)
-        return ResidualKVLayer(ctx, cache, self)
+            layer = (QuantizedFullLayer(ctx, cache, bits=self.full_kv_bits) if self.full_kv_bits < 16
+                     else StoreLayer(ctx, cache))
+            if isinstance(self.selector, OmniKVPress) and i + 1 < ctx.n_layers and i + 1 not in self.full_layers:
+                layer.after_commit = self._filter.filter
+            return layer
+        layer = ResidualKVLayer(ctx, cache, self)
+        if isinstance(self.selector, SnapKVPress):
+            layer.after_commit = layer.snap
+        return layer
+
+    @functools.cached_property
+    def _filter(self) -> OmniKVPress:
+        """The OmniKV selector with the storage's sinks and raw window (read from the codec)."""
+        return dataclasses.replace(self.selector, n_sink=self.n_sink, window=self.window)
 
     def compute_ratio(self, n_layers: int) -> float | None:
-        if self.mode == "standalone":
-            return 1.0
-        return None
+        """1.0 standalone (every coded token restored each step); measured only with a selector."""
+        return 1.0 if self.selector is None else None
