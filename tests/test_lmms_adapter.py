@@ -40,9 +40,21 @@ def test_request_to_record_places_images():
         to_record("x", [])
 
 
-@pytest.mark.parametrize("bad, match", [(dict(policy="nope"), "unknown refresh policy"), (dict(r=2), "ratio"),
-                                        (dict(batch_size=2), "batch_size"), (dict(temperature=1), "unknown model"),
-                                        (dict(policy="prophetkv", lam=0.5), "takes no 'lam'")])
+def test_model_args_are_read_by_the_spec_grammar():
+    """The policy, r and each policy parameter, as lmms-eval passes them (typed or text), make one spec."""
+    from kvbench.lmms.model import method_spec
+
+    assert method_spec("conduit", 0.1, {"lam": 0.5}).canonical == "conduit@0.1:lam=0.5"
+    assert method_spec("conduit", 0.1, {"lam": "0.5", "use_v_norm": "false"}).canonical == \
+        "conduit@0.1:lam=0.5,use_v_norm=false"
+    assert method_spec("reuse", 0.3, {}).canonical == "reuse" and method_spec("full", 0.1, {}).effective_r == 1.0
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(policy="nope"), "unknown method 'nope'"), (dict(r=2), "ratio"), (dict(batch_size=2), "batch_size"),
+    (dict(temperature=1), r"model arguments \['temperature'\].*unknown parameter 'temperature' for 'conduit'"),
+    (dict(policy="prophetkv", lam=0.5), "unknown parameter 'lam' for 'prophetkv'"),
+    (dict(use_v_norm="no"), "use_v_norm must be true or false")])
 def test_bad_model_args_fail_before_loading(bad, match):
     from kvbench.lmms.model import KVBenchReuse
 

@@ -27,11 +27,33 @@ from kvbench.reuse import (
     adapter_for,
     available_policies,
     continuation_logprob,
-    get_policy,
     greedy_decode,
     run_record,
 )
+from kvbench.reuse.policies.base import REFRESH
 from kvbench.reuse.validate import check_ratio
+from kvbench.utils.spec import MethodSpec, fmt, parse
+
+
+def method_spec(policy: str, r: float, params: dict[str, Any], who: str = "kvbench") -> MethodSpec:
+    """The refresh spec ``<policy>@<r>:key=value,...`` of lmms-eval model arguments, parsed by the one spec
+    grammar (:mod:`kvbench.utils.spec`; ``r`` dropped for ``reuse``/``full``, whose budget is fixed).
+
+    lmms-eval's ``--model_args`` is itself ``key=value,key=value``, so a whole spec with parameters cannot be
+    one argument: the policy, ``r`` and each policy parameter are separate arguments, joined here. Values may
+    arrive typed (lmms-eval converts numbers and booleans) or as text; both are written in the grammar's form
+    and typed from the policy's fields.
+
+    Raises:
+        ValueError: unknown policy, or an argument that is not a parameter of the policy, naming ``who``.
+    """
+    name = REFRESH.classes[policy].name if policy in REFRESH.classes else policy
+    head = policy if name in REFRESH.fixed_r else f"{policy}@{r!r}"
+    tail = ",".join(f"{k}={fmt(v)}" for k, v in params.items())
+    try:
+        return parse(head + (f":{tail}" if tail else ""), REFRESH)
+    except ValueError as e:
+        raise ValueError(f"{who}: model arguments {sorted(params) or ''}: {e}") from None
 
 
 class KVBenchReuse(lmms):
@@ -41,7 +63,9 @@ class KVBenchReuse(lmms):
         pretrained: str — HF checkpoint directory or zoo name (``kvbench.models.load_model``).
         policy: str, default ``conduit`` — a registered refresh policy (``kvbench.reuse.available_policies``).
         r: float in [0, 1], default 0.1 — refresh ratio of visual tokens (ignored by ``reuse``/``full``).
-        lam: float in [0, 1] or None — image-coefficient strength λ for policies that take it (CONDUIT).
+        any other argument: a parameter of the policy (e.g. ``lam=0.5`` for CONDUIT's image-coefficient
+            strength λ), read through the spec grammar (:func:`method_spec`), so the adapter takes what
+            ``kvbench eval --method <policy>@<r>:key=value`` takes.
         cache_dir: str or None — per-image KV cache root (default: a temporary directory for this object).
         device: str, default ``cpu``; dtype: ``auto`` (the checkpoint's) or a torch dtype name.
         threads: int or None — torch CPU threads.
@@ -51,31 +75,24 @@ class KVBenchReuse(lmms):
         batch_size: must be 1.
 
     Raises:
-        ValueError: bad ratio, unknown policy or policy parameter, batch size other than 1, or an
-            unknown model argument, all before the model is loaded.
+        ValueError: bad ratio, unknown policy, a model argument that is neither the adapter's nor a
+            parameter of the policy (listing the policy's), batch size other than 1, all before the model is
+            loaded.
     """
 
     is_simple = True
     default_policy = "conduit"
 
-    def __init__(self, pretrained: str, policy: str | None = None, r: float = 0.1, lam: float | None = None,
-                 cache_dir: str | None = None, device: str = "cpu", dtype: str = "auto", threads: int | None = None,
+    def __init__(self, pretrained: str, policy: str | None = None, r: float = 0.1, cache_dir: str | None = None,
+                 device: str = "cpu", dtype: str = "auto", threads: int | None = None,
                  system_field: str = "system", generic_field: str = "generic_system", system: str = "",
                  generic_system: str = GENERIC_SYSTEM, max_new_tokens: int = 16, batch_size: int | str = 1,
-                 max_batch_size: int | None = None, **unknown: Any) -> None:
+                 max_batch_size: int | None = None, **policy_params: Any) -> None:
         super().__init__()
-        if unknown:
-            raise ValueError(f"{type(self).__name__}: unknown model arguments {sorted(unknown)}")
         if int(batch_size) != 1:
             raise ValueError(f"{type(self).__name__} serves one request at a time; batch_size must be 1, got {batch_size}")
-        self.policy = policy or self.default_policy
-        self.r = check_ratio(r)
-        self.params = {} if lam is None else {"lam": lam}
-        try:
-            get_policy(self.policy, **self.params)  # validates name and parameters before loading
-        except TypeError:
-            raise ValueError(f"{type(self).__name__}: policy {self.policy!r} takes no 'lam' "
-                             "(image-coefficient strength); drop it or use policy=conduit") from None
+        self.spec = method_spec(policy or self.default_policy, check_ratio(r), policy_params, type(self).__name__)
+        self.policy, self.r, self.params = self.spec.name, self.spec.effective_r, self.spec.params
         self.opts = dict(system_field=system_field, generic_field=generic_field, system=system,
                          generic_system=generic_system)
         self.max_new_tokens = int(max_new_tokens)
