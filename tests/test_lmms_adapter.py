@@ -48,6 +48,10 @@ def test_model_args_are_read_by_the_spec_grammar():
     assert method_spec("conduit", 0.1, {"lam": "0.5", "use_v_norm": "false"}).canonical == \
         "conduit@0.1:lam=0.5,use_v_norm=false"
     assert method_spec("reuse", 0.3, {}).canonical == "reuse" and method_spec("full", 0.1, {}).effective_r == 1.0
+    with pytest.raises(ValueError, match="hold ',', '=' or ':'"):   # would be read as a second parameter
+        method_spec("conduit", 0.1, {"lam": "0.5,use_v_norm=false"})
+    with pytest.raises(ValueError, match=r"\['thread'\] \(neither the adapter's own nor the policy's\)"):
+        method_spec("conduit", 0.1, {"thread": 2})
 
 
 @pytest.mark.parametrize("bad, match", [

@@ -132,3 +132,26 @@ def test_an_int_for_a_float_parameter_is_the_same_run():
     assert parse("snapkv:keep=1", PRESS).canonical == parse("snapkv:keep=1.0", PRESS).canonical == "snapkv:keep=1.0"
     assert parse("residualkv:alpha=0", PRESS).slug == "residualkv_alpha-0.0"
     assert parse("residualkv:stride=5", PRESS).canonical == "residualkv:stride=5"   # ints stay ints
+
+
+def test_layer_lists_are_sorted_and_repeats_refused():
+    """``full_layers=1+0`` was a second run of ``0+1``; ``0+0+1`` counted layer 0 twice in KR."""
+    assert parse("residualkv:full_layers=1+0", PRESS).canonical == "residualkv:full_layers=0+1"
+    with pytest.raises(ValueError, match="lists a layer twice"):
+        parse("residualkv+omnikv:full_layers=0+0+1,keep=0.2", PRESS)
+    with pytest.raises(ValueError, match="lists a layer twice"):
+        parse("omnikv:filter_layers=2+2", PRESS)
+
+
+@pytest.mark.parametrize("text", ["residualkv+omnikv:full_layers=0+1,window=128",   # OmniKV's default, still refused
+                                  "residualkv+omnikv:full_layers=0+1,n_sink=8"])
+def test_a_composed_spec_may_not_set_what_the_storage_owns(text):
+    with pytest.raises(ValueError, match="from the storage 'residualkv'"):
+        parse(text, PRESS)
+
+
+def test_old_mode_form_points_at_the_composed_name():
+    with pytest.raises(ValueError, match=r"a selector is named with the method: residualkv\+omnikv:\.\.\., residualkv\+snapkv"):
+        parse("residualkv:mode=omnikv,full_layers=0+1", PRESS)
+    with pytest.raises(ValueError, match=r"expected <name>\[\+<selector>\]"):
+        parse("residualkv+omnikv+snapkv", PRESS)

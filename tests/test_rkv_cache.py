@@ -92,7 +92,7 @@ def test_codec_of_another_model_is_refused(tiny_lm, tmp_path):
     ({"selector": OmniKVPress(window=4), "full_layers": (0, 1)}, r"takes \['window'\] from the storage"),
     ({"selector": OmniKVPress(filter_layers=(1,)), "full_layers": (0, 1)}, "filter_layers"),
     ({"bits": 3}, "bits"), ({"full_kv_bits": 4}, "full_layers is empty"), ({"stride": 0}, "stride"),
-    ({"alpha": -0.5}, "alpha .* >= 0")])
+    ({"alpha": -0.5}, "alpha .* >= 0"), ({"mean_only": True, "use_codec": False}, "two different ablations")])
 def test_bad_press_parameters(tiny_lm, tmp_path, kw, match):
     codec_dir = _identity_codec(tiny_lm, tmp_path / "id")
     with pytest.raises(ValueError, match=match):
@@ -162,3 +162,26 @@ def test_full_kv_bits_store_full_layers_kivi_style(tiny_lm, tmp_path):
     assert c4.selections != c16.selections
     with pytest.raises(ValueError, match="full_kv_bits must be 2, 4, 8 .* got 3"):
         ResidualKVPress(**base, full_kv_bits=3)
+
+
+def test_mean_only_stores_a_zero_code_and_restores_the_reference_mean(tiny_lm, tmp_path):
+    """Table VIII "without f_c, f_d" as the authors ran it (REMOVE_COMP): the bytes of ResidualKV's codes are
+    held (KR unchanged), and a coded token is read back as the mean of its references."""
+    from kvbench.compress.cache import KVView
+    from kvbench.compress.residualkv import references
+
+    codec_dir = _identity_codec(tiny_lm, tmp_path / "id", n_sink=2, window=4, stride=5)
+    _, coded = _run(tiny_lm, ResidualKVPress(codec_dir=str(codec_dir), bits=4), IDS, [50])
+    _, ablated = _run(tiny_lm, ResidualKVPress(codec_dir=str(codec_dir), bits=4, mean_only=True), IDS, [50])
+    assert [x.stored_bytes() for x in ablated.layers] == [x.stored_bytes() for x in coded.layers]
+    layer = ablated.layers[-1]
+    z, nbr, valid, pos = layer.codes.dequantized()
+    assert len(pos) > 0 and torch.count_nonzero(z) == 0
+    view = layer.history()
+    m = torch.isin(view.positions[0, 0], pos)
+    got = layer._kv_pre(KVView(view.keys[..., m, :], view.values[..., m, :], view.positions[..., m]))
+    want = references.mean_reference(layer.refs(), nbr, valid)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    # and ResidualKV itself restores something else (the identity codec gives the exact K/V back)
+    cview = coded.layers[-1].history()
+    assert not torch.allclose(cview.keys[..., m, :], view.keys[..., m, :])

@@ -403,8 +403,10 @@ def test_kr_formula_reads_the_press_fields():
 def test_config_errors_name_the_table_and_the_row():
     """A bad spec in one row of a long table names that row, not only the section."""
     rows = [{"label": "ok", "method": "fullkv"}, {"label": "bad row", "method": "snapkv:keep=2"}]
-    with pytest.raises(ValueError, match=r"residualkv.tableIII, row 'bad row': method spec 'snapkv:keep=2'"):
+    with pytest.raises(ValueError, match=r"tableIII, row 'bad row': method spec 'snapkv:keep=2'"):
         RKVPlan({**SECTION, "tableIII": rows}, "smoke")
     rows = [{"label": "deep", "method": "residualkv:full_layers=0+9"}]
-    with pytest.raises(ValueError, match=r"residualkv.tableIII, row 'deep': .*full_layers \[9\] outside"):
+    with pytest.raises(ValueError, match=r"tableIII, row 'deep': .*full_layers \[9\] outside"):
         RKVPlan({**SECTION, "tableIII": rows}, "smoke", shape=(8, 128))
+    with pytest.raises(ValueError, match=r"stride_sweep.method: method spec 'residualkv\+quest"):
+        RKVPlan({**SECTION, "stride_sweep": {**SECTION["stride_sweep"], "method": "residualkv+quest"}}, "smoke")

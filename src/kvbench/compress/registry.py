@@ -2,7 +2,7 @@
 
 A new method is one file in :mod:`kvbench.compress.presses` plus one line here. ``fullkv`` is the exact
 full cache read through the same machinery (the "Full cache" row of ResidualKV's tables). :data:`PRESS`
-is the family of press specs (``<press>[:key=value,...]``, :mod:`kvbench.utils.spec`).
+is the family of press specs (``<press>[+<selector>][:key=value,...]``, :mod:`kvbench.utils.spec`).
 """
 from __future__ import annotations
 

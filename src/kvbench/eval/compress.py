@@ -2,7 +2,7 @@
 
 Spec grammar (:mod:`kvbench.utils.spec`, family :data:`kvbench.compress.registry.PRESS`)::
 
-    spec := press [ ":" key "=" value { "," key "=" value } ]
+    spec := press [ "+" selector ] [ ":" key "=" value { "," key "=" value } ]
 
 e.g. ``fullkv``, ``snapkv:keep=0.3``, ``kivi:bits=2``, ``residualkv+omnikv:full_layers=0+1,keep=0.2``.
 ``press`` names a class of :data:`kvbench.compress.registry.PRESSES`; keys are its dataclass fields.

@@ -47,13 +47,19 @@ def method_spec(policy: str, r: float, params: dict[str, Any], who: str = "kvben
     Raises:
         ValueError: unknown policy, or an argument that is not a parameter of the policy, naming ``who``.
     """
+    bad = {k: v for k, v in params.items() if any(c in k + (v if isinstance(v, str) else "") for c in ",=:")}
+    if bad:
+        # lmms-eval splits model_args at commas; a value that still holds one would be read as more parameters
+        raise ValueError(f"{who}: model argument(s) {bad} hold ',', '=' or ':'; give one value per argument "
+                         "(a layer list as layers=2+3+4)")
     name = REFRESH.classes[policy].name if policy in REFRESH.classes else policy
     head = policy if name in REFRESH.fixed_r else f"{policy}@{r!r}"
     tail = ",".join(f"{k}={fmt(v)}" for k, v in params.items())
     try:
         return parse(head + (f":{tail}" if tail else ""), REFRESH)
     except ValueError as e:
-        raise ValueError(f"{who}: model arguments {sorted(params) or ''}: {e}") from None
+        where = f"model arguments {sorted(params)} (neither the adapter's own nor the policy's): " if params else ""
+        raise ValueError(f"{who}: {where}{e}") from None
 
 
 class KVBenchReuse(lmms):

@@ -172,7 +172,10 @@ TABLES: dict[str, Table] = {t.name: t for t in (
           "restored, CR 100%) and combined with OmniKV or SnapKV selection, against the full KV cache. "
           f"{_CELLS}", _write),
     Table("residualkv/tableVIII", "ResidualKV", "residualkv", "Table VIII (ablation: without codec; codes unquantised)",
-          "**ResidualKV Table VIII** (paper §V-D, ablation of the core modules, codes not quantised): ResidualKV, "
-          f"without the codec f_c/f_d (raw residuals stored) and without references. {_CELLS}",
+          "**ResidualKV Table VIII** (paper §V-D, ablation of the core modules, codes not quantised, its own codec "
+          "with d_c 1.5x the main one): ResidualKV, without the codec f_c/f_d as the authors ran it (a zero code "
+          "of width d_c held, so KR is unchanged, and only the reference mean restored: `mean_only=true`; "
+          "`use_codec=false` is the other form, the raw residual stored at full width) and without references. "
+          f"{_CELLS}",
           _write),
 )}

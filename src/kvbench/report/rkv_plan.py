@@ -166,7 +166,7 @@ class RKVPlan:
                 try:
                     self._check_spec(row.spec)  # fail while the DAG is built
                 except ValueError as e:
-                    raise ValueError(f"residualkv.{self.rows_key(target)}, row {row.label!r}: {e}") from None
+                    raise ValueError(f"{self.rows_key(target)}, row {row.label!r}: {e}") from None
 
     @classmethod
     def from_spec(cls, spec: str | dict) -> "RKVPlan":
@@ -339,9 +339,13 @@ class RKVPlan:
         if target not in SWEEP_TARGETS:
             return [Row(e["label"], self._row_spec(target, e)) for e in self.s[target]]
         sweep = self.s["stride_sweep"]
-        rows = [Row(f"alpha = {a:g}", with_params(sweep["method"], alpha=float(a))) for a in sweep["alpha"]]
-        if target == "fig5":
-            rows += [Row(f"stride = {s}", with_params(sweep["method"], stride=int(s))) for s in sweep.get("stride", [])]
+        try:
+            rows = [Row(f"alpha = {a:g}", with_params(sweep["method"], alpha=float(a))) for a in sweep["alpha"]]
+            if target == "fig5":
+                rows += [Row(f"stride = {s}", with_params(sweep["method"], stride=int(s)))
+                         for s in sweep.get("stride", [])]
+        except ValueError as e:
+            raise ValueError(f"stride_sweep.method: {e}") from None
         return rows
 
     @staticmethod
@@ -350,7 +354,7 @@ class RKVPlan:
         try:
             return press_spec(row["method"]).canonical
         except ValueError as e:
-            raise ValueError(f"residualkv.{target}, row {row['label']!r}: {e}") from None
+            raise ValueError(f"{target}, row {row['label']!r}: {e}") from None
 
     def run(self, task: str, spec: str) -> Run:
         """The :class:`~kvbench.report.plan.Run` of press ``spec`` on the plan's model x ``task``."""

@@ -236,8 +236,9 @@ def parse(spec: str, *families: Family) -> MethodSpec:
         raise ValueError(f"method spec must be a string, got {spec!r}")  # noqa: TRY004 (one error type for bad specs)
     m = _SPEC.match(spec.strip())
     if m is None:
-        raise ValueError(f"method spec {spec!r} is malformed; expected <name>[@<r>][:key=value,...], "
-                         "e.g. conduit@0.1:lam=0.5 or snapkv:keep=0.3")
+        raise ValueError(f"method spec {spec!r} is malformed; expected <name>[+<selector>][@<r>][:key=value,...] "
+                         "(at most one selector), e.g. conduit@0.1:lam=0.5, snapkv:keep=0.3 or "
+                         "residualkv+omnikv:full_layers=0+1,keep=0.2")
     fam = _find(m["name"], families)
     if fam is None:
         known = "; ".join(f"{f.name}: {sorted(f.classes)}" for f in families)
@@ -251,7 +252,10 @@ def parse(spec: str, *families: Family) -> MethodSpec:
     if sel_cls is not None:
         name = f"{name}+{sel_cls.name}"
         fields = fields | fam.parameters(sel_cls)
-    params = _params(spec, fields, name, m["params"])
+    params = _params(spec, fields, name, m["params"], cls)
+    owned = [k for k in getattr(cls, "storage_owns", {}).get(getattr(sel_cls, "name", None), ()) if k in params]
+    if owned:
+        raise ValueError(f"method spec {spec!r}: {name!r} takes {owned} from the storage {cls.name!r}; drop them")
     try:
         if sel_cls is None:
             method, sel = cls(**params), None
@@ -311,7 +315,8 @@ def _budget(spec: str, fam: Family, name: str, fixed: float | None, text: str | 
     return r
 
 
-def _params(spec: str, fields: dict[str, dataclasses.Field], name: str, text: str | None) -> dict[str, Any]:
+def _params(spec: str, fields: dict[str, dataclasses.Field], name: str, text: str | None,
+            cls: type | None = None) -> dict[str, Any]:
     if text is None:
         return {}
     params: dict[str, Any] = {}
@@ -321,8 +326,11 @@ def _params(spec: str, fields: dict[str, dataclasses.Field], name: str, text: st
         if not sep or not key or not val.strip():
             raise ValueError(f"method spec {spec!r}: parameter {item!r} is not key=value")
         if key not in fields:
+            takes = getattr(cls, "selectors", ()) if "+" not in name else ()
+            hint = ("; a selector is named with the method: " + ", ".join(f"{name}+{t}:..." for t in takes)
+                    if takes else "")
             raise ValueError(f"method spec {spec!r}: unknown parameter {key!r} for {name!r}; "
-                             f"accepted: {sorted(fields) or 'none'}")
+                             f"accepted: {sorted(fields) or 'none'}{hint}")
         if key in params:
             raise ValueError(f"method spec {spec!r}: parameter {key!r} given twice")
         params[key] = typed(spec, key, _value(val.strip()), fields[key])

@@ -105,16 +105,19 @@ def layer_list(name: str, value: int | Iterable[int]) -> tuple[int, ...]:
             ...). Bools are refused, not read as 0/1.
 
     Returns:
-        The indices in the iterable's order, unsorted and not deduplicated.
+        The indices sorted (one canonical form, so ``0+1`` and ``1+0`` are one run).
 
     Raises:
-        ValueError: a negative or non-integer index, naming ``name``.
+        ValueError: a negative, non-integer or repeated index, naming ``name``.
         TypeError: ``value`` is neither an int nor iterable.
     """
     items = (value,) if isinstance(value, int) and not isinstance(value, bool) else tuple(value)
     if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in items):
         raise ValueError(f"{name} must be layer indices >= 0 (e.g. {name}=0+1), got {value!r}")
-    return items
+    if len(set(items)) < len(items):
+        # a repeated layer would be counted twice (KR's full-layer share) and name a second run
+        raise ValueError(f"{name} lists a layer twice: {value!r}")
+    return tuple(sorted(items))
 
 
 @dataclass
@@ -151,7 +154,7 @@ class OmniKVPress(Press):
         for name in ("n_sink", "window", "audit_steps"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        self.filter_layers = tuple(sorted(int(i) for i in layer_list("filter_layers", self.filter_layers)))
+        self.filter_layers = layer_list("filter_layers", self.filter_layers)
 
     def n_keep(self, n_candidates: int) -> int:
         """Selected tokens for ``n_candidates`` candidates (:func:`keep_count`)."""

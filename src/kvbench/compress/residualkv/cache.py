@@ -50,9 +50,6 @@ from kvbench.compress.presses.snapkv import SnapKVPress
 from kvbench.compress.residualkv import quant, references
 from kvbench.compress.residualkv.codec import CodecConfig, ResidualCodec, model_kv_shape
 
-#: OmniKV's fields the storage sets in ``residualkv+omnikv``: candidates are what the sparse layers hold
-#: coded (the codec's sinks and window are raw), and the filter layers are full layers followed by a sparse one.
-_STORAGE_OWNS = ("n_sink", "window", "filter_layers")
 
 
 @functools.lru_cache(maxsize=8)
@@ -232,9 +229,11 @@ class ResidualKVLayer(StoreLayer):
             valid = torch.zeros(n, 0, dtype=torch.bool, device=kv.device)
         mean = self._mean(refs, nbr, valid)
         with torch.no_grad():
-            if self.press.use_codec:
+            if self.press.mean_only:  # the authors' Table VIII ablation: a zero code of width d_c, stored
+                z = kv.new_zeros(int(tok.sum()), self.cfg.d_c)
+            elif self.press.use_codec:
                 z = self.codec.residual_code(kv[tok], mean)
-            else:  # Table VIII "without f_c, f_d": the residual itself, quantised
+            else:  # the raw residual itself, quantised at full width (the authors' "origin" codec)
                 z = kv[tok] - mean
         # bits 32: the payload stored exactly in float32 (the identity-codec invariant; not a paper setting)
         codes = z.float().clone() if self.press.bits == 32 else quant.quantize(z, self.press.bits, self.cfg.group)
@@ -260,7 +259,10 @@ class ResidualKVLayer(StoreLayer):
         if z is not None:
             mean = self._mean(self.refs(), nbr, valid)
             with torch.no_grad():
-                kv = self.codec.restore(z, mean) if self.press.use_codec else z + mean
+                if self.press.mean_only:
+                    kv = mean                      # REMOVE_COMP: the code is not read back
+                else:
+                    kv = self.codec.restore(z, mean) if self.press.use_codec else z + mean
             parts.append(self._to_view(kv, code_pos))
         parts.append(self.window)
         return KVView.cat(parts)
@@ -309,19 +311,30 @@ class ResidualKVPress(Press):
         full_kv_bits: the full-attention layers' storage: 16 = exact (FP16 in KR; the smoke tables), 2/4/8 =
             KIVI-style (keys per channel, values per token, group 32, 32 raw recent tokens; the paper's
             deployment quantises them to 4 bits, §V-A). A filter layer scores with the dequantised keys.
-        use_codec: False = Table VIII "without f_c, f_d" (the raw residual, quantised).
+        use_codec: False = the raw residual kv − mean stored at full width 2·d_k (quantised at ``bits``),
+            restored as z̃ + mean: the authors' "origin" codec, Table III's ResidualKV† row. KR grows with it
+            (at ``bits=16`` it is above the full cache's).
+        mean_only: True = Table VIII "without f_c, f_d" as the authors ran it (``cache_pipeline.py``,
+            ``REMOVE_COMP``): every coded token stores a zero code of width d_c at ``bits`` (counted, so KR
+            equals ResidualKV's) and is restored as the mean of its references only; f_c and f_d are not
+            used. Exclusive with ``use_codec=False``.
         alpha, stride: the reference schedule at inference (None: the codec's training values). Table VI
             and Fig. 5 vary them at inference with one trained codec.
     """
 
     name = "residualkv"
     selectors = ("omnikv", "snapkv")
+    #: selector fields the storage sets, so a composed spec may not: OmniKV's candidates are what the sparse
+    #: layers hold coded (the codec's sinks and window are raw), its filter layers the full layers followed
+    #: by a sparse one
+    storage_owns = {"omnikv": ("n_sink", "window", "filter_layers")}
     exact = {"bits": 32, "ref_fp8": False}  # standalone, with an identity codec (d_c = d_kv)
     codec_dir: str = ""
     selector: OmniKVPress | SnapKVPress | None = None
     full_layers: tuple[int, ...] = ()
     bits: int = 4
     use_codec: bool = True
+    mean_only: bool = False
     ref_fp8: bool = True
     full_kv_bits: int = 16
     codec: str = "main"
@@ -340,6 +353,9 @@ class ResidualKVPress(Press):
         if self.selector is not None and not isinstance(self.selector, (OmniKVPress, SnapKVPress)):
             raise ValueError(f"selector must be an OmniKVPress or a SnapKVPress (residualkv+omnikv, "
                              f"residualkv+snapkv), got {self.selector!r}")
+        if self.mean_only and not self.use_codec:
+            raise ValueError("mean_only (zero code of width d_c, the reference mean restored) and use_codec=false "
+                             "(the raw residual stored) are two different ablations; set one")
         if self.bits not in (2, 4, 8, 16, 32):
             raise ValueError(f"bits must be 2, 4, 8, 16 (unquantised) or 32 (exact), got {self.bits!r}")
         if self.full_kv_bits not in (2, 4, 8, 16):
@@ -351,7 +367,7 @@ class ResidualKVPress(Press):
                 raise ValueError("residualkv+omnikv needs full_layers (the filter layers are full layers "
                                  "followed by a sparse one)")
             defaults = {f.name: f.default for f in dataclasses.fields(OmniKVPress)}
-            own = [k for k in _STORAGE_OWNS if getattr(self.selector, k) != defaults[k]]
+            own = [k for k in self.storage_owns["omnikv"] if getattr(self.selector, k) != defaults[k]]
             if own:
                 raise ValueError(f"residualkv+omnikv takes {own} from the storage (the codec's sinks and raw "
                                  f"window; filter layers = full layers followed by a sparse one); drop them")
