@@ -111,7 +111,8 @@ def test_dry_run_validates_conduit_specs(tmp_path):
     cfg = yaml.safe_load(CI_CONFIG.read_text())
     cfg["conduit"]["ablation"] = [{"label": "bad", "method": "conduit@0.1:lam=2"}]
     r = snakemake(tmp_path, "-n", "--configfile", str(write_config(tmp_path / "bad.yaml", cfg)))
-    assert r.returncode != 0 and "config conduit: method spec 'conduit@0.1:lam=2'" in r.stdout, r.stdout[-3000:]
+    assert r.returncode != 0 and "config conduit: conduit row 'bad': method spec 'conduit@0.1:lam=2'" in r.stdout, \
+        r.stdout[-3000:]
 
 
 # --- refresh eval runs on a random-weight zoo VLM ----------------------------------------------
