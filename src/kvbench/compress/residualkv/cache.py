@@ -139,7 +139,6 @@ class ResidualKVLayer(StoreLayer):
         self.ref_pos = torch.zeros(0, dtype=torch.long)
         self.codes = _Codes()
         self.n_saturated = 0
-        self._first_chunk = False
 
     # -- storage ---------------------------------------------------------------------------------------
     def _kv_pre(self, view: KVView) -> torch.Tensor:
@@ -166,16 +165,16 @@ class ResidualKVLayer(StoreLayer):
         return quant.from_fp8(self.ref_store) if self.press.ref_fp8 else self.ref_store
 
     def commit(self, chunk: KVView, query: torch.Tensor) -> None:
-        self._first_chunk = self.sink is None and len(chunk) > 1
         self._store(chunk)
 
     def snap(self, layer: "ResidualKVLayer", chunk: KVView, query: torch.Tensor) -> None:
-        """``residualkv+snapkv`` (§IV-C), the ``after_commit`` hook of a sparse layer: after the context's
-        first chunk, keep the selector's ``keep`` share (``ceil``, at least one) of the coded tokens that the
-        chunk's observation window attends most (:meth:`SnapKVPress.token_scores` over the keys this step
-        read); references stay."""
+        """``residualkv+snapkv`` (§IV-C), the ``after_commit`` hook of a sparse layer (``layer`` is ``self``):
+        after the context's first chunk, keep the selector's ``keep`` share (``ceil``, at least one) of the
+        coded tokens that the chunk's observation window attends most (:meth:`SnapKVPress.token_scores` over
+        the keys this step read); references stay."""
         code_pos = self.codes.positions()
-        if not self._first_chunk or not len(code_pos):
+        first_chunk = self.seen == len(chunk) > 1   # every token written so far came in this chunk
+        if not first_chunk or not len(code_pos):
             return
         view = self._view
         scores = self.press.selector.token_scores(query, view)                      # [n]
@@ -361,7 +360,7 @@ class ResidualKVPress(Press):
         if self.full_kv_bits not in (2, 4, 8, 16):
             raise ValueError(f"full_kv_bits must be 2, 4, 8 (KIVI-style full layers) or 16 (exact), "
                              f"got {self.full_kv_bits!r}")
-        self.full_layers = tuple(layer_list("full_layers", self.full_layers))
+        self.full_layers = layer_list("full_layers", self.full_layers)
         if isinstance(self.selector, OmniKVPress):
             if not self.full_layers:
                 raise ValueError("residualkv+omnikv needs full_layers (the filter layers are full layers "
