@@ -185,3 +185,12 @@ def test_mean_only_stores_a_zero_code_and_restores_the_reference_mean(tiny_lm, t
     # and ResidualKV itself restores something else (the identity codec gives the exact K/V back)
     cview = coded.layers[-1].history()
     assert not torch.allclose(cview.keys[..., m, :], view.keys[..., m, :])
+
+
+def test_no_sinks_still_reads_the_history(tiny_lm, tmp_path):
+    """n_sink = 0 (a valid codec setting): history() returned None while no sink was held, so attention
+    never read a past token (the identity codec then differed from the vanilla cache)."""
+    codec_dir = _identity_codec(tiny_lm, tmp_path / "id", n_sink=0, window=4, stride=5)
+    got, _ = _run(tiny_lm, ResidualKVPress(codec_dir=str(codec_dir), bits=32, ref_fp8=False), IDS, CUTS)
+    want, _ = _run(tiny_lm, Press(), IDS, CUTS)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)

@@ -246,7 +246,7 @@ class ResidualKVLayer(StoreLayer):
 
     # -- reading ---------------------------------------------------------------------------------------
     def history(self) -> KVView | None:
-        if self.sink is None:
+        if self.seen == 0:   # nothing written yet (not "no sink": a codec may hold n_sink = 0)
             return None
         selected = self.cache.step.selected   # set only by an OmniKV filter layer of this step
         parts = [self.sink]
