@@ -89,11 +89,7 @@ def test_analytic_rows_follow_the_executed_schedule(adapter, served):
     L, N = adapter.n_layers, req.n_visual
     for policy in available_policies():  # every registered policy states its rows (RefreshPolicy.visual_rows)
         res = refresh(adapter, req, policy, 0.1)
-        rows, kept = visual_rows(policy, req, 0.1, L), res.output.layer_counts
-        if policy == "cacheblend":  # its check layer computes every visual token and keeps the top k
-            assert rows[:2] == [N, N] and rows[2:] == kept[2:], policy
-        else:
-            assert rows == kept, policy
+        assert visual_rows(policy, req, 0.1, L) == res.output.layer_counts, policy
     assert visual_rows("kvshare-conduit", req, 0.1, L) == linear_layer_counts(L, N, -(-N // 10))
     full = analytic_cost("full", req, 0.1, flops.DecoderShape.of(adapter.model))
     assert full.scoring == 0 and full.total == flops.full_prefill_flops(flops.DecoderShape.of(adapter.model), req.seq_len)

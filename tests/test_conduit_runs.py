@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pandas as pd
@@ -241,6 +242,21 @@ def test_replay_needs_a_plan(runs, capsys):
     assert "has no refresh plan" in capsys.readouterr().err
 
 
+def test_replay_refuses_a_record_of_the_pre_fix_check_layer_blend(runs, tmp_path, capsys):
+    """Records made before the CacheBlend fix carry ``blend`` (rows whose new K/V were replaced by reused ones at the
+    check layer); the executor no longer does that, so replaying one must fail, saying why, before any model work."""
+    old = tmp_path / "old_cacheblend"
+    shutil.copytree(runs["cacheblend@0.5"], old)
+    rows = read_jsonl(old / "predictions.jsonl")
+    assert "blend" not in rows[0]["plan"]  # new records have no such field
+    rows[0]["plan"]["blend"] = {"1": rows[0]["plan"]["selected"] or [rows[0]["plan"]["image_spans"][0][0]]}
+    write_split(old / "predictions.jsonl", rows)
+    assert main(["replay", "--run", str(old), "--id", rows[0]["id"]]) == 2
+    err = capsys.readouterr().err
+    assert "pre-fix CacheBlend check-layer blend" in err and "rerun" in err
+    ReplayPolicy({**rows[1]["plan"], "blend": {}})  # an empty field (old non-CacheBlend records) is fine
+
+
 @pytest.mark.parametrize("spec", ["conduit@0.5", "cacheblend@0.5", "kvshare-conduit@0.3"])
 def test_replayed_plan_is_bit_exact(runs, vlm_dir, spec):
     """Replaying the audit record re-executes the same rows per layer: identical logits and K/V."""
@@ -248,8 +264,8 @@ def test_replayed_plan_is_bit_exact(runs, vlm_dir, spec):
     method = RefreshMethod(spec=spec, cache_dir=str(runs["cache"]), build_missing=False)
     record = read_jsonl(runs["split"])[1]
     with torch.inference_mode():
-        adapter, req, result, rec = method.run(model, proc, record, runs["split"].parent)
-        audit = json.loads(json.dumps(plan_audit(req, result, rec, {}, [0])))  # through JSON, as stored
+        adapter, req, result = method.run(model, proc, record, runs["split"].parent)
+        audit = json.loads(json.dumps(plan_audit(req, result, {}, [0])))  # through JSON, as stored
         again = refresh(adapter, req, ReplayPolicy(audit), audit["r"]).output
     assert torch.equal(again.logits, result.output.logits)
     assert all(torch.equal(a, b) for a, b in zip(again.keys, result.output.keys))

@@ -21,6 +21,7 @@ from kvbench.reuse import (
     refresh,
     run_record,
 )
+from kvbench.reuse.executor import LayerSchedule, execute
 from kvbench.reuse.policies import REFRESH, REGISTRY
 from kvbench.reuse.policies.cacheblend import linear_layer_counts
 
@@ -87,13 +88,26 @@ def test_r1_reproduces_full_prefill(vlm, req, full, policy):
     assert out.layer_counts == [req.n_visual] * vlm.n_layers
 
 
-@pytest.mark.parametrize("policy", BUDGETED)
+@pytest.mark.parametrize("policy", [p for p in BUDGETED if p != "cacheblend"])
 def test_r0_reproduces_plain_reuse(vlm, req, reuse, policy):
-    """Budgeted policies at r = 0 equal plain reuse. For the CacheBlend/KVShare schedules layer 0 is still
-    fully recomputed, which is a no-op on K/V: layer-0 inputs of visual tokens are the prefix-independent
-    vision features."""
+    """Budgeted policies at r = 0 equal plain reuse. For the CacheBlend/KVShare as-run schedules layer 0 is
+    still fully recomputed, which is a no-op on K/V: layer-0 inputs of visual tokens are the prefix-independent
+    vision features. (The paper-form ``cacheblend`` also recomputes its check layer: next test.)"""
     out = refresh(vlm, req, policy, 0.0).output
     torch.testing.assert_close(out.logits, reuse.logits, rtol=1e-5, atol=1e-5)
+
+
+def test_cacheblend_paper_form_at_r0_keeps_the_check_layers_new_kv(vlm, req, reuse):
+    """At r = 0 CacheBlend still computes every visual token up to its check layer and keeps their new K/V there
+    (as the original does): reuse with layers 0-1 fully recomputed, not plain reuse. Before the fix the check
+    layer handed every unselected token its reused K/V back, which made r = 0 equal plain reuse."""
+    N, L = req.n_visual, vlm.n_layers
+    out = refresh(vlm, req, "cacheblend", 0.0).output
+    assert out.layer_counts == [N, N] + [0] * (L - 2)
+    vis = req.visual_index
+    same = execute(vlm, req, LayerSchedule([vis, vis] + [vis[:0]] * (L - 2)))
+    assert torch.equal(out.logits, same.logits)
+    assert (out.logits - reuse.logits).abs().max() > 1e-4
 
 
 def test_conduit_midway_is_between_and_nonzero(vlm, req, full, reuse):
@@ -167,17 +181,40 @@ def test_continuation_logprob_equals_the_models_own_forward(vlm, req, full):
         continuation_logprob(vlm, full, [])
 
 
-def test_cacheblend_paper_form_fixes_the_set_at_the_check_layer(vlm, req):
+def test_cacheblend_paper_form_fixes_the_set_at_the_check_layer(vlm, req, full):
+    """Layers 0 and 1 (the check layer) compute every visual token and keep all their new K/V; from layer 2 on
+    only the top ⌈r·N⌉ by value deviation at layer 1 are computed, the others keep their reused K/V."""
     res = refresh(vlm, req, "cacheblend", 0.25)
+    N, vis = req.n_visual, req.visual_index
     counts = res.output.layer_counts
-    assert counts[0] == req.n_visual and all(c == 5 for c in counts[1:])  # ceil(0.25*18)
+    assert counts[:2] == [N, N] and all(c == 5 for c in counts[2:])  # ceil(0.25*18)
     sel = res.plan.schedule.selected
     for layer in range(2, vlm.n_layers):
         assert torch.equal(res.output.computed_visual[layer], sel)
-    # dropped tokens carry their reused K/V at the check layer, the kept ones new K/V
-    dropped = req.visual_index[~torch.isin(req.visual_index, sel)]
-    assert torch.equal(res.output.keys[1][:, :, dropped], req.stale_k[1][:, :, dropped])
-    assert not torch.equal(res.output.values[1][:, :, sel], req.stale_v[1][:, :, sel])
+    dropped = vis[~torch.isin(vis, sel)]
+    # every visual row computed at layers 0-1 sees exactly full prefill's inputs there, so its new K/V are the full
+    # prefill's; the dropped ones' stale K/V differ from them (else the check below could not tell the two apart)
+    assert not torch.allclose(req.stale_v[1][:, :, dropped], full.values[1][:, :, dropped], atol=1e-4)
+    for layer in (0, 1):
+        torch.testing.assert_close(res.output.keys[layer][:, :, vis], full.keys[layer][:, :, vis], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(res.output.values[layer][:, :, vis], full.values[layer][:, :, vis],
+                                   rtol=1e-4, atol=1e-4)
+    # from layer 2 on only the selected set carries new K/V
+    for layer in range(2, vlm.n_layers):
+        assert torch.equal(res.output.keys[layer][:, :, dropped], req.stale_k[layer][:, :, dropped])
+        assert torch.equal(res.output.values[layer][:, :, dropped], req.stale_v[layer][:, :, dropped])
+        assert not torch.equal(res.output.values[layer][:, :, sel], req.stale_v[layer][:, :, sel])
+
+
+def test_cacheblend_check_layer_selects_by_value_deviation_there(vlm, req):
+    """The fixed set is the top ⌈r·N⌉ by Σ(v_new − v_old)² at the check layer (``deviation="k"``: keys)."""
+    for deviation, new_of in (("v", lambda out: out.values[1]), ("k", lambda out: out.keys[1])):
+        res = refresh(vlm, req, "cacheblend", 0.25, deviation=deviation)
+        old = req.stale_v[1] if deviation == "v" else req.stale_k[1]
+        vis = req.visual_index
+        dev = ((new_of(res.output) - old)[0][:, vis].float() ** 2).sum(dim=(0, 2))
+        want = vis[torch.sort(-dev, stable=True).indices[:5]]
+        assert torch.equal(res.plan.schedule.selected.sort().values, want.sort().values), deviation
 
 
 def test_cacheblend_conduit_schedule(vlm, req):

@@ -6,75 +6,26 @@ the refresh without the policy or the scoring rule:
 - ``selected``: visual sequence indices (positions in the assembled request, 0-based) of a
   single-set policy, else None;
 - ``depth``: per visual token (order of ``visual_index``), the number of leading decoder layers at
-  which its recomputed K/V were kept. Per-layer sets are nested (executor contract), so layer ``l``
-  kept ``{t : depth[t] > l}``; ``layer_counts`` is that count per layer;
-- ``blend``: ``{layer: [indices computed there]}`` where a schedule computed more rows than it kept
-  (CacheBlend's check layer), else empty;
+  which it was recomputed. Per-layer sets are nested (executor contract), so layer ``l`` recomputed
+  ``{t : depth[t] > l}``; ``layer_counts`` is that count per layer;
 - ``image_spans``, ``per_image_refreshed`` (mean refreshed tokens per layer, per image),
   ``coefficients`` (c_j, or None), ``scores`` (summary of the final ranking scores, or None),
   ``text_rows`` (``"all"`` or the recomputed text indices), ``base_from_stage1``, ``full_prefill``,
   ``budget`` (⌈r·N_visual⌉), ``tokens`` (generated ids).
 
 :func:`kvbench.eval.refresh.replay` rebuilds the request, runs the recorded per-layer sets through the same executor and
-decodes again; it reproduces the prediction exactly (same rows per layer, same arithmetic).
+decodes again; it reproduces the prediction exactly (same rows per layer, same arithmetic). Records made
+before the CacheBlend check-layer fix carry a ``blend`` field (rows whose new K/V the executor then
+replaced by the reused ones); a non-empty one cannot be replayed and must be rerun.
 """
 from __future__ import annotations
 
 import torch
 
 from kvbench.reuse.assemble import AssembledRequest
-from kvbench.reuse.executor import LayerSchedule, LayerState
+from kvbench.reuse.executor import LayerSchedule
 from kvbench.reuse.policies import RefreshPlan, RefreshPolicy, RefreshResult
 from kvbench.reuse.validate import budget_count
-
-
-class RecordingSchedule(LayerSchedule):
-    """Delegates to ``inner`` and records, per blend layer, the rows computed before the blend."""
-
-    def __init__(self, inner: LayerSchedule):
-        super().__init__(inner.per_layer)
-        self.inner = inner
-        self.blends: dict[int, torch.Tensor] = {}
-
-    def start(self):
-        return self.inner.start()
-
-    def wants_queries(self, layer):
-        return self.inner.wants_queries(layer)
-
-    def blend(self, state: LayerState):
-        kept = self.inner.blend(state)
-        if kept is not None:
-            self.blends[state.layer] = state.active_visual.clone()
-        return kept
-
-    def observe(self, state):
-        self.inner.observe(state)
-
-    def advance(self, state):
-        return self.inner.advance(state)
-
-
-class Recorded(RefreshPolicy):
-    """Wraps a policy so that its schedule is a :class:`RecordingSchedule` (the selection is unchanged)."""
-
-    def __init__(self, inner: RefreshPolicy):
-        self.inner = inner
-        self.name = inner.name
-        self.uses_scoring = inner.uses_scoring
-        self.schedule: RecordingSchedule | None = None
-
-    def params(self):
-        return self.inner.params()
-
-    def visual_rows(self, req, r, n_layers):
-        return self.inner.visual_rows(req, r, n_layers)
-
-    def plan(self, req, scoring, r):
-        plan = self.inner.plan(req, scoring, r)
-        if plan.schedule is not None:
-            self.schedule = plan.schedule = RecordingSchedule(plan.schedule)
-        return plan
 
 
 def _ints(t: torch.Tensor | None) -> list[int] | None:
@@ -93,14 +44,12 @@ def score_summary(scores: torch.Tensor | None, selected_pos: torch.Tensor | None
             "threshold": thr, "top": [[int(i), float(s[i])] for i in order]}
 
 
-def plan_audit(req: AssembledRequest, result: RefreshResult, recorder: Recorded, params: dict,
-               tokens: list[int]) -> dict:
+def plan_audit(req: AssembledRequest, result: RefreshResult, params: dict, tokens: list[int]) -> dict:
     """The audit record of one refresh of ``req`` (module docstring); JSON-serialisable.
 
     Args:
         req: the assembled request the policy ran on.
         result: :func:`kvbench.reuse.refresh`'s output.
-        recorder: the :class:`Recorded` wrapper the policy ran in.
         params: the policy parameters of the spec (non-default ones).
         tokens: generated token ids.
     """
@@ -112,7 +61,6 @@ def plan_audit(req: AssembledRequest, result: RefreshResult, recorder: Recorded,
     n_layers = len(out.computed_visual)
     per_image = torch.zeros(req.n_images).scatter_add_(0, req.image_of_visual.cpu(), depth.float()) / max(n_layers, 1)
     sel_pos = None if plan.selected is None else torch.isin(vis, plan.selected.cpu()).nonzero().flatten()
-    blends = recorder.schedule.blends if recorder.schedule is not None else {}
     return {
         "policy": result.policy, "r": result.r, "params": params,
         "n_visual": req.n_visual, "n_images": req.n_images, "n_layers": n_layers,
@@ -122,7 +70,6 @@ def plan_audit(req: AssembledRequest, result: RefreshResult, recorder: Recorded,
         "selected": _ints(plan.selected),
         "depth": _ints(depth),
         "layer_counts": out.layer_counts,
-        "blend": {str(k): _ints(v) for k, v in blends.items()},
         "per_image_refreshed": [round(float(x), 4) for x in per_image],
         "coefficients": None if plan.coefficients is None else [float(c) for c in plan.coefficients],
         "scores": score_summary(None if plan.scores is None else plan.scores.cpu(), sel_pos),
@@ -134,25 +81,21 @@ def plan_audit(req: AssembledRequest, result: RefreshResult, recorder: Recorded,
 
 # --- replay ------------------------------------------------------------------------------------
 
-class ReplaySchedule(LayerSchedule):
-    """Static per-layer visual rows with recorded blends (layer -> rows kept after computing more)."""
-
-    def __init__(self, computed: list[torch.Tensor], kept_at_blend: dict[int, torch.Tensor]):
-        super().__init__(computed)
-        self.kept_at_blend = kept_at_blend
-
-    def blend(self, state):
-        return self.kept_at_blend.get(state.layer)
-
-
 class ReplayPolicy(RefreshPolicy):
     """Re-executes an audit record's plan (no selection rule of its own).
 
     Raises:
-        ValueError: (at plan time) the request's visual tokens or image spans differ from the record's.
+        ValueError: (at plan time) the request's visual tokens or image spans differ from the record's, or the
+            record carries a non-empty ``blend`` (made with the pre-fix CacheBlend check-layer blend).
     """
 
     def __init__(self, audit: dict):
+        if audit.get("blend"):
+            # the executor no longer hands reused K/V back to computed rows, so these rows cannot be reproduced
+            raise ValueError(f"this {audit.get('policy')!r} audit record was made with the pre-fix CacheBlend "
+                             f"check-layer blend (layers {sorted(audit['blend'])} gave unselected tokens their "
+                             "reused K/V back); the executor no longer does that, so it cannot be replayed: rerun "
+                             "the run")
         self.audit = audit
         self.name = f"replay:{audit['policy']}"
         self.uses_scoring = bool(audit["base_from_stage1"])  # Phase 2 then starts from Stage I's K/V
@@ -168,10 +111,7 @@ class ReplayPolicy(RefreshPolicy):
         if a["full_prefill"]:
             return RefreshPlan(schedule=None, selected=req.visual_index)
         depth = torch.tensor(a["depth"], device=req.visual_index.device)
-        kept = [req.visual_index[depth > layer] for layer in range(a["n_layers"])]
-        blends = {int(k): torch.tensor(v, device=req.visual_index.device) for k, v in a["blend"].items()}
-        computed = [blends.get(layer, kept[layer]) for layer in range(a["n_layers"])]
-        kept_at = {layer: kept[layer] for layer in blends}
+        computed = [req.visual_index[depth > layer] for layer in range(a["n_layers"])]
         text_rows = None if a["text_rows"] == "all" else torch.tensor(a["text_rows"], device=req.visual_index.device)
-        return RefreshPlan(schedule=ReplaySchedule(computed, kept_at), text_rows=text_rows,
+        return RefreshPlan(schedule=LayerSchedule(computed), text_rows=text_rows,
                            base_from_stage1=bool(a["base_from_stage1"]))

@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from kvbench.eval.audit import Recorded, ReplayPolicy, plan_audit
+from kvbench.eval.audit import ReplayPolicy, plan_audit
 from kvbench.eval.methods import EvalMethod, FatalRunError, eos_ids, until_eos
 from kvbench.reuse import (
     ImageKVStore,
@@ -152,20 +152,19 @@ class RefreshMethod(EvalMethod):
                              "and needs >= 1 image per record")
 
     def run(self, model: Any, proc: Any, record: dict, base_dir: str | Path | None):
-        """Assemble and refresh ``record``; returns ``(adapter, request, RefreshResult, recorder)`` (no decoding)."""
+        """Assemble and refresh ``record``; returns ``(adapter, request, RefreshResult)`` (no decoding)."""
         self._check_record(record)  # also on the lmms-eval path, which does not go through run_eval
         adapter = self.get_adapter(model, proc)
         req = prepare(adapter, self.get_store(adapter, record["generic_system"]), record, base_dir)
         p = self._parsed
-        rec = Recorded(p.build())
-        return adapter, req, refresh(adapter, req, rec, p.effective_r), rec
+        return adapter, req, refresh(adapter, req, p.build(), p.effective_r)
 
     @torch.inference_mode()
     def predict(self, model: Any, proc: Any, record: dict, base_dir: str | Path | None) -> str:
         self._audit = None
-        adapter, req, result, rec = self.run(model, proc, record, base_dir)
+        adapter, req, result = self.run(model, proc, record, base_dir)
         tokens = until_eos(greedy_decode(adapter, result.output, int(record["max_new_tokens"])), eos_ids(model, proc))
-        self._audit = plan_audit(req, result, rec, self._parsed.params, tokens)
+        self._audit = plan_audit(req, result, self._parsed.params, tokens)
         return self.decode(proc, record, torch.tensor(tokens))
 
     def audit(self) -> dict | None:
@@ -231,7 +230,8 @@ def replay(run_dir: str | Path, record_id: str, *, cache_dir: str | None = None,
 
     Raises:
         FileNotFoundError: missing run files. KeyError: unknown id.
-        ValueError: the row has no ``plan`` (not a refresh run, or the sample failed), or the
+        ValueError: the row has no ``plan`` (not a refresh run, or the sample failed), the plan was recorded
+            with the pre-fix CacheBlend check-layer blend (:class:`~kvbench.eval.audit.ReplayPolicy`), or the
             record's request differs from the recorded one.
     """
     from kvbench.models.loader import load_model
@@ -244,6 +244,7 @@ def replay(run_dir: str | Path, record_id: str, *, cache_dir: str | None = None,
     if not audit:
         raise ValueError(f"{run_dir}: row {record_id!r} has no refresh plan (method {info['method'].get('name')!r}, "
                          f"status {row.get('status')!r})")
+    policy = ReplayPolicy(audit)  # a record it cannot replay fails here, before the model is loaded
     split = Path(info["split"]["path"])
     record = next((r for r in read_jsonl(split) if r["id"] == record_id), None)
     if record is None:
@@ -257,7 +258,7 @@ def replay(run_dir: str | Path, record_id: str, *, cache_dir: str | None = None,
     adapter = method.get_adapter(model, proc)
     with torch.inference_mode():
         req = prepare(adapter, method.get_store(adapter, record["generic_system"]), record, split.parent)
-        result = refresh(adapter, req, ReplayPolicy(audit), audit["r"])
+        result = refresh(adapter, req, policy, audit["r"])
         tokens = until_eos(greedy_decode(adapter, result.output, int(record["max_new_tokens"])), eos_ids(model, proc))
     pred = method.decode(proc, record, torch.tensor(tokens))
     return {"id": record_id, "policy": audit["policy"], "recorded": row["prediction"], "replayed": pred,

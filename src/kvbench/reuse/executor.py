@@ -80,17 +80,11 @@ class LayerSchedule:
         """Whether :class:`LayerState` at ``layer`` must carry queries."""
         return False
 
-    def blend(self, state: LayerState) -> torch.Tensor | None:
-        """Inside layer ``state.layer``, after its K/V are computed and before attention: the visual rows
-        whose *new* K/V are kept at this layer (others get their old K/V back). None keeps all.
-        (CacheBlend's check layer.)"""
-        return None
-
     def observe(self, state: LayerState) -> None:
         """Called after each layer with the final K/V of that layer."""
 
     def advance(self, state: LayerState) -> torch.Tensor:
-        """Visual rows computed at layer ``state.layer + 1`` (a subset of the rows kept at this layer)."""
+        """Visual rows computed at layer ``state.layer + 1`` (a subset of the rows computed at this layer)."""
         return self._at(state.layer + 1)
 
 
@@ -101,7 +95,8 @@ class ExecResult:
     Attributes:
         logits: float32 ``[vocab]`` at the last position.
         keys, values: per layer ``[1, n_kv, T, hd]`` (post-RoPE keys), the cache a decode step reads.
-        computed_visual: per layer, visual sequence indices recomputed there.
+        computed_visual: per layer, visual sequence indices recomputed there (their new K/V are the ones in
+            ``keys``/``values``; every other visual entry is the base K/V).
         next_position: position of the first generated token.
         mrope: whether positions are 3-axis.
     """
@@ -129,23 +124,13 @@ class ExecResult:
 class _RowWriter:
     """Duck-typed cache handed to one decoder layer: scatters the computed rows' K/V into the full copy."""
 
-    def __init__(self, state: LayerState, schedule: LayerSchedule):
+    def __init__(self, state: LayerState):
         self.state = state
-        self.schedule = schedule
-        self.kept_visual = state.active_visual
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         st = self.state
         st.keys.index_copy_(2, st.rows, key_states.to(st.keys.dtype))
         st.values.index_copy_(2, st.rows, value_states.to(st.values.dtype))
-        kept = self.schedule.blend(st)
-        if kept is not None:
-            _check_subset(kept, st.active_visual, st.layer, "blend")
-            dropped = st.active_visual[~torch.isin(st.active_visual, kept)]
-            # dropped rows keep their reused (old) K/V at this layer, as CacheBlend's check layer does
-            st.keys[:, :, dropped] = st.old_keys[:, :, dropped]
-            st.values[:, :, dropped] = st.old_values[:, :, dropped]
-            self.kept_visual = torch.sort(kept).values
         return st.keys, st.values
 
 
@@ -197,7 +182,7 @@ def execute(adapter: VLMAdapter, req: AssembledRequest, schedule: LayerSchedule,
         state = LayerState(layer=li, rows=rows, active_visual=vis, keys=base_keys[li].clone(),
                            values=base_values[li].clone(), old_keys=base_keys[li], old_values=base_values[li],
                            scale=float(getattr(attn, "scaling", adapter.head_dim ** -0.5)))
-        writer = _RowWriter(state, schedule)
+        writer = _RowWriter(state)
         cos, sin = req.cos[:, rows], req.sin[:, rows]
         hook = None
         if schedule.wants_queries(li):
@@ -213,12 +198,11 @@ def execute(adapter: VLMAdapter, req: AssembledRequest, schedule: LayerSchedule,
         h = out[0] if isinstance(out, tuple) else out
         keys.append(state.keys)
         values.append(state.values)
-        computed.append(writer.kept_visual)
-        state.active_visual = writer.kept_visual
+        computed.append(vis)
         schedule.observe(state)
         if li + 1 < len(adapter.layers):
             nxt = torch.sort(schedule.advance(state).to(rows.device)).values
-            _check_subset(nxt, writer.kept_visual, li + 1, "visual")
+            _check_subset(nxt, vis, li + 1, "visual")
             keep = torch.isin(rows, torch.cat([text_rows, nxt]))
             h, rows, vis = h[:, keep], rows[keep], nxt
     h = adapter.decoder.norm(h)

@@ -1,16 +1,20 @@
 """CacheBlend, in two forms (docs/decisions.md, "Baselines: sources").
 
-- ``cacheblend`` (the paper / ``YaoJiayi/CacheBlend``): layer 0 recomputes every visual token; at the
-  check layer (1) every visual token is computed again, the top ⌈r·N_visual⌉ by value deviation
-  Σ(v_new − v_old)² keep their new K/V there (the others get their reused K/V back, as the original
-  fuses ``old[imp] = new[imp]``), and that set is fixed for all later layers. ``deviation="k"`` uses
-  key deviation instead (LMCache's production variant). Text (the query suffix) is always computed.
+- ``cacheblend`` (arXiv 2405.16444, selective KV recompute; as coded in ``YaoJiayi/CacheBlend``,
+  ``vllm_blend``): layer 0 recomputes every visual token; the check layer (1) computes every visual
+  token again and keeps all of their new K/V (the original's check layer writes what it computed for
+  every token), then ranks them by value deviation Σ(v_new − v_old)² at that layer; the top
+  ⌈r·N_visual⌉ are the only visual rows computed from the next layer on (the original filters the
+  query rows there and fuses ``old[imp] = new`` only in later layers). ``deviation="k"`` uses key
+  deviation instead (LMCache's production variant). Text (the query suffix) is always computed.
 - ``cacheblend-conduit`` (as CONDUIT runs it, ``nanovllm/engine/cacheblend.py``): layer 0 = 100 % of
   visual tokens, then counts decay linearly (non-increasing) so that their layer average equals
   ⌈r·N_visual⌉ where reachable (:func:`linear_layer_counts`); after each layer that must shrink, the
   active tokens are ranked by ‖k_new − k_old‖₂ + ‖v_new − v_old‖₂ at that layer and the top ones go on.
 
-Neither form reduces to plain reuse at r = 0: layer 0 is always fully recomputed.
+Layer 0 is always fully recomputed; that leaves visual K/V unchanged (layer-0 inputs are the vision
+features), so the as-run form at r = 0 equals plain reuse, while the paper form at r = 0 still keeps every
+visual token's new K/V at its check layer (docs/decisions.md, "Policies").
 """
 from __future__ import annotations
 
@@ -114,24 +118,22 @@ def kv_deviation(state: LayerState) -> torch.Tensor:
 
 
 class CheckLayerSchedule(LayerSchedule):
-    """CacheBlend's original schedule: all visual tokens up to the check layer, then a fixed top-k set."""
+    """CacheBlend's original schedule: every visual token up to and including the check layer (all keep their
+    new K/V there), then the top ``k`` by deviation at the check layer, fixed for every later layer."""
 
     def __init__(self, visual_index: torch.Tensor, k: int, check_layer: int, deviation: str):
         super().__init__(visual_index)
         self.k, self.check_layer, self.deviation = k, check_layer, deviation
         self.selected: torch.Tensor | None = None
 
-    def blend(self, state: LayerState) -> torch.Tensor | None:
+    def advance(self, state: LayerState) -> torch.Tensor:
         if state.layer != self.check_layer:
-            return None
+            return state.active_visual  # all before the check layer; the fixed set after it
         idx = state.active_visual
         new, old = (state.values, state.old_values) if self.deviation == "v" else (state.keys, state.old_keys)
         dev = ((flat_rows(new, idx) - flat_rows(old, idx)) ** 2).sum(dim=-1)
         self.selected = idx[top_k(dev, self.k)]
         return self.selected
-
-    def advance(self, state: LayerState) -> torch.Tensor:
-        return state.active_visual  # all before the check layer; the fixed kept set from then on
 
 
 @register()
