@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import itertools
+import math
 
 import pytest
 import torch
@@ -23,7 +24,8 @@ from kvbench.reuse import (
 )
 from kvbench.reuse.executor import LayerSchedule, execute
 from kvbench.reuse.policies import REFRESH, REGISTRY
-from kvbench.reuse.policies.cacheblend import linear_layer_counts
+from kvbench.reuse.policies.cacheblend import degenerate, linear_layer_counts
+from kvbench.reuse.validate import budget_count
 
 torch.set_num_threads(1)
 #: Every registered policy that takes a budget (from the registry: a new policy is tested without a line here).
@@ -232,6 +234,80 @@ def test_linear_layer_counts(L, N, k):
     c = linear_layer_counts(L, N, k)
     assert len(c) == L and c[0] == N and all(a >= b >= 0 for a, b in itertools.pairwise(c))
     assert sum(c) == max(N, min(k * L, N * L))
+
+
+def _authors_layer_counts(L: int, N: int, avg: int) -> list[int]:
+    """Reference: CONDUIT's ``build_cacheblend_layer_counts`` (``cpa2001/CONDUIT`` @ 96c71d2,
+    ``nanovllm/engine/recompute.py``), re-derived from what it does, written independently:
+
+    1. the target total is the average clipped to [0, N], times L, clipped to [N, N·L]; all-N or layer-0-only
+       at the two ends;
+    2. a continuous profile, N at layer 0 and N·(1 − l/H) clipped to [0, N] after, is fitted to that total by
+       halving an interval for H (start [0, 1], double the top until it reaches the total, then 64 halvings,
+       keeping the top end);
+    3. each layer takes floor(value + 1e-12) and remembers value minus that floor; layer 0 is N; counts are
+       made non-increasing;
+    4. every unit still missing goes, one at a time, to the layer with the largest remembered fraction among
+       the layers strictly below their predecessor (scanning from layer 1, a later layer wins only by more
+       than 1e-12). The fractions are never spent, so that layer keeps winning until it reaches its
+       predecessor.
+    """
+    target = max(N, min(max(0, min(avg, N)) * L, N * L))
+    if target == N * L:
+        return [N] * L
+    if target == N:
+        return [N] + [0] * (L - 1)
+
+    def total(h):
+        return sum([float(N)] + [max(0.0, min(float(N), N * (1.0 - layer / h))) for layer in range(1, L)])
+
+    top = 1.0
+    while total(top) < target:
+        top *= 2.0
+    bottom = 0.0
+    for _ in range(64):
+        middle = (bottom + top) / 2.0
+        if total(middle) < target:
+            bottom = middle
+        else:
+            top = middle
+    values = [float(N)] + [max(0.0, min(float(N), N * (1.0 - layer / top))) for layer in range(1, L)]
+    out, parts = [], []
+    for v in values:
+        whole = math.floor(v + 1e-12)
+        out.append(min(N, max(0, whole)))
+        parts.append(v - whole)
+    out[0] = N
+    for layer in range(1, L):
+        out[layer] = min(out[layer], out[layer - 1])
+    missing = target - sum(out)
+    while missing > 0:
+        winner, best = None, -1.0
+        for layer in range(1, L):
+            if out[layer] < out[layer - 1] and parts[layer] > best + 1e-12:
+                winner, best = layer, parts[layer]
+        out[winner] += 1
+        missing -= 1
+    return out
+
+
+@pytest.mark.parametrize("L", [2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 24, 28, 36])
+def test_linear_layer_counts_are_the_authors(L):
+    """``linear_layer_counts`` = CONDUIT's ``build_cacheblend_layer_counts`` (leftover units included) over many
+    (N, r): the schedule both ``cacheblend-conduit`` and ``kvshare-conduit`` run."""
+    for N in (1, 2, 5, 7, 18, 30, 64, 100, 256, 333, 1000, 2048):
+        for r in (0.0, 0.02, 0.05, 0.1, 0.16, 0.2, 0.25, 1 / 3, 0.5, 0.75, 0.9, 1.0):
+            k = budget_count(r, N)
+            assert linear_layer_counts(L, N, k) == _authors_layer_counts(L, N, k), (L, N, r)
+
+
+def test_linear_layer_counts_leftovers_follow_the_authors():
+    """Hand-worked case: L = 5, N = 7, average 3 → total 15; H = 42/13 gives 7, 4.83, 2.67, 0.5, 0 → floors
+    7, 4, 2, 0, 0 (13). Both missing units go to layer 1 (largest fraction, never spent), not one to layer 1
+    and one to layer 2 as a largest-remainder rule would: [7, 6, 2, 0, 0]."""
+    assert linear_layer_counts(5, 7, 3) == [7, 6, 2, 0, 0]
+    assert linear_layer_counts(6, 18, 2) == [18, 0, 0, 0, 0, 0] and degenerate(linear_layer_counts(6, 18, 2))
+    assert not degenerate(linear_layer_counts(6, 18, 4)) and not degenerate([5]) and not degenerate([0, 0])
 
 
 def test_as_run_phase2_differs_from_full_only_through_inter_image_text(vlm, req, full, tmp_path):

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvbench.reuse.assemble import AssembledRequest
 from kvbench.reuse.executor import LayerSchedule, LayerState
 from kvbench.reuse.policies._layers import n_layers_of
 from kvbench.reuse.policies.base import RefreshPlan, RefreshPolicy, register
@@ -32,12 +33,25 @@ from kvbench.reuse.validate import budget_count
 
 
 def linear_layer_counts(n_layers: int, n_visual: int, avg_count: int) -> list[int]:
-    """Per-layer visual counts: layer 0 = ``n_visual``, non-increasing, linear decay, integer, summing to
-    ``clip(avg_count·L, N, N·L)`` (layer average = ``avg_count`` where that is ≥ N/L).
+    """Per-layer visual counts of CONDUIT's as-run CacheBlend/KVShare schedule, exactly as
+    ``build_cacheblend_layer_counts`` (``cpa2001/CONDUIT`` @ 96c71d2, ``nanovllm/engine/recompute.py``) makes them.
 
-    The continuous profile N·max(0, 1 − l/H) is solved for the horizon H by bisection, floored, and the
-    remaining units go to the layers with the largest fractional parts that can take one without
-    breaking monotonicity.
+    Layer 0 = N (``n_visual``), then a non-increasing linear decay whose integer counts add up to the target
+    ``clip(min(avg_count, N)·L, N, N·L)``, so the layer average is ``avg_count`` where that is ≥ N/L; below
+    that the schedule is degenerate, ``[N, 0, ..., 0]`` (:func:`degenerate`).
+
+    The continuous profile (N at layer 0, N·(1 − l/H) clipped to [0, N] after) is solved for the horizon H
+    by 64 bisection steps on the target total, then floored (with a 1e-12 nudge). Each leftover unit goes to
+    the layer of largest fractional part among those still below their predecessor, the earliest one when
+    parts agree within 1e-12; parts are not used up, so one layer may take several units (as the authors'
+    loop does). Float steps follow theirs, so the counts are theirs bit for bit (tested against a
+    re-derivation of their rule).
+
+    Args:
+        n_layers: L decoder layers; n_visual: N visual tokens; avg_count: the budget ⌈r·N⌉.
+
+    Returns:
+        ``L`` ints in [0, N].
     """
     N, L = int(n_visual), int(n_layers)
     if L <= 0:
@@ -46,33 +60,46 @@ def linear_layer_counts(n_layers: int, n_visual: int, avg_count: int) -> list[in
         return [0] * L
     if L == 1:
         return [N]
-    total = max(N, min(int(avg_count) * L, N * L))
+    total = max(N, min(max(0, min(int(avg_count), N)) * L, N * L))
     if total >= N * L:
         return [N] * L
     if total <= N:
         return [N] + [0] * (L - 1)
 
     def profile(h: float) -> list[float]:
-        return [float(N)] + [N * max(0.0, 1.0 - i / h) for i in range(1, L)]
+        return [float(N)] + [max(0.0, min(float(N), N * (1.0 - i / h))) for i in range(1, L)]
 
     lo, hi = 0.0, 1.0
     while sum(profile(hi)) < total:
         hi *= 2.0
-    for _ in range(80):
-        mid = (lo + hi) / 2
+    for _ in range(64):  # the authors' step count: more steps can move hi by an ulp and change a floor
+        mid = (lo + hi) / 2.0
         lo, hi = (mid, hi) if sum(profile(mid)) < total else (lo, mid)
     cont = profile(hi)
-    counts = [min(N, math.floor(x + 1e-9)) for x in cont]
+    floors = [math.floor(x + 1e-12) for x in cont]
+    frac = [x - f for x, f in zip(cont, floors)]  # of the unclipped floor, before the monotone pass (as theirs)
+    counts = [max(0, min(N, f)) for f in floors]
     counts[0] = N
     for i in range(1, L):
         counts[i] = min(counts[i], counts[i - 1])
-    frac = [x - c for x, c in zip(cont, counts)]
     for _ in range(total - sum(counts)):
-        cands = [i for i in range(1, L) if counts[i] < counts[i - 1]]
-        best = max(cands, key=lambda i: (frac[i], -i))
+        best = None
+        for i in range(1, L):
+            if counts[i] < counts[i - 1] and (best is None or frac[i] > frac[best] + 1e-12):
+                best = i
+        assert best is not None, "a schedule below N·L always has a layer below its predecessor"
         counts[best] += 1
-        frac[best] = -1.0
     return counts
+
+
+def degenerate(counts: list[int]) -> bool:
+    """Whether a per-layer schedule recomputes visual tokens at layer 0 only (``[N, 0, ..., 0]`` with L ≥ 2).
+
+    Layer-0 K/V of visual tokens do not depend on the prefix (docs/decisions.md, "Policies"), so such a run
+    equals plain reuse except for the cost of layer 0: what the as-run CacheBlend/KVShare schedule does when
+    ⌈r·N⌉·L ≤ N, i.e. on a model with about ≤ 1/r layers.
+    """
+    return len(counts) >= 2 and counts[0] > 0 and not any(counts[1:])
 
 
 def flat_rows(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -115,6 +142,16 @@ def kv_deviation(state: LayerState) -> torch.Tensor:
     dk = (flat_rows(state.keys, idx) - flat_rows(state.old_keys, idx)).norm(dim=-1)
     dv = (flat_rows(state.values, idx) - flat_rows(state.old_values, idx)).norm(dim=-1)
     return dk + dv
+
+
+def linear_plan(req: AssembledRequest, r: float, score_fn: Callable[[LayerState], torch.Tensor], variant: str,
+                needs_queries: bool = False) -> RefreshPlan:
+    """The plan of CONDUIT's as-run CacheBlend/KVShare schedule: :func:`linear_layer_counts` for budget
+    ⌈r·N_visual⌉, shrunk by ``score_fn`` (:class:`ShrinkSchedule`). ``info`` records the counts and whether they
+    are :func:`degenerate` (the tables name such runs)."""
+    counts = linear_layer_counts(n_layers_of(req), req.n_visual, budget_count(r, req.n_visual))
+    return RefreshPlan(schedule=ShrinkSchedule(req.visual_index, counts, score_fn, needs_queries=needs_queries),
+                       info={"variant": variant, "layer_counts": counts, "degenerate": degenerate(counts)})
 
 
 class CheckLayerSchedule(LayerSchedule):
@@ -175,9 +212,7 @@ class CacheBlendConduit(RefreshPolicy):
     uses_scoring = False
 
     def plan(self, req, scoring, r):
-        counts = linear_layer_counts(n_layers_of(req), req.n_visual, budget_count(r, req.n_visual))
-        return RefreshPlan(schedule=ShrinkSchedule(req.visual_index, counts, kv_deviation),
-                           info={"variant": "conduit-as-run", "layer_counts": counts})
+        return linear_plan(req, r, kv_deviation, "conduit-as-run")
 
     def visual_rows(self, req, r, n_layers):
         return linear_layer_counts(n_layers, req.n_visual, budget_count(r, req.n_visual))

@@ -15,9 +15,8 @@ from dataclasses import dataclass
 import torch
 
 from kvbench.reuse.executor import LayerState
-from kvbench.reuse.policies._layers import n_layers_of
-from kvbench.reuse.policies.base import RefreshPlan, RefreshPolicy, register
-from kvbench.reuse.policies.cacheblend import ShrinkSchedule, flat_rows, linear_layer_counts
+from kvbench.reuse.policies.base import RefreshPolicy, register
+from kvbench.reuse.policies.cacheblend import flat_rows, linear_layer_counts, linear_plan
 from kvbench.reuse.scoring import attention_mass
 from kvbench.reuse.validate import budget_count
 
@@ -39,9 +38,7 @@ class KVShareConduit(RefreshPolicy):
     uses_scoring = False
 
     def plan(self, req, scoring, r):
-        counts = linear_layer_counts(n_layers_of(req), req.n_visual, budget_count(r, req.n_visual))
-        return RefreshPlan(schedule=ShrinkSchedule(req.visual_index, counts, kvshare_score, needs_queries=True),
-                           info={"variant": "conduit-reimplementation", "layer_counts": counts})
+        return linear_plan(req, r, kvshare_score, "conduit-reimplementation", needs_queries=True)
 
     def visual_rows(self, req, r, n_layers):
         return linear_layer_counts(n_layers, req.n_visual, budget_count(r, req.n_visual))
