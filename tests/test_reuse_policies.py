@@ -26,6 +26,7 @@ from kvbench.reuse.executor import LayerSchedule, execute
 from kvbench.reuse.policies import REFRESH, REGISTRY
 from kvbench.reuse.policies.cacheblend import degenerate, linear_layer_counts
 from kvbench.reuse.validate import budget_count
+from kvbench.utils.spec import parse
 
 torch.set_num_threads(1)
 #: Every registered policy that takes a budget (from the registry: a new policy is tested without a line here).
@@ -310,16 +311,29 @@ def test_linear_layer_counts_leftovers_follow_the_authors():
     assert not degenerate(linear_layer_counts(6, 18, 4)) and not degenerate([5]) and not degenerate([0, 0])
 
 
-def test_as_run_phase2_differs_from_full_only_through_inter_image_text(vlm, req, full, tmp_path):
-    """CONDUIT's code recomputes only the trailing query text in Phase 2; text between images keeps its
-    Stage-I K/V, so even r = 1 misses full prefill there. With one image and no text after it except the
-    query, the two coincide."""
-    asrun = refresh(vlm, req, "conduit", 1.0, phase2_text="query").output
-    assert (asrun.logits - full.logits).abs().max() > 1e-4
+@pytest.mark.parametrize("policy", ["conduit", "prophetkv"])
+def test_as_run_phase2_differs_from_full_only_through_inter_image_text(vlm, req, full, tmp_path, policy):
+    """CONDUIT's code recomputes only the trailing query text in Phase 2 (for its ProphetKV too); text between
+    images keeps its Stage-I K/V, so even r = 1 misses full prefill there. With one image and no text after it
+    except the query, the two coincide."""
+    asrun = refresh(vlm, req, policy, 1.0, phase2_text="query")
+    assert torch.equal(asrun.plan.text_rows, req.query_index) and asrun.plan.base_from_stage1
+    assert (asrun.output.logits - full.logits).abs().max() > 1e-4
     rec = record([9])
     one = prepare(vlm, ImageKVStore(tmp_path, vlm, rec["generic_system"]), rec)
-    torch.testing.assert_close(refresh(vlm, one, "conduit", 1.0, phase2_text="query").output.logits,
+    torch.testing.assert_close(refresh(vlm, one, policy, 1.0, phase2_text="query").output.logits,
                                refresh(vlm, one, "full", 1.0).output.logits, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("policy", ["conduit", "prophetkv"])
+def test_phase2_text_option_is_shared(policy):
+    """One field, default and check for both scorers (``Phase2TextPolicy``), also through a method spec."""
+    assert get_policy(policy).phase2_text == "all"
+    with pytest.raises(ValueError, match="phase2_text must be 'all' or 'query', got 'some'"):
+        get_policy(policy, phase2_text="some")
+    spec = parse(f"{policy}@0.1:phase2_text=query", REFRESH)
+    assert spec.canonical == f"{policy}@0.1:phase2_text=query" and spec.build().phase2_text == "query"
+    assert parse(f"{policy}@0.1:phase2_text=all", REFRESH).canonical == f"{policy}@0.1"  # the default is dropped
 
 
 @pytest.mark.parametrize("r", [-0.1, 1.5, float("nan"), "0.5", True])

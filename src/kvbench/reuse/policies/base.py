@@ -115,6 +115,30 @@ class RefreshPolicy(ABC):
         return []
 
 
+@dataclass
+class Phase2TextPolicy(RefreshPolicy):
+    """A scoring-pass policy whose Phase 2 recomputes either every text token or only the trailing query
+    (CONDUIT App. A.1; docs/decisions.md, "Phase 2 executor"). CONDUIT and ProphetKV share this switch.
+
+    Parameters:
+        phase2_text: str, default ``"all"``: every text token is recomputed in Phase 2 (r = 1 equals full
+            prefill); ``"query"``: as the authors' code runs (``model_runner_kv_score.py``), only the trailing
+            query text is, and other text keeps its Stage I K/V (computed over the stale images).
+    """
+
+    phase2_text: str = "all"
+
+    def __post_init__(self):
+        if self.phase2_text not in ("all", "query"):
+            raise ValueError(f"phase2_text must be 'all' or 'query', got {self.phase2_text!r}")
+
+    def text_plan(self, req: AssembledRequest) -> dict[str, Any]:
+        """:class:`RefreshPlan` keywords for ``phase2_text``: ``text_rows`` (int64 query indices, or None for all
+        text) and ``base_from_stage1`` (the non-query text rows then come from Stage I's K/V)."""
+        query_only = self.phase2_text == "query"
+        return {"text_rows": req.query_index if query_only else None, "base_from_stage1": query_only}
+
+
 REGISTRY: dict[str, type[RefreshPolicy]] = {}
 
 #: Refresh policies as a family of method specs (:mod:`kvbench.utils.spec`): ``<policy>@<r>[:key=value,...]``,

@@ -11,22 +11,21 @@ Parameters:
     use_v_norm: multiply by ‖V‖ (False reproduces the "query attention only" ablation, Table 5).
     coef_source: ``"score"`` (m_j from the fused score s, as the authors' code does) or ``"attention"``
         (m_j from mean attention α only, the paper text's wording; docs/decisions.md, "CONDUIT").
-    phase2_text: ``"all"`` (Phase 2 recomputes every text token: r = 1 equals full prefill) or
-        ``"query"`` (as the authors' code runs: only the trailing query text is recomputed in Phase 2,
-        other text keeps its Stage I K/V).
+    phase2_text: ``"all"`` (default) or ``"query"`` (as the authors' code runs), from
+        :class:`~kvbench.reuse.policies.base.Phase2TextPolicy`.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from kvbench.reuse.executor import LayerSchedule
-from kvbench.reuse.policies.base import RefreshPlan, RefreshPolicy, register
+from kvbench.reuse.policies.base import Phase2TextPolicy, RefreshPlan, register
 from kvbench.reuse.validate import budget_count, check_strength
 
 
 @register()
 @dataclass
-class Conduit(RefreshPolicy):
+class Conduit(Phase2TextPolicy):
     name = "conduit"
     label = "CONDUIT"
 
@@ -34,14 +33,12 @@ class Conduit(RefreshPolicy):
     layers: list[int] | None = None
     use_v_norm: bool = True
     coef_source: str = "score"
-    phase2_text: str = "all"
 
     def __post_init__(self):
+        super().__post_init__()
         self.lam = check_strength(self.lam)
         if self.coef_source not in ("score", "attention"):
             raise ValueError(f"coef_source must be 'score' or 'attention', got {self.coef_source!r}")
-        if self.phase2_text not in ("all", "query"):
-            raise ValueError(f"phase2_text must be 'all' or 'query', got {self.phase2_text!r}")
         layers = self.layers
         if layers is not None and (not list(layers) or any(not isinstance(i, int) or i < 0 for i in layers)):
             raise ValueError(f"layers must be None or a non-empty list of layer indices >= 0, got {layers!r}")
@@ -54,9 +51,8 @@ class Conduit(RefreshPolicy):
         c = scoring.coefficients(src, self.lam)
         final = s * c[req.image_of_visual]
         sel = scoring.select(final, r)
-        query_only = self.phase2_text == "query"
         return RefreshPlan(schedule=LayerSchedule(sel), selected=sel, scores=final, coefficients=c,
-                           text_rows=req.query_index if query_only else None, base_from_stage1=query_only)
+                           **self.text_plan(req))
 
     def visual_rows(self, req, r, n_layers):
         return [budget_count(r, req.n_visual)] * n_layers
