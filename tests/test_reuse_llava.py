@@ -6,6 +6,7 @@ import torch
 from _reuse_fixtures import prepared_request, tiny_llava
 
 from kvbench.reuse import adapter_for, refresh
+from kvbench.reuse.executor import LayerSchedule, execute
 
 
 @pytest.fixture(scope="module")
@@ -32,4 +33,7 @@ def test_r1_full_and_r0_reuse(llava, req, policy):
     reuse = refresh(llava, req, "reuse", 0.0).output
     assert (full.logits - reuse.logits).abs().max() > 1e-3
     torch.testing.assert_close(refresh(llava, req, policy, 1.0).output.logits, full.logits, rtol=1e-4, atol=1e-4)
+    if policy == "cacheblend":  # the paper form keeps every visual token's new K/V up to its check layer (1)
+        vis, L = req.visual_index, llava.n_layers
+        reuse = execute(llava, req, LayerSchedule([vis, vis] + [vis[:0]] * (L - 2)))
     torch.testing.assert_close(refresh(llava, req, policy, 0.0).output.logits, reuse.logits, rtol=1e-5, atol=1e-5)
