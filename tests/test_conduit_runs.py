@@ -176,6 +176,10 @@ def test_rows_carry_the_refresh_plan(runs):
         assert plan["layer_counts"] == [plan["budget"]] * plan["n_layers"]
         assert len(plan["coefficients"]) == plan["n_images"] and sum(plan["per_image_refreshed"]) == plan["budget"]
         assert plan["scores"]["threshold"] <= plan["scores"]["max"] and len(plan["tokens"]) >= 1
+        assert plan["degenerate"] is False
+    for row in read_jsonl(runs["kvshare-conduit@0.5"] / "predictions.jsonl"):  # degenerate = layer 0 only
+        counts = row["plan"]["layer_counts"]
+        assert row["plan"]["degenerate"] == (counts[0] > 0 and not any(counts[1:]))
     info = json.loads((runs["conduit@0.5"] / "run_info.json").read_text())
     assert info["method"]["spec"] == "conduit@0.5" and info["method"]["build_missing"] is False
     assert "plan" not in read_jsonl(runs["full"] / "predictions.jsonl")[0]
@@ -371,6 +375,26 @@ def test_table2_table4_table5_rows(tmp_path):
     tables.write("conduit/table5", spec, tmp_path / "t5.csv", root=tmp_path)
     _, t5 = _read(tmp_path / "t5.csv")
     assert t5["avg %full"].tolist() == [100.0] and t5["r"].tolist() == [0.1]
+
+
+def test_table1_header_names_degenerate_schedules_from_the_runs(tmp_path):
+    """Rows whose runs recorded a degenerate layer schedule (audit ``degenerate``) are named in the header, with the
+    budget and how many records; computed from the runs, and absent when no run had one."""
+    cfg = _cfg(methods=[{"label": "KVShare", "method": "kvshare-conduit"}, {"label": "CONDUIT", "method": "conduit"},
+                        {"label": "Full prefill", "method": "full"}])
+    plan, spec = _synthetic(tmp_path, {("dp", "full"): [1] * 6, ("dp", "kvshare-conduit@0.1"): [0] * 6,
+                                       ("dp", "conduit@0.1"): [1] * 6}, cfg)
+    tables.write("conduit/table1", spec, tmp_path / "t1.csv", root=tmp_path)
+    assert not any("DEGENERATE" in h for h in _read(tmp_path / "t1.csv")[0])
+    path = tmp_path / plan.run_dir("m", "dp", "kvshare-conduit@0.1") / "predictions.jsonl"
+    rows = read_jsonl(path)
+    for i, row in enumerate(rows):
+        row["plan"] = {"policy": "kvshare-conduit", "degenerate": i < 4}
+    write_split(path, rows)
+    tables.write("conduit/table1", spec, tmp_path / "t1.csv", root=tmp_path)
+    line = [h for h in _read(tmp_path / "t1.csv")[0] if h.startswith("# DEGENERATE")]
+    assert len(line) == 1 and "m/KVShare at r = 0.1 (kvshare-conduit@0.1: dp 4 of 6 records)" in line[0]
+    assert "CONDUIT" not in line[0]
 
 
 def test_flat_table_says_so_in_its_header(tmp_path):

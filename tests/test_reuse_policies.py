@@ -302,6 +302,16 @@ def test_linear_layer_counts_are_the_authors(L):
             assert linear_layer_counts(L, N, k) == _authors_layer_counts(L, N, k), (L, N, r)
 
 
+@pytest.mark.parametrize("policy", ["cacheblend-conduit", "kvshare-conduit"])
+def test_as_run_schedule_says_when_it_is_degenerate(vlm, req, reuse, policy):
+    """6 layers, 18 visual tokens: at r = 0.05 the budget ⌈0.9⌉ = 1 times 6 layers is below N, so the whole budget
+    goes to layer 0 and the run equals plain reuse; the plan says so. At r = 0.4 it does not."""
+    low = refresh(vlm, req, policy, 0.05)
+    assert low.output.layer_counts == [req.n_visual] + [0] * (vlm.n_layers - 1) and low.plan.info["degenerate"]
+    torch.testing.assert_close(low.output.logits, reuse.logits, rtol=1e-5, atol=1e-5)
+    assert not refresh(vlm, req, policy, 0.4).plan.info["degenerate"]
+
+
 def test_linear_layer_counts_leftovers_follow_the_authors():
     """Hand-worked case: L = 5, N = 7, average 3 → total 15; H = 42/13 gives 7, 4.83, 2.67, 0.5, 0 → floors
     7, 4, 2, 0, 0 (13). Both missing units go to layer 1 (largest fraction, never spent), not one to layer 1

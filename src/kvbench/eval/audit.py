@@ -11,7 +11,9 @@ the refresh without the policy or the scoring rule:
 - ``image_spans``, ``per_image_refreshed`` (mean refreshed tokens per layer, per image),
   ``coefficients`` (c_j, or None), ``scores`` (summary of the final ranking scores, or None),
   ``text_rows`` (``"all"`` or the recomputed text indices), ``base_from_stage1``, ``full_prefill``,
-  ``budget`` (⌈r·N_visual⌉), ``tokens`` (generated ids).
+  ``budget`` (⌈r·N_visual⌉), ``tokens`` (generated ids);
+- ``degenerate``: the policy's layer schedule recomputed visual tokens at layer 0 only (the plan's
+  ``info["degenerate"]``, set by CONDUIT's as-run CacheBlend/KVShare schedule; False for other policies).
 
 :func:`kvbench.eval.refresh.replay` rebuilds the request, runs the recorded per-layer sets through the same executor and
 decodes again; it reproduces the prediction exactly (same rows per layer, same arithmetic). Records made
@@ -70,6 +72,7 @@ def plan_audit(req: AssembledRequest, result: RefreshResult, params: dict, token
         "selected": _ints(plan.selected),
         "depth": _ints(depth),
         "layer_counts": out.layer_counts,
+        "degenerate": bool(plan.info.get("degenerate", False)),
         "per_image_refreshed": [round(float(x), 4) for x in per_image],
         "coefficients": None if plan.coefficients is None else [float(c) for c in plan.coefficients],
         "scores": score_summary(None if plan.scores is None else plan.scores.cpu(), sel_pos),

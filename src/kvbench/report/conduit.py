@@ -321,6 +321,9 @@ def write_score_table(plan: ConduitPlan, runs: Runs, target: str, out: str | Pat
         f"# columns: {cols}; records per column: {_column_counts(runs, plan, target)}",
     ]
     header.append(flatness_line(df, plan.columns(target)))
+    degenerate = degenerate_line(plan, runs, plan.rows(target), plan.columns(target))
+    if degenerate:
+        header.append(degenerate)
     # each baseline says which of its forms it is (RefreshPolicy.form); CONDUIT and the references have none
     forms = {p.name: getattr(p.cls, "form", None) for p in (parse_method_spec(r.spec) for r in plan.rows(target))}
     described = [f"{name} = {form}" for name, form in forms.items() if form]
@@ -328,6 +331,35 @@ def write_score_table(plan: ConduitPlan, runs: Runs, target: str, out: str | Pat
         header.append("# baseline forms: " + "; ".join(described))
     _write_csv(df, header, out)
     return df
+
+
+def degenerate_line(plan: ConduitPlan, runs: Runs, rows: list[Row], cols: list[Column]) -> str | None:
+    """Header line naming the rows whose runs had a degenerate layer schedule, or None when no run had one.
+
+    Degenerate: the executed plan recomputed visual tokens at layer 0 only (audit field ``degenerate``, set by
+    CONDUIT's as-run CacheBlend/KVShare schedule when ⌈r·N⌉·L ≤ N, i.e. on a model with about ≤ 1/r layers), so
+    the row equals cache reuse beyond layer 0. Read from every record of the row's runs, per backbone, budget
+    and dataset (``n of m records``: N varies per record, so a run can be partly degenerate).
+    """
+    found = []
+    for model in plan.models:
+        for row in rows:
+            parts = []
+            for dataset in dict.fromkeys(c.dataset for c in cols):
+                recs = runs.rows(plan.run_dir(model, dataset, row.spec))
+                if not recs:
+                    continue
+                n = sum(1 for r in recs.values() if (r.get("plan") or {}).get("degenerate"))
+                if n:
+                    parts.append(f"{dataset} {n} of {len(recs)} records")
+            if parts:
+                r = "" if row.r is None else f" at r = {row.r:g}"
+                found.append(f"{model}/{row.label}{r} ({row.spec}: {', '.join(parts)})")
+    if not found:
+        return None
+    return ("# DEGENERATE layer schedules (every visual token recomputed at layer 0, none after: equal to cache "
+            "reuse beyond layer 0, since layer-0 K/V do not depend on the prefix; the as-run CacheBlend/KVShare "
+            "schedule on a model with about <= 1/r layers): " + "; ".join(found))
 
 
 def flatness_line(df: pd.DataFrame, cols: list[Column]) -> str:
@@ -500,10 +532,13 @@ TABLES: dict[str, Table] = {t.name: t for t in (
     Table("conduit/table1", "CONDUIT", "conduit",
           "Table 1 (main results: budgeted refresh methods vs full prefill, per budget r)",
           "**CONDUIT Table 1** (paper §4.2, main results): answer score of each budgeted refresh method (cache "
-          "reuse, CacheBlend, MPIC, KVShare, ProphetKV, CONDUIT) over the stale per-image KV cache, at refresh "
-          "budgets r = 0.05 and r = 0.10, against full prefill. Cells are mean per-record score x 100 per column, "
-          "``%full`` the share of the full-prefill cell, ``avg`` the unweighted mean over columns (the paper's "
-          f"five-dataset average). {_CELLS} {_NOT_THE_PAPER}",
+          "reuse, CacheBlend as CONDUIT runs it and in its paper form, MPIC, KVShare, ProphetKV, CONDUIT) over the "
+          "stale per-image KV cache, at refresh budgets r = 0.05 and r = 0.10, against full prefill. Cells are mean "
+          "per-record score x 100 per column, ``%full`` the share of the full-prefill cell, ``avg`` the unweighted "
+          "mean over columns (the paper's five-dataset average). When a row's layer schedule was degenerate (the "
+          "as-run CacheBlend/KVShare schedule on a model with about <= 1/r layers puts the whole budget at layer 0, "
+          "which equals cache reuse), a ``# DEGENERATE`` header line names the row, budget and records, computed "
+          f"from the runs' audit records. {_CELLS} {_NOT_THE_PAPER}",
           _score_table, rows=_table1_rows, columns="multi_image"),
     Table("conduit/table2", "CONDUIT", "conduit",
           "Table 2 (K=1: one image cached under a generic instruction; r = 0, r = 0.05, full prefill)",
