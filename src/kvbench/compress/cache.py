@@ -10,7 +10,14 @@ A compression method is a :class:`StoreLayer` subclass (one per decoder layer) w
   its own queries, e.g. SnapKV's observation window, see those queries);
 - :meth:`StoreLayer.narrow` (optional): a per-query mask over the keys read (Quest's page selection);
 - :attr:`StoreLayer.after_commit` (optional): a selector's step after the commit (OmniKV's filter
-  layers), set by the press that builds the layer, so a selector composes with any store.
+  layers), set by the press that builds the layer, so a selector composes with any store;
+- :meth:`StoreLayer.attach` (optional): forward hooks on the layer's attention module while the model runs,
+  for a store that needs a tensor the cache is not given (ResidualKV on Qwen3 codes ``k_proj`` outputs,
+  before ``k_norm``: :mod:`kvbench.compress.residualkv.keys`).
+
+Keys reach ``update`` post-RoPE (and post key norm); a store that codes pre-RoPE keys inverts RoPE at the
+keys' positions (:meth:`LayerContext.unrotate`) and, after restoring, applies the key norm (if its model has
+one) and then RoPE (:meth:`LayerContext.rotate`).
 
 :class:`PressCache` calls them from ``update`` and from the attention function registered as
 ``"kvbench_press"``, which builds the causal mask from the key positions (the model's own mask has the
@@ -124,6 +131,12 @@ class StoreLayer(CacheLayerMixin):
     def commit(self, chunk: KVView, query: torch.Tensor) -> None:
         """Store ``chunk`` (its exact post-RoPE K/V) after its attention ran; ``query`` ``[1, H_q, t, D]``."""
         self._stored = KVView.cat([self._stored, chunk])
+
+    def attach(self, attn: Any) -> list:
+        """Hooks this layer needs on ``attn`` (its decoder layer's attention module) while the model runs:
+        registered by :func:`press_attention` on entry and removed on exit (also after an exception).
+        Returns the handles (``torch.utils.hooks.RemovableHandle``); default: none."""
+        return []
 
     def narrow(self, query: torch.Tensor, view: KVView) -> torch.Tensor | None:
         """Optional bool mask ``[1, H_q, t, n]`` (True = may attend) over ``view``; None keeps all."""
@@ -255,14 +268,20 @@ AttentionInterface.register(ATTN_NAME, _press_attention)
 
 @contextlib.contextmanager
 def press_attention(model: Any, cache: PressCache) -> Iterator[PressCache]:
-    """Within the block, ``model``'s attention reads ``cache`` through ``"kvbench_press"``; restores the
-    model's attention implementation on exit (also after an exception)."""
+    """Within the block, ``model``'s attention reads ``cache`` through ``"kvbench_press"`` and the hooks of
+    :meth:`StoreLayer.attach` are on; restores the model's attention implementation and removes the hooks on
+    exit (also after an exception)."""
     old = model.config._attn_implementation
     token = _active.set(cache)
-    model.set_attn_implementation(ATTN_NAME)
+    handles: list = []
     try:
+        for layer, dec in zip(cache.layers, decoder_layers(model)):
+            handles.extend(layer.attach(dec.self_attn))
+        model.set_attn_implementation(ATTN_NAME)
         yield cache
     finally:
+        for h in handles:
+            h.remove()
         model.set_attn_implementation(old)
         _active.reset(token)
 

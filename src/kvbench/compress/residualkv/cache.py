@@ -11,7 +11,10 @@ Per sparse layer, a request's tokens are held as
 
 A token leaves the raw window when it falls out of it ("compression after the chunk's view is built": a
 single-chunk prefill is exact, decode reads restored K/V). Restoring is kv̂ = f_d(z̃) + mean_ref (§IV-B),
-split into pre-RoPE K and V, and K is rotated at the token's own position. References are read as they are
+split into pre-RoPE K and V, and K is rotated at the token's own position. K is the codec's key quantity
+(:mod:`~kvbench.compress.residualkv.keys`, the same tensor as in training): the ``k_proj`` output, so on a
+model with a key norm (Qwen3's ``k_norm``) the layer takes it from a ``k_proj`` hook and applies the norm
+after restore, before RoPE, as the authors' code; on Qwen2/Llama it inverts RoPE on the cache's keys. References are read as they are
 stored (FP8 round trip), and the SAME dequantised references are used to encode and to restore.
 
 Selectors (:class:`ResidualKVPress`, a spec ``residualkv[+<selector>]``), composed with this storage as
@@ -49,6 +52,7 @@ from kvbench.compress.presses.omnikv import OmniKVPress, keep_count, layer_list
 from kvbench.compress.presses.snapkv import SnapKVPress
 from kvbench.compress.residualkv import quant, references
 from kvbench.compress.residualkv.codec import CodecConfig, ResidualCodec, model_kv_shape
+from kvbench.compress.residualkv.keys import codec_keys
 
 
 
@@ -139,21 +143,47 @@ class ResidualKVLayer(StoreLayer):
         self.ref_pos = torch.zeros(0, dtype=torch.long)
         self.codes = _Codes()
         self.n_saturated = 0
+        #: the attention's key norm (Qwen3 ``k_norm``), applied after restore; None: K is the pre-RoPE key
+        self.k_norm: torch.nn.Module | None = None
+        self._k_in: torch.Tensor | None = None         # this step's k_proj output [t, d_k] (key norm only)
+        #: k_proj outputs ``[n, d_k]`` of the raw-window tokens, aligned with ``window`` (key norm only): what
+        #: the codec codes when they leave it. Not counted in KR: the authors hold the window once, pre-norm,
+        #: and normalise it at read; here the window also keeps the model's own post-RoPE keys, so that its
+        #: attention is exact.
+        self.window_k_in: torch.Tensor | None = None
+
+    # -- the codec's K (keys.py) ------------------------------------------------------------------------
+    def attach(self, attn: torch.nn.Module) -> list:
+        """With a key norm, hook ``k_proj`` so that each step's pre-norm keys reach :meth:`commit`; without
+        one, no hook (the pre-RoPE key is the cache's key with RoPE inverted, :meth:`_kv_pre`)."""
+        keys = codec_keys(attn)
+        self.k_norm = keys.norm
+        if keys.norm is None:
+            return []
+
+        def grab(mod, inp, out):
+            self._k_in = out.detach()[0]   # [t, H_kv*D]; batch 1 (checked in update)
+        return [keys.source.register_forward_hook(grab)]
 
     # -- storage ---------------------------------------------------------------------------------------
-    def _kv_pre(self, view: KVView) -> torch.Tensor:
-        """Pre-RoPE K‖V ``[n, d_kv]`` float32 of a dense raw view (heads flattened, K first)."""
-        pos = view.positions[0, 0]
-        k = self.ctx.unrotate(view.keys, pos)
+    def _kv_pre(self, view: KVView, k_in: torch.Tensor | None = None) -> torch.Tensor:
+        """The codec's K‖V ``[n, d_kv]`` float32 of a dense raw view (heads flattened, K first): K is ``k_in``
+        (the tokens' ``k_proj`` outputs ``[n, d_k]``, given with a key norm) or else the view's keys with RoPE
+        inverted."""
         flat = lambda x: x[0].transpose(0, 1).reshape(x.shape[-2], -1)  # noqa: E731  [H, n, D] -> [n, H*D]
-        return torch.cat([flat(k), flat(view.values)], -1).float()
+        k = k_in if k_in is not None else flat(self.ctx.unrotate(view.keys, view.positions[0, 0]))
+        return torch.cat([k, flat(view.values)], -1).float()
 
     def _to_view(self, kv: torch.Tensor, pos: torch.Tensor) -> KVView:
-        """Dense view of pre-RoPE ``kv`` ``[n, d_kv]`` at ``pos``: split, reshape to heads, rotate K."""
+        """Dense view of the codec's ``kv`` ``[n, d_kv]`` at ``pos``: split, reshape to heads, key norm (if
+        any), rotate K."""
         n, H = kv.shape[0], self.ctx_heads
         k, v = kv.to(self.ctx.dtype).split(kv.shape[-1] // 2, -1)
         k = k.reshape(n, H, -1).transpose(0, 1).unsqueeze(0)
         v = v.reshape(n, H, -1).transpose(0, 1).unsqueeze(0)
+        if self.k_norm is not None:
+            with torch.no_grad():
+                k = self.k_norm(k)   # per head over D, so [1, H, n, D] normalises as the model's [1, n, H, D]
         return KVView.dense(self.ctx.rotate(k, pos), v, pos)
 
     @property
@@ -165,7 +195,11 @@ class ResidualKVLayer(StoreLayer):
         return quant.from_fp8(self.ref_store) if self.press.ref_fp8 else self.ref_store
 
     def commit(self, chunk: KVView, query: torch.Tensor) -> None:
-        self._store(chunk)
+        k_in, self._k_in = self._k_in, None
+        if self.k_norm is not None and (k_in is None or len(k_in) != len(chunk)):
+            raise RuntimeError(f"layer {self.ctx.layer_idx}: the k_proj hook did not see this chunk's "
+                               f"{len(chunk)} keys (got {None if k_in is None else len(k_in)})")
+        self._store(chunk, k_in)
 
     def snap(self, layer: "ResidualKVLayer", chunk: KVView, query: torch.Tensor) -> None:
         """``residualkv+snapkv`` (§IV-C), the ``after_commit`` hook of a sparse layer (``layer`` is ``self``):
@@ -183,25 +217,32 @@ class ResidualKVLayer(StoreLayer):
         s = by_pos[code_pos]
         self.drop_unselected(code_pos[s.topk(keep_count(self.press.selector.keep, len(code_pos))).indices])
 
-    def _store(self, chunk: KVView) -> None:
+    def _store(self, chunk: KVView, k_in: torch.Tensor | None = None) -> None:
+        """Hold ``chunk`` as sinks / raw window and code what leaves the window; ``k_in`` ``[len(chunk), d_k]``:
+        its k_proj outputs (key norm only), kept aligned with the window."""
         n_sink_left = self.cfg.n_sink - (0 if self.sink is None else len(self.sink))
         if n_sink_left > 0:
             take = min(n_sink_left, len(chunk))
             head = KVView(chunk.keys[..., :take, :], chunk.values[..., :take, :], chunk.positions[..., :take])
             self.sink = KVView.cat([self.sink, head])
             chunk = KVView(chunk.keys[..., take:, :], chunk.values[..., take:, :], chunk.positions[..., take:])
+            k_in = None if k_in is None else k_in[take:]   # sinks stay raw: never coded
         if len(chunk):
             self.window = KVView.cat([self.window, chunk])
+            if k_in is not None:
+                self.window_k_in = k_in if self.window_k_in is None else torch.cat([self.window_k_in, k_in])
         over = 0 if self.window is None else len(self.window) - self.cfg.window
         if over > 0:
-            w = self.window
+            w, old_k_in = self.window, None
             old = KVView(w.keys[..., :over, :], w.values[..., :over, :], w.positions[..., :over])
             self.window = KVView(w.keys[..., over:, :], w.values[..., over:, :], w.positions[..., over:])
-            self._compress(old)
+            if self.window_k_in is not None:
+                old_k_in, self.window_k_in = self.window_k_in[:over], self.window_k_in[over:]
+            self._compress(old, old_k_in)
 
-    def _compress(self, old: KVView) -> None:
-        """Code the tokens leaving the raw window (§IV-A)."""
-        kv, pos = self._kv_pre(old), old.positions[0, 0]
+    def _compress(self, old: KVView, k_in: torch.Tensor | None = None) -> None:
+        """Code the tokens leaving the raw window (§IV-A); ``k_in``: their k_proj outputs (key norm only)."""
+        kv, pos = self._kv_pre(old, k_in), old.positions[0, 0]
         if self.ref_store.device != kv.device:  # stores live where the model's K/V do (CPU or GPU)
             self.ref_store, self.ref_pos = self.ref_store.to(kv.device), self.ref_pos.to(kv.device)
         is_ref = references.reference_mask(pos, n_sink=self.cfg.n_sink, stride=self.cfg.stride,

@@ -2,12 +2,14 @@
 
 Each step takes one packed window of real text and runs two passes of the frozen model:
 
-1. teacher (no grad): forward hooks on every layer's ``self_attn.k_proj`` / ``v_proj`` record the
-   pre-RoPE K and V; the target of layer l is ``kv = cat(k, v)``, ``[B, T, d_kv]``;
+1. teacher (no grad): forward hooks on every layer's codec key source (``keys.py``: ``self_attn.k_proj``,
+   before Qwen3's ``k_norm`` and before RoPE) and ``v_proj`` record K and V; the target of layer l is
+   ``kv = cat(k, v)``, ``[B, T, d_kv]``, the same tensor the cache codes at inference;
 2. compressed: hooks on the same projections replace their outputs. Sinks and reference tokens keep
    their own kv; every other token gets ``kv_hat = restore(residual_code(kv, mean_ref), mean_ref)``
    with the mean of its k nearest *earlier* references (``references.py``), all on this pass's kv.
-   The hooks sit before RoPE, so the model rotates ``kv_hat`` at the token's own position.
+   The hooks sit before the key norm and RoPE, so the model normalises (Qwen3) and rotates ``kv_hat``
+   at the token's own position, as the cache does after restore (and as the authors' training code).
 
 No quantisation and no FP8 in training (as the authors' code). References are NOT detached: the
 gradient of both losses also flows through ``mean_ref`` (it depends on earlier layers' codecs via the
@@ -35,6 +37,7 @@ import torch.nn.functional as F
 
 from kvbench.compress.cache import decoder_layers
 from kvbench.compress.residualkv.codec import CodecConfig, ResidualCodec, model_kv_shape
+from kvbench.compress.residualkv.keys import codec_keys
 from kvbench.compress.residualkv.references import (
     mean_reference,
     nearest_references,
@@ -58,14 +61,16 @@ SAVE_EVERY_S = 60.0
 
 @contextlib.contextmanager
 def _record_kv(model: Any, store: list[dict]) -> Iterator[None]:
-    """Hooks that record each layer's k_proj / v_proj outputs into ``store[l]['k'|'v']``."""
+    """Hooks that record each layer's codec K (``keys.codec_keys``: the k_proj output) and v_proj output
+    into ``store[l]['k'|'v']``, ``[B, T, d_kv/2]`` each."""
     handles = []
     try:
         for i, layer in enumerate(decoder_layers(model)):
-            for name in ("k", "v"):
+            attn = layer.self_attn
+            for name, mod in (("k", codec_keys(attn).source), ("v", attn.v_proj)):
                 def hook(mod, inp, out, i=i, name=name):
                     store[i][name] = out.detach()
-                handles.append(getattr(layer.self_attn, f"{name}_proj").register_forward_hook(hook))
+                handles.append(mod.register_forward_hook(hook))
         yield
     finally:
         for h in handles:
@@ -113,9 +118,10 @@ def compress_kv(codec_layer: Any, kv: torch.Tensor, positions: torch.Tensor, cfg
 def _compress_hooks(model: Any, codec: ResidualCodec, kv_hat_store: list, detach_refs: bool) -> Iterator[None]:
     """Hooks that make every layer attend to codec-reconstructed kv (see module doc, pass 2).
 
-    The k_proj hook computes v itself through the sibling ``v_proj`` (K and V are coded jointly),
-    replaces k and stashes ``v_hat``; the v_proj hook then returns the stash. The nested v_proj call
-    made from inside the k_proj hook is let through unchanged.
+    The hook on the codec's key source (``keys.codec_keys``: k_proj) computes v itself through the sibling
+    ``v_proj`` (K and V are coded jointly), replaces k and stashes ``v_hat``; the v_proj hook then returns
+    the stash. The nested v_proj call made from inside the k_proj hook is let through unchanged. A key
+    norm (Qwen3's ``k_norm``) then acts on the replaced k, as after restore at inference.
     """
     cfg = codec.config
     handles = []
@@ -145,7 +151,7 @@ def _compress_hooks(model: Any, codec: ResidualCodec, kv_hat_store: list, detach
                     raise RuntimeError("v_proj ran without a preceding k_proj in the compressed pass")
                 return v_hat
 
-            handles.append(attn.k_proj.register_forward_hook(k_hook))
+            handles.append(codec_keys(attn).source.register_forward_hook(k_hook))
             handles.append(attn.v_proj.register_forward_hook(v_hook))
         yield
     finally:
@@ -158,7 +164,7 @@ def compressed_forward(model: Any, codec: ResidualCodec, input_ids: torch.Tensor
     """Teacher pass, then the compressed pass of ``model`` on ``input_ids`` (paper §IV-D).
 
     Args:
-        model: HF causal LM (Qwen2/Llama layout, or a VLM's text model); not modified.
+        model: HF causal LM (Qwen2/Qwen3/Llama layout, or a VLM's text model); not modified.
         codec: one layer codec per decoder layer; its config gives sinks, stride and k.
         input_ids: int64 ``[B, T]``, no padding, positions 0..T-1.
         detach_refs: see :func:`compress_kv`.
@@ -166,7 +172,8 @@ def compressed_forward(model: Any, codec: ResidualCodec, input_ids: torch.Tensor
     Returns:
         ``(logits, kv_hat, kv_teacher)``: float ``[B, T, V]`` logits of the compressed pass (with a
         graph to the codec when grad is enabled), and per layer float ``[B, T, d_kv]`` the kv the
-        compressed pass attended to and the teacher's pre-RoPE kv (no grad).
+        compressed pass attended to and the teacher's kv (no grad), both the codec's quantity
+        (``keys.py``: pre-RoPE, and before the key norm of a model that has one).
 
     Raises:
         ValueError: the codec does not fit the model (n_layers / d_kv).
