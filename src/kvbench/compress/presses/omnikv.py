@@ -106,7 +106,7 @@ def filter_step(selector: Selector, layer: StoreLayer, chunk: KVView, query: tor
     candidate index is the absolute token position, the same index the sparse layers' stores use.
     """
     if query.shape[-2] > 1 and not selector.sparse_prefill:
-        return
+        return   # the authors' `chunk_prefill_accel_omnikv or q_len == 1`: None makes sparse layers read all
     view, cache = layer._view, layer.cache
     boundary = layer.seen - len(chunk) - selector.window
     pos = view.positions[0, 0]
