@@ -89,7 +89,7 @@ def test_quest_tiny_context_and_ratio(tiny_lm):
 def test_filter_layer_selects_by_max_logit_over_heads():
     """Candidate i is token position i: scores |s_p| (two query heads q = ±e0), sinks and window excluded."""
     cache = SimpleNamespace(step=StepState(), selections=[])
-    selector = SimpleNamespace(n_sink=2, window=3, audit_steps=1, n_keep=lambda n: 2)
+    selector = SimpleNamespace(n_sink=2, window=3, audit_steps=1, n_keep=lambda n: 2, sparse_prefill=False, row_agg="mean")
     layer = StoreLayer(SimpleNamespace(layer_idx=0), cache)
     layer.after_commit = functools.partial(filter_step, selector)
     s = torch.tensor([0.0, 0.0, 1.0, -5.0, 2.0, 0.5, -3.0, 9.0, 9.0, 9.0, 0.0])
@@ -103,7 +103,7 @@ def test_filter_layer_selects_by_max_logit_over_heads():
         layer.after_commit(layer, chunk, query)
 
     attend(0, 10, q.expand(1, 2, 10, 2))
-    assert cache.step.selected.tolist() == [] and cache.selections == []   # nothing before the window yet
+    assert cache.step.selected is None and cache.selections == []   # a multi-token chunk selects nothing
     attend(10, 11, q)
     # candidates 2..6 (boundary 10 - 3 = 7) with |s| = 1, 5, 2, 0.5, 3: top 2 are positions 3 and 6
     assert cache.step.selected.tolist() == [3, 6] and cache.step.selected.dtype == torch.long
@@ -115,9 +115,9 @@ def test_omnikv_sparse_layer_reads_sinks_selected_window(tiny_lm):
     ids = ids_of(61)
     _, cache = chunked_logits(tiny_lm, press, ids, cuts=(60,))
     _, full = chunked_logits(tiny_lm, Press(), ids, cuts=(60,))
-    # decode step at position 60: candidates 4..51 (boundary 60 - 8), ceil(0.17 * 48) = 9 selected
+    # decode step at position 60: candidates 4..51 (boundary 60 - 8), int(0.17 * 48) = 8 selected
     sel = cache.step.selected
-    assert len(sel) == 9 and sel.min() >= 4 and sel.max() < 52 and (sel.diff() > 0).all()
+    assert len(sel) == 8 and sel.min() >= 4 and sel.max() < 52 and (sel.diff() > 0).all()
     assert cache.selections == [sel.tolist()]           # the context chunk had no candidate
     view = cache.layers[2]._view
     want = torch.cat([torch.arange(4), sel, torch.arange(52, 61)])
@@ -126,7 +126,7 @@ def test_omnikv_sparse_layer_reads_sinks_selected_window(tiny_lm):
     assert torch.equal(view.keys, ref.keys[..., want, :]) and torch.equal(view.values, ref.values[..., want, :])
     assert [type(layer) for layer in cache.layers] == [StoreLayer, StoreLayer, omnikv.SparseLayer]
     assert [layer.after_commit for layer in cache.layers] == [None, press.filter, None]
-    assert cache.attended[-1] == [61, 61, 4 + 9 + 9]
+    assert cache.attended[-1] == [61, 61, 4 + 8 + 9]
 
 
 def test_omnikv_keep_one_equals_full(tiny_lm):
@@ -160,3 +160,103 @@ def test_residualkv_omnikv_runs_this_filter_step(tiny_lm, tmp_path):
     hook = cache.layers[1].after_commit
     assert hook.__func__ is OmniKVPress.filter and (hook.__self__.n_sink, hook.__self__.window) == (2, 4)
     assert cache.layers[0].after_commit is None and all(x.after_commit is None for x in cache.layers[2:])
+
+# -- OmniKV: when it selects, how rows aggregate, how many (the authors' form, issue #13 item 3) -----------
+def _reference_scores(query: torch.Tensor, keys: torch.Tensor) -> list[float]:
+    """The authors' score written out: per query head, the mean over query rows of q·k (the head's KV head by
+    GQA grouping), then the max over heads."""
+    h_q, t, n = query.shape[1], query.shape[2], keys.shape[2]
+    group = h_q // keys.shape[1]
+    out = []
+    for j in range(n):
+        per_head = [sum(float(query[0, h, r] @ keys[0, h // group, j]) for r in range(t)) / t for h in range(h_q)]
+        out.append(max(per_head))
+    return out
+
+
+def test_row_mean_and_row_max_pick_different_tokens():
+    """Two query rows e0, e1 (one head): candidate A (4, -4) has row logits 4, -4 (mean 0, max 4), B (1, 1) has
+    1, 1 (mean 1, max 1), C (-3, 2.5) has -3, 2.5 (mean -0.25, max 2.5): the mean keeps B, the max keeps A."""
+    keys = torch.tensor([[4.0, -4.0], [1.0, 1.0], [-3.0, 2.5]]).view(1, 1, 3, 2)
+    q = torch.eye(2).view(1, 1, 2, 2)
+    mean, mx = omnikv.token_scores(q, keys, "mean"), omnikv.token_scores(q, keys, "max")
+    assert mean.tolist() == pytest.approx(_reference_scores(q, keys))
+    assert mean.tolist() == pytest.approx([0.0, 1.0, -0.25])
+    assert mx.tolist() == pytest.approx([4.0, 1.0, 2.5])
+    assert mean.argmax() == 1 and mx.argmax() == 0
+    # GQA, several rows: the mean over rows then the max over heads, as the written-out reference
+    g = torch.Generator().manual_seed(3)
+    q, keys = torch.randn(1, 4, 3, 8, generator=g), torch.randn(1, 2, 7, 8, generator=g)
+    assert omnikv.token_scores(q, keys).tolist() == pytest.approx(_reference_scores(q, keys), abs=1e-5)
+    # one row (a decode step): both aggregations are the same score
+    torch.testing.assert_close(omnikv.token_scores(q[..., :1, :], keys, "mean"), omnikv.token_scores(q[..., :1, :], keys, "max"))
+
+
+def test_filter_step_aggregates_rows_as_asked():
+    """With sparse_prefill, a two-row chunk after the context selects by its row mean (B) or row max (A)."""
+    s_keys = torch.tensor([[0.0, 0.0], [4.0, -4.0], [1.0, 1.0], [-3.0, 2.5], [0.0, 0.0]]).view(1, 1, 5, 2)
+    picks = {}
+    for agg in ("mean", "max"):
+        cache = SimpleNamespace(step=StepState(), selections=[])
+        selector = OmniKVPress(keep=0.34, n_sink=1, window=1, sparse_prefill=True, row_agg=agg)
+        layer = StoreLayer(SimpleNamespace(layer_idx=0), cache)
+        for n0, n1 in ((0, 5), (5, 7)):     # context (no history), then a 2-token chunk: candidates 1..3
+            layer.update(s_keys.new_zeros(1, 1, n1 - n0, 2) if n0 else s_keys, s_keys[..., :n1 - n0, :])
+            chunk = layer._pending
+            layer.commit(chunk, None)
+            filter_step(selector, layer, chunk, torch.eye(2).view(1, 1, 2, 2) if n0 else torch.zeros(1, 1, 5, 2))
+        picks[agg] = cache.step.selected.tolist()
+    assert picks == {"mean": [2], "max": [1]}    # int(0.34 * 3) = 1 candidate
+
+
+def test_omnikv_keeps_int_keep_times_candidates():
+    """The authors' count: int(n · keep), at least one, at most n (ceil would keep one more on 48 · 0.17 = 8.16)."""
+    for keep in (0.11, 0.17, 0.185, 0.3, 0.5, 1.0):
+        press = OmniKVPress(keep=keep)
+        assert [press.n_keep(n) for n in range(200)] == [0] + [max(1, min(n, int(n * keep))) for n in range(1, 200)]
+    assert OmniKVPress(keep=0.17).n_keep(48) == 8 and OmniKVPress(keep=0.1).n_keep(5) == 1
+    assert OmniKVPress(keep=1.0).n_keep(7) == 7
+
+
+def test_omnikv_reads_every_token_in_a_multi_token_chunk(tiny_lm):
+    """Default (the authors'): the question chunk after the context reads every token, so its logits are the
+    full cache's, and only the decode step is sparse; ``sparse_prefill=true`` also selects in the chunk."""
+    ids, cuts = ids_of(71), (60, 70)        # context 0..59, question 60..69 (candidates 4..51), decode at 70
+    ref, _ = chunked_logits(tiny_lm, Press(), ids, cuts=cuts)
+    got, cache = chunked_logits(tiny_lm, OmniKVPress(keep=0.17, filter_layers=(1,), n_sink=4, window=8), ids, cuts=cuts)
+    torch.testing.assert_close(got[:, :70], ref[:, :70], atol=1e-5, rtol=1e-5)
+    assert cache.attended[1] == [70, 70, 70]
+    # decode at 70: candidates 4..61 (58), int(0.17 * 58) = 9 selected, + 4 sinks + window 62..70
+    assert len(cache.step.selected) == 9 and cache.attended[2] == [71, 71, 4 + 9 + 9]
+    assert cache.selections == [cache.step.selected.tolist()]
+    sparse, cache = chunked_logits(tiny_lm, OmniKVPress(keep=0.17, filter_layers=(1,), n_sink=4, window=8,
+                                                        sparse_prefill=True), ids, cuts=cuts)
+    assert cache.attended[1] == [70, 70, 4 + 8 + 18]    # int(0.17 * 48) = 8 of 4..51, window 52..69
+    assert not torch.allclose(sparse[:, 60:70], ref[:, 60:70], atol=1e-3)
+
+
+def test_residualkv_omnikv_reads_every_restored_token_in_a_multi_token_chunk(tiny_lm, tmp_path):
+    """The composition honours the selector's fields: with an identity codec stored exactly, the question chunk
+    equals the full cache (every coded token restored), the decode steps read sinks + selected + window."""
+    from test_rkv_cache import _identity_codec
+
+    from kvbench.compress.residualkv.cache import ResidualKVPress
+    codec_dir = _identity_codec(tiny_lm, tmp_path / "id", n_sink=2, window=4, stride=5)
+    ids, cuts = ids_of(40), (24, 36, 37, 38, 39)
+    ref, _ = chunked_logits(tiny_lm, Press(), ids, cuts=cuts)
+
+    def run(**selector):
+        press = ResidualKVPress(codec_dir=str(codec_dir), bits=32, ref_fp8=False, full_layers=(0, 1),
+                                selector=OmniKVPress(keep=0.2, **selector))
+        return chunked_logits(tiny_lm, press, ids, cuts=cuts)
+
+    got, cache = run()
+    torch.testing.assert_close(got[:, :36], ref[:, :36], atol=2e-5, rtol=1e-4)
+    assert cache.attended[1][2] == 36
+    # decode at 36..39: candidates 2..(n-5), int(0.2 n) of them, + 2 sinks + the raw window of 4 + the new token
+    for step, pos in enumerate(range(36, 40), start=2):
+        n = pos - 4 - 2
+        assert cache.attended[step][2] == 2 + int(0.2 * n) + 4 + 1
+    sparse, cache = run(sparse_prefill=True, row_agg="max")
+    assert cache.attended[1][2] == 2 + int(0.2 * 18) + 4 + 12   # candidates 2..19, window 20..23, the chunk
+    assert not torch.allclose(sparse[:, 24:36], ref[:, 24:36], atol=1e-3)

@@ -104,7 +104,23 @@ def test_composed_spec_routes_each_parameter_to_its_method():
     assert parse("residualkv:full_layers=0+1", PRESS).build().selector is None
 
 
+def test_omnikv_selection_form_is_set_by_spec_standalone_and_composed():
+    """The authors' form is the default (decode-only selection, rows averaged); the former form stays a spec away,
+    and in ``residualkv+omnikv`` these are the selector's fields (not the storage's), kept by its filter step."""
+    press = parse("omnikv", PRESS).build()
+    assert (press.sparse_prefill, press.row_agg) == (False, "mean")
+    spec = parse("omnikv:sparse_prefill=true,row_agg=max", PRESS)
+    assert spec.canonical == "omnikv:row_agg=max,sparse_prefill=true" and parse(spec.canonical, PRESS) == spec
+    assert (spec.build().sparse_prefill, spec.build().row_agg) == (True, "max")
+    spec = parse("residualkv+omnikv:full_layers=0+1,keep=0.2,sparse_prefill=true,row_agg=max", PRESS)
+    sel = spec.build(codec_dir="c").selector
+    assert (sel.keep, sel.sparse_prefill, sel.row_agg) == (0.2, True, "max")
+    assert "sparse_prefill" not in ResidualKVPress.storage_owns["omnikv"]
+
+
 @pytest.mark.parametrize("text, needle", [
+    ("omnikv:row_agg=sum", r"row_agg must be one of \('mean', 'max'\)"),
+    ("residualkv+omnikv:full_layers=0+1,row_agg=median", "row_agg must be one of"),
     ("residualkv+quest:keep=0.3", r"'residualkv' takes the selectors \['omnikv', 'snapkv'\], not 'quest'"),
     ("snapkv+omnikv", "'snapkv' takes no selector, not 'omnikv'"),
     ("residualkv+nope", "not 'nope'"),

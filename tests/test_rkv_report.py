@@ -410,3 +410,19 @@ def test_config_errors_name_the_table_and_the_row():
         RKVPlan({**SECTION, "tableIII": rows}, "smoke", shape=(8, 128))
     with pytest.raises(ValueError, match=r"stride_sweep.method: method spec 'residualkv\+quest"):
         RKVPlan({**SECTION, "stride_sweep": {**SECTION["stride_sweep"], "method": "residualkv+quest"}}, "smoke")
+
+
+def test_table_header_names_the_omnikv_selection_form():
+    """The CSV header says how the OmniKV rows selected: the authors' form by default, a spec's form otherwise."""
+    section = {**SECTION, "tableIII": [
+        {"label": "Full cache", "method": "fullkv"},
+        {"label": "OmniKV", "method": "omnikv:keep=0.2,filter_layers=1"},
+        {"label": "ResidualKV", "method": "residualkv+omnikv:full_layers=0+1,keep=0.2"},
+        {"label": "ResidualKV (chunk)", "method": "residualkv+omnikv:full_layers=0+1,keep=0.2,sparse_prefill=true,row_agg=max"}]}
+    lines = residualkv.selection_header(RKVPlan(section, "smoke"), "tableIII")
+    assert lines == [
+        "# OmniKV selection (OmniKV, ResidualKV): decode steps only (a multi-token chunk reads every token); "
+        "raw q·k, max over query heads; int(keep·n) candidates",
+        "# OmniKV selection (ResidualKV (chunk)): decode steps and multi-token chunks (query rows: max); "
+        "raw q·k, max over query heads; int(keep·n) candidates"]
+    assert residualkv.selection_header(RKVPlan({**SECTION, "tableIII": section["tableIII"][:1]}, "smoke"), "tableIII") == []

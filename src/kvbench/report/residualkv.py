@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from kvbench.compress.presses.omnikv import OmniKVPress
 from kvbench.compress.residualkv import references
 from kvbench.report.plan import Table
 from kvbench.report.rkv_plan import RKVPlan, known_model_shape, press_spec
@@ -136,12 +137,25 @@ def write_csv(df: pd.DataFrame, header: list[str], out: str | Path) -> None:
             df.to_csv(f, index=False)
 
 
+def selection_header(plan: RKVPlan, target: str) -> list[str]:
+    """``#`` lines naming how the OmniKV rows of ``target`` select (standalone ``omnikv`` and ``+omnikv``
+    selectors; :meth:`OmniKVPress.selection_form`), one per distinct form, with the rows' labels."""
+    forms: dict[str, list[str]] = {}
+    for row in plan.rows(target):
+        press = press_spec(row.spec).build()
+        selector = press if isinstance(press, OmniKVPress) else getattr(press, "selector", None)
+        if isinstance(selector, OmniKVPress):
+            forms.setdefault(selector.selection_form(), []).append(row.label)
+    return [f"# OmniKV selection ({', '.join(labels)}): {form}" for form, labels in forms.items()]
+
+
 def write_table(plan: RKVPlan, target: str, out: str | Path, root: str | Path = ".") -> pd.DataFrame:
     """Compute and write ``target`` (a key of :data:`TABLES`: tableIII, tableVI, tableVII, tableVIII)."""
     df = table_vi(plan, root) if target == "tableVI" else score_table(plan, target, root)
     header = plan.header(TABLES[f"residualkv/{target}"].title) + [
         "# scores: mean per-record score x 100; KR %: bytes held / full FP16 cache (measured, incl. sinks, raw "
-        "window, indices); CR %: keys read / keys visible after the context chunk; KR formula %: paper §V-A"]
+        "window, indices); CR %: keys read / keys visible after the context chunk; KR formula %: paper §V-A"
+    ] + selection_header(plan, target)
     write_csv(df, header, out)
     return df
 
@@ -154,7 +168,11 @@ _CELLS = ("Scores are mean per-record score x 100 (``avg``: unweighted mean over
           "the cache held / the full FP16 cache, measured), CR the compute ratio (keys attention reads / keys "
           "visible), and ``KR formula %`` the §V-A formula for ResidualKV rows. On the smoke profile the model is the "
           "tiny zoo LM (codec trained here) and the tasks are smoke needle, key-value and code-completion tasks in "
-          "place of LongBench: these are not the paper's numbers.")
+          "place of LongBench: these are not the paper's numbers. OmniKV selection (standalone and ``+omnikv``) is "
+          "the authors' unless a row's spec says otherwise, and the CSV header names it: only decode steps select, "
+          "so the question chunk reads every (restored) token; a decode step keeps int(keep·n) of the candidates "
+          "by raw q·k, max over query heads (``sparse_prefill=true`` selects in multi-token chunks too, their "
+          "query rows averaged or, with ``row_agg=max``, maxed).")
 
 #: ResidualKV's tables (:class:`~kvbench.report.plan.Table`); rows from the config key of the table's name
 #: (``residualkv.tableIII``, ...) or, for Table VI, the ``stride_sweep`` (:meth:`RKVPlan.rows`).

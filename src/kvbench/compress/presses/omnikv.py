@@ -2,11 +2,32 @@
 
 Hao et al., "OmniKV: Dynamic Context Selection for Efficient Long-Context LLMs", ICLR 2025
 (`antgroup/OmniKV`; the same mechanism inside ResidualKV's code, `CURRENTF/Sparse-vLLM` b5169d6).
-Every layer keeps its full KV (KR 100%). A filter layer attends densely; after its attention it scores
-the candidate tokens (neither sinks nor in the recent raw window) by raw q·k logits of the current
-queries, max over query heads and query rows, and keeps the top ``ceil(keep · n_candidates)``. The
-sparse layers up to the next filter layer read sinks + selected + window, one set shared by all heads.
-Layers before the first filter layer are dense.
+Every layer keeps its full KV (KR 100%). A filter layer attends densely; after its attention, at a decode
+step (one query row), it scores the candidate tokens (neither sinks nor in the recent raw window) by the
+raw q·k logits of the current query, max over query heads, and keeps the top ``int(keep · n_candidates)``
+(at least one). The sparse layers up to the next filter layer read sinks + selected + window, one set
+shared by all heads. A multi-token chunk (the question chunk, a later prefill chunk) selects nothing, so
+every layer reads every token, unless ``sparse_prefill`` is set; its rows are then aggregated by
+``row_agg`` (the mean, as the authors' scoring function does, or the max). Layers before the first filter
+layer are dense.
+
+What the authors' code does (``CURRENTF/Sparse-vLLM``, HF path ``src/deltakv/``, read in the stored
+copies of these files, which postdate b5169d6; docs/decisions.md, ResidualKV, "OmniKV selection"):
+
+- ``modeling/{qwen2,llama}/*_with_compress_inference.py``: the observation (filter) layer selects only when
+  ``chunk_prefill_accel_omnikv or q_len == 1``, and only once flushed (compressed) tokens exist. The flag
+  defaults to False (``configs/model_config_cls.py``); the README's LongBench command sets it True but
+  prefills the whole prompt as one chunk (``chunk_prefill_size`` 2,048,000), which has no flushed token, so
+  on the paper's benchmarks only decode steps select. (With the flag on, a later multi-token chunk would
+  select ``num_top_tokens_in_prefill`` tokens, an absolute 4096 there.) The cache (``modeling/kv_cache.py``)
+  keeps the latest ``top_token_idx`` per filter layer and restores every coded token of a sparse layer while
+  there is none: every prefill chunk before the first decode step reads everything.
+- ``modeling/token_select.py``, ``omnikv_token_selection``: raw logits (no softmax, no scaling; GQA by
+  repeating KV heads), **mean over query rows**, then max over query heads; pooling off
+  (``pool_kernel_size`` 1) and no score EMA (``omnikv_score_method`` 'last') by default; the count is
+  ``int(n · ratio)`` for a ratio ``<= 1`` (else an absolute count), clamped to ``[1, n]``.
+- Candidates are the flushed (compressed) tokens after the sinks: sinks and the raw recent buffer are
+  always read by the sparse layers.
 
 :func:`filter_step` is the one implementation of the filter step. It runs after a layer's commit
 (:attr:`~kvbench.compress.cache.StoreLayer.after_commit`), so it composes with any store: OmniKV's own
@@ -35,30 +56,57 @@ class Selector(Protocol):
     n_sink: int
     window: int
     audit_steps: int
+    sparse_prefill: bool
+    row_agg: str
 
     def n_keep(self, n_candidates: int) -> int: ...
 
 
+#: how :func:`filter_step` aggregates a multi-token chunk's query rows (per query head, before the max
+#: over heads): "mean" as the authors' ``omnikv_token_selection``, "max" the former form here
+ROW_AGGREGATIONS = ("mean", "max")
+
+
 def keep_count(keep: float, n_candidates: int) -> int:
-    """``ceil(keep · n)`` clamped to ``[1, n]`` (0 when there is no candidate): OmniKV's budget as a
-    ratio (``num_of_selected_tokens`` given as a float), at least one token kept."""
+    """``ceil(keep · n)`` clamped to ``[1, n]`` (0 when there is no candidate): ResidualKV+SnapKV's budget
+    of coded tokens (OmniKV's own is :meth:`OmniKVPress.n_keep`, rounded down as the authors do)."""
     if n_candidates <= 0:
         return 0
     return max(1, min(n_candidates, math.ceil(keep * n_candidates)))
 
 
+def token_scores(query: torch.Tensor, keys: torch.Tensor, row_agg: str = "mean") -> torch.Tensor:
+    """Candidate scores ``[n]`` float32: raw logits q·k (no softmax, no scaling), aggregated over the query
+    rows by ``row_agg`` per query head, then the max over query heads.
+
+    Args:
+        query: ``[1, H_q, t, D]`` post-RoPE queries of the chunk.
+        keys: ``[1, H_kv, n, D]`` post-RoPE candidate keys (GQA: each KV head serves ``H_q / H_kv`` query
+            heads, so it is repeated).
+        row_agg: "mean" (the authors') or "max" over the ``t`` rows; the same at a decode step (``t`` = 1).
+    """
+    keys = keys.repeat_interleave(query.shape[1] // keys.shape[1], 1)
+    logits = query.float() @ keys.float().transpose(-1, -2)                       # [1, H_q, t, n]
+    rows = logits.mean(dim=2) if row_agg == "mean" else logits.amax(dim=2)       # [1, H_q, n]
+    return rows.amax(dim=(0, 1))
+
+
 def filter_step(selector: Selector, layer: StoreLayer, chunk: KVView, query: torch.Tensor) -> None:
     """OmniKV's filter step at ``layer``, after its attention read ``layer._view`` and committed ``chunk``.
 
-    With ``query`` ``[1, H_q, t, D]`` the chunk's post-RoPE queries: candidates are the positions ``p`` of
-    the view with ``n_sink <= p < boundary``, ``boundary = (tokens before the chunk) − window``;
-    score(p) = max over query heads and rows of q·k_p (raw logits, no softmax, no scaling, GQA by
-    repeating KV heads), with the keys this layer's attention read (dequantised ones for a quantised
-    store); the top ``selector.n_keep(n_candidates)`` positions, sorted, int64 ``[m]``, go to
-    ``cache.step.selected`` and the first ``selector.audit_steps`` non-empty selections to
-    ``cache.selections``. With no candidate, ``selected`` is an empty int64 tensor. The candidate index
-    is the absolute token position, the same index the sparse layers' stores use.
+    With ``query`` ``[1, H_q, t, D]`` the chunk's post-RoPE queries. A multi-token chunk (``t > 1``) with
+    ``selector.sparse_prefill`` False selects nothing: ``cache.step.selected`` stays None and the sparse
+    layers of this forward read every token (the authors select only at ``q_len == 1``). Otherwise the
+    candidates are the positions ``p`` of the view with ``n_sink <= p < boundary``,
+    ``boundary = (tokens before the chunk) − window``; score(p) = :func:`token_scores` (raw q·k_p, rows
+    aggregated by ``selector.row_agg``, max over query heads) with the keys this layer's attention read
+    (dequantised ones for a quantised store); the top ``selector.n_keep(n_candidates)`` positions, sorted,
+    int64 ``[m]``, go to ``cache.step.selected`` and the first ``selector.audit_steps`` non-empty
+    selections to ``cache.selections``. With no candidate, ``selected`` is an empty int64 tensor. The
+    candidate index is the absolute token position, the same index the sparse layers' stores use.
     """
+    if query.shape[-2] > 1 and not selector.sparse_prefill:
+        return   # the authors' `chunk_prefill_accel_omnikv or q_len == 1`: None makes sparse layers read all
     view, cache = layer._view, layer.cache
     boundary = layer.seen - len(chunk) - selector.window
     pos = view.positions[0, 0]
@@ -66,8 +114,7 @@ def filter_step(selector: Selector, layer: StoreLayer, chunk: KVView, query: tor
     if not cand.any():
         cache.step.selected = torch.zeros(0, dtype=torch.long, device=pos.device)
         return
-    keys = view.keys[..., cand, :].repeat_interleave(query.shape[1] // view.keys.shape[1], 1)
-    scores = (query.float() @ keys.float().transpose(-1, -2)).amax(dim=(0, 1, 2))   # [n_cand]
+    scores = token_scores(query, view.keys[..., cand, :], selector.row_agg)   # [n_cand]
     top = scores.topk(selector.n_keep(int(cand.sum()))).indices
     selected = pos[cand][top].sort().values
     cache.step.selected = selected
@@ -135,9 +182,16 @@ class OmniKVPress(Press):
     n_sink : int, 8 — leading tokens always read; window : int, 128 — latest tokens always read
         (ResidualKV's cache defaults, so that OmniKV and ResidualKV+OmniKV differ only in storage).
     audit_steps : int, 8 — selections recorded in ``cache.selections``.
+    sparse_prefill : bool, False — select also in a multi-token chunk that has candidates (the question
+        chunk after the context, a later prefill chunk). False is the authors' form
+        (``chunk_prefill_accel_omnikv: false``): such a chunk reads every token at every layer, and only
+        decode steps are sparse. The name is Quest's field of the same meaning.
+    row_agg : str, "mean" — how a multi-token chunk's query rows are aggregated per query head before the
+        max over heads: "mean" (the authors' ``omnikv_token_selection``) or "max" (a token any row attends
+        strongly). Decode steps have one row, so it only matters with ``sparse_prefill``.
 
-    Raises ValueError for keep outside (0, 1], negative n_sink/window/audit_steps, or (in
-    :meth:`new_cache`) a filter layer outside the model.
+    Raises ValueError for keep outside (0, 1], negative n_sink/window/audit_steps, a ``row_agg`` other
+    than "mean"/"max", or (in :meth:`new_cache`) a filter layer outside the model.
     """
 
     name = "omnikv"
@@ -147,18 +201,31 @@ class OmniKVPress(Press):
     n_sink: int = 8
     window: int = 128
     audit_steps: int = 8
+    sparse_prefill: bool = False
+    row_agg: str = "mean"
 
     def __post_init__(self):
         if not 0 < self.keep <= 1:
             raise ValueError(f"keep must be in (0, 1], got {self.keep}")
+        if self.row_agg not in ROW_AGGREGATIONS:
+            raise ValueError(f"row_agg must be one of {ROW_AGGREGATIONS} (over a chunk's query rows), got {self.row_agg!r}")
         for name in ("n_sink", "window", "audit_steps"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         self.filter_layers = layer_list("filter_layers", self.filter_layers)
 
     def n_keep(self, n_candidates: int) -> int:
-        """Selected tokens for ``n_candidates`` candidates (:func:`keep_count`)."""
-        return keep_count(self.keep, n_candidates)
+        """Selected tokens for ``n_candidates`` candidates: ``int(keep · n)`` clamped to ``[1, n]`` (0 without
+        a candidate), the authors' rounding (down) of a ratio budget."""
+        if n_candidates <= 0:
+            return 0
+        return max(1, min(n_candidates, int(n_candidates * self.keep)))
+
+    def selection_form(self) -> str:
+        """One line on when and how this press selects, for table headers."""
+        when = (f"decode steps and multi-token chunks (query rows: {self.row_agg})" if self.sparse_prefill
+                else "decode steps only (a multi-token chunk reads every token)")
+        return f"{when}; raw q·k, max over query heads; int(keep·n) candidates"
 
     def layers_for(self, n_layers: int) -> tuple[int, ...]:
         """The filter layers used on an ``n_layers`` model (the default rule in the class docstring)."""

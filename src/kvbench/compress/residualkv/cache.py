@@ -27,7 +27,8 @@ kvpress composes presses (``AdaKVPress(SnapKVPress())``):
   (:func:`~kvbench.compress.presses.omnikv.filter_step`, run after the full layer's commit) scores the
   candidates (the positions that sparse layers hold compressed: the storage's sinks and raw window are
   not candidates) and the following sparse layers restore only the selected tokens (plus sinks and
-  window);
+  window). By default, as in the authors' code, only decode steps select: a multi-token chunk restores
+  every coded token (the selector's ``sparse_prefill`` and ``row_agg`` are its own fields);
 - :class:`~kvbench.compress.presses.snapkv.SnapKVPress` (``residualkv+snapkv``): at the end of the context
   prefill, SnapKV's observation-window scores (its own ``window``, ``kernel`` and ``pooling``; the authors'
   baseline configuration is window 32, max-pool 7) pick ``keep`` of the coded tokens per layer, averaged
@@ -340,8 +341,8 @@ class ResidualKVPress(Press):
         codec: name of the codec variant (recorded; the workflow maps it to ``codec_dir``).
         codec_dir: directory of a trained codec (``codec.safetensors`` + ``codec.json``, :class:`ResidualCodec`).
         selector: None (standalone, §IV-C), an :class:`OmniKVPress` (its ``keep``: share of candidate tokens
-            restored at sparse layers, the authors' configs 0.11-0.185; its ``audit_steps``; sinks, window
-            and filter layers are the storage's) or a :class:`SnapKVPress` (its ``keep``: share of coded
+            restored at sparse layers, the authors' configs 0.11-0.185; its ``audit_steps``, ``sparse_prefill``
+            and ``row_agg``: when and how it selects; sinks, window and filter layers are the storage's) or a :class:`SnapKVPress` (its ``keep``: share of coded
             tokens kept; its ``window``, ``kernel``, ``pooling``).
         full_layers: decoder layers kept as full KV (paper Table I; e.g. Llama-3.1-8B [0, 1, 2, 8, 18]).
             Required non-empty with OmniKV (a filter layer is a full layer followed by a sparse one).
@@ -366,7 +367,7 @@ class ResidualKVPress(Press):
     selectors = ("omnikv", "snapkv")
     #: selector fields the storage sets, so a composed spec may not: OmniKV's candidates are what the sparse
     #: layers hold coded (the codec's sinks and window are raw), its filter layers the full layers followed
-    #: by a sparse one
+    #: by a sparse one. When and how it selects (``keep``, ``sparse_prefill``, ``row_agg``) stays the selector's.
     storage_owns = {"omnikv": ("n_sink", "window", "filter_layers")}
     exact = {"bits": 32, "ref_fp8": False}  # standalone, with an identity codec (d_c = d_kv)
     codec_dir: str = ""
