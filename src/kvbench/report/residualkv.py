@@ -139,7 +139,7 @@ def write_csv(df: pd.DataFrame, header: list[str], out: str | Path) -> None:
 def write_table(plan: RKVPlan, target: str, out: str | Path, root: str | Path = ".") -> pd.DataFrame:
     """Compute and write ``target`` (a key of :data:`TABLES`: tableIII, tableVI, tableVII, tableVIII)."""
     df = table_vi(plan, root) if target == "tableVI" else score_table(plan, target, root)
-    header = plan.header(TABLES[f"residualkv/{target}"].title) + [
+    header = plan.header(TABLES[f"residualkv/{target}"].title, target) + [
         "# scores: mean per-record score x 100; KR %: bytes held / full FP16 cache (measured, incl. sinks, raw "
         "window, indices); CR %: keys read / keys visible after the context chunk; KR formula %: paper §V-A"]
     write_csv(df, header, out)

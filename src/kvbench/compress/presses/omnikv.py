@@ -149,6 +149,7 @@ class OmniKVPress(Press):
     audit_steps: int = 8
 
     def __post_init__(self):
+        super().__post_init__()
         if not 0 < self.keep <= 1:
             raise ValueError(f"keep must be in (0, 1], got {self.keep}")
         for name in ("n_sink", "window", "audit_steps"):
