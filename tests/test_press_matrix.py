@@ -136,11 +136,38 @@ def test_bad_composed_specs_name_what_is_wrong(text, needle):
 
 
 def test_storage_and_selector_never_share_a_parameter_name():
-    """A spec routes a parameter by its name, so a storage and any selector it takes share none."""
+    """A spec routes a parameter by its name, so a storage and any selector it takes declare none in common;
+    the only names they share are fields both inherit from ``Press`` (the run's ``protocol``)."""
+    base = {f.name for f in dataclasses.fields(Press)}
     for name, cls in PRESSES.items():
         for sel in getattr(cls, "selectors", ()):
             shared = set(PRESS.parameters(cls)) & set(PRESS.parameters(PRESSES[sel]))
-            assert not shared, (name, sel, shared)
+            assert shared == base, (name, sel, shared)
+
+
+@pytest.mark.parametrize("protocol", ["one_pass", "shared_context"])
+def test_the_protocol_of_a_composed_spec_is_the_storage_s(protocol):
+    """``protocol`` is a field every press inherits; in ``residualkv+omnikv`` it is the run's, so the storage
+    holds it (the selector never runs a request) and the canonical spec names it once."""
+    spec = parse(f"residualkv+omnikv:full_layers=0+1,keep=0.2,protocol={protocol}", PRESS)
+    press = spec.build(codec_dir="x")
+    assert press.protocol == protocol and press.selector.protocol == "shared_context"
+    assert spec.canonical.count("protocol=") == 1
+
+
+def test_a_bad_protocol_is_refused_naming_the_choices():
+    with pytest.raises(ValueError, match=r"protocol must be one of \('one_pass', 'shared_context'\), got 'two_pass'"):
+        parse("snapkv:keep=0.3,protocol=two_pass", PRESS)
+    with pytest.raises(ValueError, match="protocol must be one of"):
+        parse("residualkv+omnikv:full_layers=0+1,protocol=x", PRESS)
+
+
+def test_the_first_chunk_follows_the_protocol():
+    """one_pass: the whole prompt is one chunk; shared_context: the context alone; KVzip scores the context
+    before the question exists, so it always prefills the context alone."""
+    assert PRESSES["snapkv"](protocol="one_pass").first_chunk(100, 80) == 100
+    assert PRESSES["snapkv"](protocol="shared_context").first_chunk(100, 80) == 80
+    assert PRESSES["kvzip"](protocol="one_pass").first_chunk(100, 80) == 80
 
 
 def test_an_int_for_a_float_parameter_is_the_same_run():
@@ -171,3 +198,16 @@ def test_old_mode_form_points_at_the_composed_name():
         parse("residualkv:mode=omnikv,full_layers=0+1", PRESS)
     with pytest.raises(ValueError, match=r"expected <name>\[\+<selector>\]"):
         parse("residualkv+omnikv+snapkv", PRESS)
+
+
+def test_one_pass_prefills_the_question_with_the_context(tiny_lm):
+    """one_pass: one exact prefill forward (its first token is the full cache's), then decoding reads the
+    compressed cache; shared_context: a second, question, forward reads it too."""
+    ids = torch.randint(0, 256, (1, 60), generator=torch.Generator().manual_seed(3))
+    full, _ = greedy_generate(tiny_lm, Press(), ids, 60, max_new_tokens=3, eos=set())
+    one = SnapKVPress(keep=0.1, protocol="one_pass")
+    new, cache = greedy_generate(tiny_lm, one, ids, one.first_chunk(60, 45), max_new_tokens=3, eos=set())
+    assert len(cache.attended) == 3 and new[0] == full[0]
+    two = SnapKVPress(keep=0.1, protocol="shared_context")
+    _, cache = greedy_generate(tiny_lm, two, ids, two.first_chunk(60, 45), max_new_tokens=3, eos=set())
+    assert len(cache.attended) == 4

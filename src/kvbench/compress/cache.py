@@ -286,16 +286,48 @@ def press_attention(model: Any, cache: PressCache) -> Iterator[PressCache]:
         _active.reset(token)
 
 
+#: Evaluation protocols (:attr:`Press.protocol`).
+PROTOCOLS = ("one_pass", "shared_context")
+
+
 @dataclass
 class Press:
     """A compression method: a dataclass of its hyper-parameters that builds one :class:`StoreLayer` per
     decoder layer (kvpress style: one method per file, one registry line). The base class is the full,
-    exact cache."""
+    exact cache.
+
+    Parameters:
+        protocol: how a record's prompt meets the cache (every press has it; keyword-only):
+            ``"shared_context"`` (default): the context is prefilled as one chunk and compressed, then the
+            question is prefilled as a second chunk that reads the compressed cache, then decoding (SCBench's
+            shared-context setting, ResidualKV Table IV). ``"one_pass"``: context + question are prefilled as
+            one chunk, so the chunk's own attention is exact and only decoding reads the compressed cache
+            (the authors' LongBench run, ``benchmark/long_bench/pred.py`` at ``CURRENTF/Sparse-vLLM@b5169d6``;
+            Tables III, VII, VIII). A press whose scoring needs the context alone (:attr:`context_pass`,
+            KVzip) prefills context then question under both.
+
+    Raises:
+        ValueError: ``protocol`` not in :data:`PROTOCOLS`.
+    """
 
     name = "full"
     #: Parameters under which the press keeps every token exactly, so it must reproduce the full cache (the
     #: registry-driven check in tests/test_press_matrix.py); resources (a codec) are the test's to give.
     exact: ClassVar[dict] = {}
+    #: The press scores the context alone in :meth:`after_context` (query-agnostic, KVzip), so the context is
+    #: always its own chunk.
+    context_pass: ClassVar[bool] = False
+
+    protocol: str = field(default="shared_context", kw_only=True)
+
+    def __post_init__(self) -> None:
+        if self.protocol not in PROTOCOLS:
+            raise ValueError(f"protocol must be one of {PROTOCOLS}, got {self.protocol!r}")
+
+    def first_chunk(self, n_prompt: int, split: int) -> int:
+        """Where the first prefill chunk of a prompt of ``n_prompt`` tokens ends, given the first question
+        token ``split``: ``split`` (two chunks) or ``n_prompt`` (one chunk), by :attr:`protocol`."""
+        return split if self.protocol == "shared_context" or self.context_pass else n_prompt
 
     def make_layer(self, ctx: LayerContext, cache: PressCache) -> StoreLayer:
         """The store of decoder layer ``ctx.layer_idx``."""

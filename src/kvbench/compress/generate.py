@@ -1,11 +1,12 @@
 """Greedy decoding of one text record through a compressed cache.
 
-Protocol (SCBench's shared-context setting, ResidualKV Table IV): the context is prefilled as one chunk
-and compressed; the question is then prefilled as a second chunk that reads the compressed cache; the
-answer is decoded greedily, each step reading the compressed cache. Why not one chunk of context +
-question: every method here (ResidualKV, SnapKV, KVzip ...) compresses after a chunk's own attention, so a
-single-chunk prompt gives an exact first token, and the smoke tasks' answers are one token long: all
-methods would tie with the full cache (``docs/decisions.md``, "ResidualKV").
+The prompt is context + question, prefilled in one or two chunks as the press's ``protocol`` says
+(:attr:`kvbench.compress.cache.Press.protocol`): ``one_pass`` (one chunk, exact; only decoding reads the
+compressed cache: the authors' LongBench protocol) or ``shared_context`` (the context chunk is compressed,
+then the question chunk and decoding read it: SCBench's shared-context setting). The answer is then
+decoded greedily, each step reading the compressed cache. Why both: on the smoke tasks, whose answers are
+a few tokens, ``one_pass`` leaves little to compress before the first answer token
+(``docs/decisions.md``, "ResidualKV").
 """
 from __future__ import annotations
 
@@ -42,7 +43,8 @@ def greedy_generate(model: Any, press: Press, ids: torch.Tensor, split: int, max
     """Prefill ``ids[:, :split]`` then ``ids[:, split:]`` through ``press``'s cache, then decode greedily.
 
     Args:
-        ids: int64 ``[1, T]`` prompt ids; ``split``: first id of the second chunk (0 or T: one chunk).
+        ids: int64 ``[1, T]`` prompt ids; ``split``: first id of the second chunk (0 or T: one chunk; the
+            caller applies the protocol, :meth:`~kvbench.compress.cache.Press.first_chunk`).
         max_new_tokens: decode budget; decoding stops after an id in ``eos`` (kept in the output).
 
     Returns:

@@ -9,8 +9,8 @@ e.g. ``fullkv``, ``snapkv:keep=0.3``, ``kivi:bits=2``, ``residualkv+omnikv:full_
 A ResidualKV press needs ``codec_dir`` (a path, passed as a method parameter, not in the spec, so that run
 names do not hold paths; the spec's ``codec`` field names the codec variant for the record).
 
-Each answer is produced by :func:`kvbench.compress.generate.greedy_generate` (context chunk, question chunk,
-greedy decode through the compressed cache). The audit row of every sample holds KR measured from the bytes
+Each answer is produced by :func:`kvbench.compress.generate.greedy_generate` (the prompt in one or two chunks
+by the press's ``protocol``, then greedy decoding through the compressed cache). The audit row of every sample holds KR measured from the bytes
 the cache holds (per layer, by part), CR measured from the keys attention could read, and, for the first
 ``audit_requests`` samples of a run, OmniKV's selected positions per step.
 """
@@ -103,6 +103,7 @@ class CompressMethod(EvalMethod):
                 raise FatalRunError(f"method {self.spec!r} does not fit the model: {e}") from e
             self._fits = True
         ids, split = split_prompt(tok, record)
+        split = self.press().first_chunk(ids.shape[1], split)
         new, cache = greedy_generate(model, self.press(), ids, split, int(record["max_new_tokens"]), eos_ids(model, proc))
         self._audit = self._audit_row(model, cache, ids.shape[1], question_chunk=0 < split < ids.shape[1])
         self._n += 1
@@ -117,7 +118,7 @@ class CompressMethod(EvalMethod):
             "n_tokens": n_tokens,
             "kr": accounting.keep_ratio_measured(parts, n_tokens=n_tokens, n_layers=cfg.num_hidden_layers,
                                                  n_kv_heads=cfg.num_key_value_heads, head_dim=head_dim),
-            # CR over the forwards after the context chunk (the question chunk and decode steps): what the
+            # CR over the forwards after the first chunk (the question chunk, if any, and decode steps): what the
             # compressed cache served; the context chunk is exact by construction.
             "cr": _compute_ratio(cache.attended[1:], n_prompt if question_chunk else n_prompt + 1),
             "bytes": [dataclasses.asdict(p) for p in parts],

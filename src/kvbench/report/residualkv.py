@@ -152,7 +152,7 @@ def selection_header(plan: RKVPlan, target: str) -> list[str]:
 def write_table(plan: RKVPlan, target: str, out: str | Path, root: str | Path = ".") -> pd.DataFrame:
     """Compute and write ``target`` (a key of :data:`TABLES`: tableIII, tableVI, tableVII, tableVIII)."""
     df = table_vi(plan, root) if target == "tableVI" else score_table(plan, target, root)
-    header = plan.header(TABLES[f"residualkv/{target}"].title) + [
+    header = plan.header(TABLES[f"residualkv/{target}"].title, target) + [
         "# scores: mean per-record score x 100; KR %: bytes held / full FP16 cache (measured, incl. sinks, raw "
         "window, indices); CR %: keys read / keys visible after the context chunk; KR formula %: paper §V-A"
     ] + selection_header(plan, target)

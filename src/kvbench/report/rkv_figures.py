@@ -47,7 +47,7 @@ def fig5(plan: RKVPlan, out: str | Path, out_csv: str | Path, root: str | Path =
                      "context": n_tok, "references": references.reference_count(n_tok, **kw),
                      "score": round(sum(s["score"] for s in summaries) / len(summaries), 2)})
     df = pd.DataFrame(rows)
-    write_csv(df, plan.header("Fig. 5 (score vs number of references)"), out_csv)
+    write_csv(df, plan.header("Fig. 5 (score vs number of references)", "fig5"), out_csv)
     fig, ax = plt.subplots(figsize=(4.5, 3.2))
     for fam, d in df.groupby("family"):
         ax.plot(d["references"], d["score"], "o-", label="dynamic stride (α)" if fam == "alpha" else "fixed stride s")

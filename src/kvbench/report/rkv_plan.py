@@ -33,6 +33,13 @@ from kvbench.utils.spec import MethodSpec, parse
 #: strides). Every other target ``tableX`` takes its rows from the config key of its own name, a list of
 #: ``{label, method}``: a new table needs no line here.
 SWEEP_TARGETS = ("tableVI", "fig5")
+#: Header wording of each evaluation protocol (:attr:`kvbench.compress.cache.Press.protocol`).
+PROTOCOL_NOTES = {
+    "one_pass": "one_pass: context + question prefilled as one chunk (exact), then greedy decoding reads the "
+                "compressed cache; KVzip prefills the context alone, then the question",
+    "shared_context": "shared_context: context prefilled as one chunk and compressed, then the question chunk and "
+                      "greedy decoding read the compressed cache",
+}
 #: Fig. 11 panels: hyper-parameter -> codec variants in increasing order of its value (``base`` is the
 #: default setting, trained as long as the others); each variant's value is in its config ``overrides``.
 FIG11_PANELS = {"d_c": ["dc_low", "base", "dc_high"], "d_ff": ["dff_low", "base", "dff_high"],
@@ -340,19 +347,30 @@ class RKVPlan:
             return [Row(e["label"], self._row_spec(target, e)) for e in self.s[target]]
         sweep = self.s["stride_sweep"]
         try:
-            rows = [Row(f"alpha = {a:g}", with_params(sweep["method"], alpha=float(a))) for a in sweep["alpha"]]
+            method = self.with_protocol(sweep["method"])
+            rows = [Row(f"alpha = {a:g}", with_params(method, alpha=float(a))) for a in sweep["alpha"]]
             if target == "fig5":
-                rows += [Row(f"stride = {s}", with_params(sweep["method"], stride=int(s)))
-                         for s in sweep.get("stride", [])]
+                rows += [Row(f"stride = {s}", with_params(method, stride=int(s))) for s in sweep.get("stride", [])]
         except ValueError as e:
             raise ValueError(f"stride_sweep.method: {e}") from None
         return rows
 
-    @staticmethod
-    def _row_spec(target: str, row: dict) -> str:
-        """The canonical press spec of one configured row; errors name the table and the row's label."""
+    def with_protocol(self, spec: str) -> str:
+        """``spec`` with the section's ``protocol`` (default ``one_pass``) unless it spells its own, so every run
+        name says how its prompt met the cache."""
+        if "protocol" in press_spec(spec).params:
+            return spec
+        return with_params(spec, protocol=self.s.get("protocol", "one_pass"))
+
+    def protocols(self, target: str) -> list[str]:
+        """The protocols ``target``'s rows ran under (sorted)."""
+        return sorted({press_spec(r.spec).params["protocol"] for r in self.rows(target)})
+
+    def _row_spec(self, target: str, row: dict) -> str:
+        """The canonical press spec of one configured row (with :meth:`with_protocol`); errors name the table
+        and the row's label."""
         try:
-            return press_spec(row["method"]).canonical
+            return press_spec(self.with_protocol(row["method"])).canonical
         except ValueError as e:
             raise ValueError(f"{target}, row {row['label']!r}: {e}") from None
 
@@ -384,12 +402,13 @@ class RKVPlan:
                 out[k] = row.spec
         return out
 
-    def header(self, title: str) -> list[str]:
-        """The CSV header lines of a table or figure: what was run, and that it is not the paper's numbers."""
+    def header(self, title: str, target: str | None = None) -> list[str]:
+        """The CSV header lines of a table or figure: what was run, and that it is not the paper's numbers;
+        with ``target``, the protocol its rows ran under (:meth:`protocols`)."""
         what = (f"model {self.model} (tiny zoo LM trained here, not the paper's models); tasks {', '.join(self.tasks)} "
                 "(RULER/SCBench/LongBench-style smoke tasks in place of LongBench)" if self.zoo else
                 f"model {self.model} (local checkpoint); tasks {', '.join(self.tasks)} (local benchmark files)")
         return [f"# kvbench ResidualKV {title}, profile {self.profile!r}: {what}; "
                 + ("not the paper's numbers" if self.zoo else "computed by this pipeline, not copied from the paper"),
-                "# protocol: context prefilled as one chunk and compressed, then the question chunk and greedy "
-                "decoding read the compressed cache (kvbench.compress.generate)"]
+               ] + ([f"# protocol: {'; '.join(PROTOCOL_NOTES[p] for p in self.protocols(target))} "
+                     "(kvbench.compress.generate)"] if target else [])

@@ -17,9 +17,10 @@ A **composed** spec ``<storage>+<selector>`` names a storage method that takes a
 family as its ``selector`` field (kvpress's ``ComposedPress`` / ``AdaKVPress(SnapKVPress())`` idea):
 ``residualkv+omnikv`` stores residual codes and lets OmniKV's filter layers choose what the sparse layers
 restore. The storage class lists the selectors it accepts (``selectors`` class attribute); each
-parameter goes to whichever of the two has a field of that name (a name both have is refused when
-the classes are composed), the selector is built first, and the storage's ``__post_init__`` checks
-the pair.
+parameter goes to whichever of the two has a field of that name (a name both declare is refused when
+the classes are composed; a field both inherit from the family's base class, a press's ``protocol``,
+belongs to the storage, which runs the request), the selector is built first, and the storage's
+``__post_init__`` checks the pair.
 
 :attr:`MethodSpec.canonical` is one string per distinct run (aliases resolved, parameters sorted, values
 as the constructed method holds them); :attr:`MethodSpec.slug` is its run-directory name.
@@ -288,7 +289,9 @@ def _selector(spec: str, fam: Family, cls: type, text: str) -> type:
     if sel is None or sel.name not in takes:
         what = f"takes the selectors {list(takes)}" if takes else "takes no selector"
         raise ValueError(f"method spec {spec!r}: {cls.name!r} {what}, not {text!r}")
-    shared = set(fam.parameters(cls)) & set(fam.parameters(sel))
+    own, other = fam.parameters(cls), fam.parameters(sel)
+    # a field both inherit from the family's base class (a press's `protocol`) is the run's: the storage holds it
+    shared = {n for n in own.keys() & other.keys() if own[n] is not other[n]}
     if shared:
         raise ValueError(f"method spec {spec!r}: {cls.name!r} and {sel.name!r} both have the parameter(s) "
                          f"{sorted(shared)}, so the spec cannot say whose they are")

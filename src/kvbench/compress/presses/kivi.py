@@ -168,6 +168,7 @@ class KIVIPress(Press):
     residual: int = 32
 
     def __post_init__(self):
+        super().__post_init__()
         check_config(self.bits, self.group, self.residual)
 
     def make_layer(self, ctx: LayerContext, cache: PressCache) -> StoreLayer:

@@ -100,6 +100,7 @@ class KVzipPress(Press):
 
     name = "kvzip"
     exact = {"ratio": 1.0}
+    context_pass = True   # query-agnostic: the reconstruction pass scores the context before the question exists
     ratio: float = 0.3
     level: str = "pair"
     chunk_size: int = 2000
@@ -110,6 +111,7 @@ class KVzipPress(Press):
     tokenizer: Any = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         check_keep("ratio", self.ratio)
         if self.level not in LEVELS:
             raise ValueError(f"level must be one of {LEVELS}, got {self.level!r}")

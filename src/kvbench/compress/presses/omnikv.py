@@ -205,6 +205,7 @@ class OmniKVPress(Press):
     row_agg: str = "mean"
 
     def __post_init__(self):
+        super().__post_init__()
         if not 0 < self.keep <= 1:
             raise ValueError(f"keep must be in (0, 1], got {self.keep}")
         if self.row_agg not in ROW_AGGREGATIONS:

@@ -130,6 +130,7 @@ class PaluPress(Press):
     group_heads: int = 4
 
     def __post_init__(self):
+        super().__post_init__()
         if not 0 < self.rank_ratio <= 1:
             raise ValueError(f"rank_ratio must be in (0, 1], got {self.rank_ratio}")
         if self.group_heads < 1:

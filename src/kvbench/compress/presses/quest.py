@@ -125,6 +125,7 @@ class QuestPress(Press):
     sparse_prefill: bool = True
 
     def __post_init__(self):
+        super().__post_init__()
         if not 0 < self.keep <= 1:
             raise ValueError(f"keep must be in (0, 1], got {self.keep}")
         if self.page_size < 1:

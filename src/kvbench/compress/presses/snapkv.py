@@ -124,6 +124,7 @@ class SnapKVPress(Press):
     pooling: str = "avg"
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         check_keep("keep", self.keep)
         if self.window < 1:
             raise ValueError(f"window must be >= 1, got {self.window}")

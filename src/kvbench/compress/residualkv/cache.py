@@ -389,8 +389,9 @@ class ResidualKVPress(Press):
             ValueError: naming the bad value and what is expected: also a selector other than OmniKV or
                 SnapKV, an OmniKV selector without ``full_layers`` or with its own ``n_sink``, ``window`` or
                 ``filter_layers`` (the storage's), ``full_kv_bits`` other than 16 without ``full_layers``
-                (it would change nothing), ``stride`` not a positive int, ``alpha`` negative.
+                (it would change nothing), ``stride`` not a positive int, ``alpha`` negative, a bad ``protocol``.
         """
+        super().__post_init__()
         if self.selector is not None and not isinstance(self.selector, (OmniKVPress, SnapKVPress)):
             raise ValueError(f"selector must be an OmniKVPress or a SnapKVPress (residualkv+omnikv, "
                              f"residualkv+snapkv), got {self.selector!r}")
