@@ -110,7 +110,14 @@ def test_filter_layer_selects_by_max_logit_over_heads():
     assert cache.selections == [[3, 6]]
 
 
-def test_omnikv_sparse_layer_reads_sinks_selected_window(tiny_lm):
+def test_omnikv_sparse_layer_reads_sinks_selected_window(tiny_lm, monkeypatch):
+    # the step's view is dropped after the layer's attention (not held between steps): keep the last one to look at
+    commit = StoreLayer.commit
+
+    def spy(self, chunk, query):
+        self.last_view = self._view
+        commit(self, chunk, query)
+    monkeypatch.setattr(StoreLayer, "commit", spy)
     press = OmniKVPress(keep=0.17, filter_layers=(1,), n_sink=4, window=8, audit_steps=2)
     ids = ids_of(61)
     _, cache = chunked_logits(tiny_lm, press, ids, cuts=(60,))
@@ -119,10 +126,11 @@ def test_omnikv_sparse_layer_reads_sinks_selected_window(tiny_lm):
     sel = cache.step.selected
     assert len(sel) == 8 and sel.min() >= 4 and sel.max() < 52 and (sel.diff() > 0).all()
     assert cache.selections == [sel.tolist()]           # the context chunk had no candidate
-    view = cache.layers[2]._view
+    view = cache.layers[2].last_view
     want = torch.cat([torch.arange(4), sel, torch.arange(52, 61)])
     assert torch.equal(view.positions[0, 0], want)
-    ref = full.layers[2]._view
+    assert cache.layers[2]._view is None                 # not held once the step is over
+    ref = full.layers[2].last_view
     assert torch.equal(view.keys, ref.keys[..., want, :]) and torch.equal(view.values, ref.values[..., want, :])
     assert [type(layer) for layer in cache.layers] == [StoreLayer, StoreLayer, omnikv.SparseLayer]
     assert [layer.after_commit for layer in cache.layers] == [None, press.filter, None]

@@ -210,3 +210,24 @@ def test_snapkv_scores_when_the_window_is_the_whole_context():
 
     q, k = torch.randn(1, 4, 4, 8), torch.randn(1, 2, 4, 8)
     assert torch.isinf(snapkv_scores(q, k)).all()
+
+
+def test_snapkv_keep_03_on_200_tokens_reports_what_it_kept(model):
+    """Issue #13 item 6: ``snapkv:keep=0.3`` on a 200-token context keeps 41%, not 30%: keep applies to the
+    prefix (200 − 32 window = 168: round(50.4) = 50 tokens) and the 32-token window is kept on top, so 82 of 200.
+    The press's target and the measured share both say 0.41; packed KR equals it (kept tokens at FP16)."""
+    from kvbench.compress.accounting import keep_ratio_measured
+
+    press = SnapKVPress(keep=0.3)
+    cache = press.new_cache(model)
+    with torch.inference_mode(), press_attention(model, cache):
+        model(input_ids=ids_of(200), position_ids=torch.arange(200).view(1, -1), cache=cache, use_cache=True)
+    assert [layer.kept_counts().tolist() for layer in cache.layers] == [[82, 82]] * 3
+    kept = sum(layer.kept_share() for layer in cache.layers) / 3
+    assert kept == press.kept_target(200, 200, 3) == 0.41 and press.keep == 0.3
+    parts = cache.stored_bytes()
+    assert keep_ratio_measured(parts, kind="packed", n_tokens=200, n_layers=3, n_kv_heads=2, head_dim=D) == 0.41
+    assert keep_ratio_measured(parts, kind="resident", n_tokens=200, n_layers=3, n_kv_heads=2, head_dim=D) > 0.41
+    assert press.compute_ratio(3) is None          # it returned keep (0.3), neither what is kept nor what is read
+    # later tokens are never evicted: 10 more tokens -> (82 + 10) / 210 kept
+    assert press.kept_target(200, 210, 3) == pytest.approx(92 / 210)

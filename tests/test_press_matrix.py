@@ -211,3 +211,19 @@ def test_one_pass_prefills_the_question_with_the_context(tiny_lm):
     two = SnapKVPress(keep=0.1, protocol="shared_context")
     _, cache = greedy_generate(tiny_lm, two, ids, two.first_chunk(60, 45), max_new_tokens=3, eos=set())
     assert len(cache.attended) == 4
+
+
+@pytest.mark.parametrize("name", SPECS)
+def test_resident_bytes_cover_the_packed_bytes(tiny_lm, identity_codec, name):
+    """Issue #13 item 6: every layer of every press reports its resident bytes (every tensor held, as held) beside
+    the packed ones; on the float32 tiny LM resident >= packed layer by layer (unpacked codes, masks, positions,
+    float32 K/V), and the step's working view is not held between steps."""
+    spec = parse(name + USUAL.get(name, ""), PRESS)
+    press = spec.build(**resources(spec.cls, identity_codec))
+    press.load()
+    ids = torch.randint(0, 256, (1, 70), generator=torch.Generator().manual_seed(1))
+    _, cache = greedy_generate(tiny_lm, press, ids, 60, max_new_tokens=3, eos=set())
+    for layer, b in zip(cache.layers, cache.stored_bytes()):
+        assert b.packed() > 0 and b.resident >= b.packed(), (name, b)
+        assert layer._view is None
+        assert 0 < layer.kept_share() <= 1

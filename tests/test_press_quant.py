@@ -97,7 +97,7 @@ def test_palu_bytes_kept_rank_and_cache(tiny_lm):
     _, cache = chunked_logits(tiny_lm, press, ids_of(20), cuts=(12,))
     # 2 KV heads < 4: one group of 2 heads x 16 = 32 dims, rank 16, for K and V: 32 fp16 values per token
     assert cache.layers[0].stored_bytes().codes == 20 * 32 * 2
-    assert cache.layers[0].stored_bytes().total() / (20 * 2 * 2 * 32) == 0.5   # KR vs the FP16 cache
+    assert cache.layers[0].stored_bytes().packed() / (20 * 2 * 2 * 32) == 0.5   # KR vs the FP16 cache
     assert press.bases(tiny_lm) is PaluPress(rank_ratio=0.5).bases(tiny_lm)     # SVD cached per model
     new, _ = greedy_generate(tiny_lm, press, ids_of(3), 2, max_new_tokens=2, eos=set())
     assert len(new) == 2

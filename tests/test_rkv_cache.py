@@ -148,9 +148,10 @@ def test_full_kv_bits_store_full_layers_kivi_style(tiny_lm, tmp_path):
     assert [type(x) for x in c4.layers[:2]] == [QuantizedFullLayer, QuantizedFullLayer]
     assert [x.after_commit is not None for x in c4.layers[:3]] == [False, True, False]   # layer 1 filters
     # FP16 full layer: 60 tokens x d_kv 64 x 2 bytes; 4-bit: exactly KIVI-4's bytes, reported as the full_layer part
-    assert c16.layers[0].stored_bytes() == StoredBytes(layer=0, full_layer=60 * 64 * 2)
+    assert c16.layers[0].packed_bytes() == StoredBytes(layer=0, full_layer=60 * 64 * 2)
     for i in (0, 1):
-        assert c4.layers[i].stored_bytes() == StoredBytes(layer=i, full_layer=kivi.layers[i].stored_bytes().total())
+        assert c4.layers[i].packed_bytes() == StoredBytes(layer=i, full_layer=kivi.layers[i].stored_bytes().packed())
+        assert c4.layers[i].stored_bytes().resident == kivi.layers[i].stored_bytes().resident
         assert c4.layers[i].stored_bytes().full_layer < 60 * 64 * 2
     # the quantised filter layer still selects keep = 0.5 of its candidates every step
     assert len(c4.selections) == len(c16.selections) > 0

@@ -72,8 +72,19 @@ def test_plan_maps_specs_to_runs_and_codecs():
         RKVPlan({**SECTION, "tableIII": [{"label": "x", "method": "residualkv:codec=other"}]}, "smoke")
 
 
-def _fake_run(root, plan, task, spec, scores, kr, cr, n_tokens=1000):
-    rows = [{"id": str(i), "score": s, "status": "ok", "plan": {"kr": kr, "cr": cr, "n_tokens": n_tokens}}
+def _fake_run(root, plan, task, spec, scores, kr, cr, n_tokens=1000, resident=None, old=False):
+    """A run's predictions: audit rows with ``kr_packed = kr`` split over two layers' packed parts (full layer 1/2,
+    codes 1/4, scales 1/8, references 1/16, indices 1/32, raw window and sinks 1/64 each, of kr), ``kr_resident``
+    (``resident``, default 2·kr); ``old``: a row as written before the resident accounting (``kr`` only)."""
+    full = 1 << 20
+    part = lambda f: int(kr * full * f)  # noqa: E731  exact: kr in 1/64ths of a power of two below
+    layers = [{"layer": 0, "full_layer": part(1 / 2)},
+              {"layer": 1, "codes": part(1 / 4), "scales": part(1 / 8), "references": part(1 / 16),
+               "indices": part(1 / 32), "raw_window": part(1 / 64), "sinks": part(1 / 64)}]
+    audit = ({"kr": kr} if old else
+             {"kr_packed": kr, "kr_resident": 2 * kr if resident is None else resident, "full_bytes": full})
+    rows = [{"id": str(i), "score": s, "status": "ok",
+             "plan": {**audit, "cr": cr, "n_tokens": n_tokens, "bytes": layers}}
             for i, s in enumerate(scores)]
     write_jsonl(root / plan.run_dir(task, spec) / "predictions.jsonl", rows)
 
@@ -81,17 +92,30 @@ def _fake_run(root, plan, task, spec, scores, kr, cr, n_tokens=1000):
 def test_table_iii_cells_kr_and_cr(tmp_path):
     plan = RKVPlan(SECTION, "smoke")
     full, rkv = (r.spec for r in plan.rows("tableIII"))
-    _fake_run(tmp_path, plan, "kv_1k", full, [1, 1], 1.0, 1.0)
-    _fake_run(tmp_path, plan, "niah_1k", full, [1, 0], 1.0, 1.0)
-    _fake_run(tmp_path, plan, "kv_1k", rkv, [1, 0], 0.4, 0.5)
-    _fake_run(tmp_path, plan, "niah_1k", rkv, [0, 0], 0.2, 0.3)
+    _fake_run(tmp_path, plan, "kv_1k", full, [1, 1], 1.0, 1.0, resident=2.0)
+    _fake_run(tmp_path, plan, "niah_1k", full, [1, 0], 1.0, 1.0, resident=2.0)
+    _fake_run(tmp_path, plan, "kv_1k", rkv, [1, 0], 0.5, 0.5, resident=0.9)
+    _fake_run(tmp_path, plan, "niah_1k", rkv, [0, 0], 0.25, 0.3, resident=0.5)
     df = residualkv.score_table(plan, "tableIII", tmp_path, shape=(8, 128))
     assert df["kv_1k"].tolist() == [100.0, 50.0] and df["niah_1k"].tolist() == [50.0, 0.0]
     assert df["avg"].tolist() == [75.0, 25.0]
-    assert df["KR %"].tolist() == [100.0, 30.0] and df["CR %"].tolist() == [100.0, 40.0]
+    assert df["KR_packed %"].tolist() == [100.0, 37.5] and df["CR %"].tolist() == [100.0, 40.0]
+    assert df["KR_resident %"].tolist() == [200.0, 70.0] and "KR %" not in df.columns
+    # the packed bytes by part, in % of the full cache, add up to KR_packed (each part here a power-of-two share)
+    parts = list(residualkv.BREAKDOWN)
+    assert df.loc[1, parts].tolist() == [18.8, 14.1, 2.3, 1.2, 1.2]   # 37.5 x (1/2, 3/8, 1/16, 1/32, 1/32)
+    assert df.loc[0, parts].sum() == pytest.approx(100.0, abs=0.3)
+    assert df.loc[1, parts].sum() == pytest.approx(df.loc[1, "KR_packed %"], abs=0.3)
     # formula: 2 of 8 layers full (q = 1), 99 refs in 1000 tokens (sinks 8, stride 10) FP8, d_c/d_kv = 1/4 at INT4
     want = 0.25 * 1 + 0.75 * (99 / 1000 * 0.5 + 0.3125 * 0.25)
     assert df["KR formula %"].tolist()[1] == round(100 * want, 1) and pd.isna(df["KR formula %"].tolist()[0])
+    # a run written before the resident accounting: its `kr` was the packed accounting; no resident KR, said so
+    _fake_run(tmp_path, plan, "niah_1k", rkv, [0, 0], 0.25, 0.3, old=True)
+    old = residualkv.score_table(plan, "tableIII", tmp_path, shape=(8, 128))
+    assert old.loc[1, "KR_packed %"] == 37.5 and pd.isna(old.loc[1, "KR_resident %"])
+    assert "KR_resident: a run predates the resident accounting" in old.loc[1, "notes"]
+    assert old.loc[1, parts].tolist() == df.loc[1, parts].tolist()   # its bytes give the same breakdown
+    _fake_run(tmp_path, plan, "niah_1k", rkv, [0, 0], 0.25, 0.3, resident=0.5)
     # the table target as the workflow builds it: no shape given, so the zoo model's shape by name (was a TypeError)
     tables.write("residualkv/tableIII", {"profile": "smoke", "residualkv": SECTION, "seed": 0,
                                          "model_dir": str(tmp_path / "absent")}, tmp_path / "t3.csv", root=tmp_path)
@@ -426,3 +450,21 @@ def test_table_header_names_the_omnikv_selection_form():
         "# OmniKV selection (ResidualKV (chunk)): decode steps and multi-token chunks (query rows: max); "
         "raw q·k, max over query heads; int(keep·n) candidates"]
     assert residualkv.selection_header(RKVPlan({**SECTION, "tableIII": section["tableIII"][:1]}, "smoke"), "tableIII") == []
+
+
+def test_audit_row_reports_packed_resident_and_what_was_kept(tiny_lm):
+    """Issue #13 item 6: the audit row carries kr_packed and kr_resident (never one ``kr``), the full cache's bytes,
+    and the measured share kept beside the press's target: 41% for snapkv:keep=0.3 on a 200-token context."""
+    m = get_method("snapkv:keep=0.3")
+    rec = {"id": "a", "kind": "text", "context": "".join(chr(97 + i % 26) for i in range(200)), "question": " q?",
+           "max_new_tokens": 2}
+    m.predict(tiny_lm, _ByteTok(), rec, None)
+    row = m.audit()
+    assert "kr" not in row and row["n_tokens"] == 200 + 3 + 1     # the last generated token is never written
+    # 82 of the 200 context tokens kept per head and layer (50 of the 168-token prefix + the 32-token window),
+    # the 3 question tokens and the first generated one never evicted
+    assert row["kept"] == row["kept_target"] == pytest.approx((82 + 4) / 204)
+    assert row["kr_packed"] == pytest.approx(row["kept"])          # kept tokens at FP16: packed KR = kept share
+    assert row["kr_resident"] > row["kr_packed"]                   # float32 K/V and int64 per-head positions
+    assert row["full_bytes"] == 2 * 2 * 3 * 204 * 2 * 16
+    assert sum(b["resident"] for b in row["bytes"]) == pytest.approx(row["kr_resident"] * row["full_bytes"])

@@ -11,7 +11,8 @@ ResidualKV+OmniKV, quantised and unquantised. Here, per (context, method):
    continue one sequence (the cache is not rebuilt), so the last repeat reads
    ``(warmup_steps + (repeats - 1) decode_steps)`` more tokens than the first: negligible next to the
    context;
-3. the cache's measured keep ratio (stored bytes / full FP16 bytes, :func:`keep_ratio_measured`) and
+3. the cache's measured keep ratio (packed bytes / full FP16 bytes, the paper's accounting:
+   :func:`keep_ratio_measured` with ``kind="packed"``; the ``kr_measured`` column) and
    compute ratio (keys attended per layer / visible tokens, mean over the timed steps,
    :func:`compute_ratio_measured`) are recorded.
 
@@ -179,7 +180,7 @@ def time_decode(model: Any, press: Press, contexts: Sequence[int], decode_steps:
         timed = cache.attended[-decode_steps * repeats:]
         # the step at position p sees p + 1 tokens (itself included), as the attention mask does
         cr = statistics.fmean(compute_ratio_measured(a, first_timed + i + 1) for i, a in enumerate(timed))
-        kr = keep_ratio_measured(cache.stored_bytes(), n_tokens=pos, n_layers=tc.num_hidden_layers,
+        kr = keep_ratio_measured(cache.stored_bytes(), kind="packed", n_tokens=pos, n_layers=tc.num_hidden_layers,
                                  n_kv_heads=tc.num_key_value_heads, head_dim=head_dim)
         tps = clock.summarise([1000 / m for m in ms])
         out[context] = {"tokens_per_s": tps["median"], "q1": tps["q1"], "q3": tps["q3"],

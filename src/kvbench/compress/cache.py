@@ -32,15 +32,16 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, Iterator
+from typing import Any, Callable, ClassVar, Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from kvbench.compress.accounting import StoredBytes
+from kvbench.compress.accounting import StoredBytes, held_bytes
 from kvbench.models import rope
 
 ATTN_NAME = "kvbench_press"
@@ -77,6 +78,10 @@ class KVView:
     def __len__(self) -> int:
         return self.keys.shape[-2]
 
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(keys, values, positions)``, for :func:`~kvbench.compress.accounting.held_bytes`."""
+        return self.keys, self.values, self.positions
+
 
 @dataclass
 class LayerContext:
@@ -103,8 +108,10 @@ class LayerContext:
 class StoreLayer(CacheLayerMixin):
     """One decoder layer of a compressed KV cache. The default stores every token exactly (the full cache).
 
-    Subclasses override :meth:`history`, :meth:`commit`, optionally :meth:`narrow`, and
-    :meth:`stored_bytes` (bytes really held, by part, for KR: :mod:`kvbench.compress.accounting`).
+    Subclasses override :meth:`history`, :meth:`commit`, optionally :meth:`narrow`, and for KR
+    (:mod:`kvbench.compress.accounting`) :meth:`packed_bytes` (the paper's accounting, by part) and
+    :meth:`held_tensors` (every tensor held between steps, for the resident bytes); :meth:`stored_bytes`
+    reports both.
     """
 
     is_compileable = False
@@ -142,10 +149,30 @@ class StoreLayer(CacheLayerMixin):
         """Optional bool mask ``[1, H_q, t, n]`` (True = may attend) over ``view``; None keeps all."""
         return None
 
-    def stored_bytes(self) -> StoredBytes:
-        """Bytes this layer holds, by part; default: FP16 K and V of every stored key."""
+    def packed_bytes(self) -> StoredBytes:
+        """Packed bytes by part (``resident`` left 0); default: FP16 K and V of every stored key (positions
+        are not counted: stored keys are already RoPE'd, as in a plain cache)."""
         n = 0 if self._stored is None else self._stored.keys.numel() + self._stored.values.numel()
         return StoredBytes(layer=self.ctx.layer_idx, full_layer=2 * n)
+
+    def held_tensors(self) -> Iterable[torch.Tensor | None]:
+        """Every tensor this layer holds between steps; subclasses add theirs (``yield from
+        super().held_tensors()``). Default: the stored keys, values and int64 positions, and any step state
+        still set (:func:`_press_attention` drops the step's view after the layer's attention)."""
+        for view in (self._stored, self._pending, self._view):
+            if view is not None:
+                yield from view.tensors()
+        yield self._query_pos
+
+    def kept_share(self) -> float:
+        """Share of the tokens written to this layer (``seen``) whose K/V it still holds in some form (exact,
+        quantised, coded), mean over KV heads; default 1.0 (a store that drops nothing). Eviction overrides it."""
+        return 1.0
+
+    def stored_bytes(self) -> StoredBytes:
+        """Packed bytes by part (:meth:`packed_bytes`) and resident bytes (:meth:`held_tensors` through
+        :func:`~kvbench.compress.accounting.held_bytes`), int bytes."""
+        return dataclasses.replace(self.packed_bytes(), resident=held_bytes(self.held_tensors()))
 
     # -- transformers' layer API -----------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -260,6 +287,7 @@ def _press_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value:
     layer.commit(pending, query)
     if layer.after_commit is not None:
         layer.after_commit(layer, pending, query)
+    layer._view = layer._query_pos = None   # the step's working copy is not held between steps
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -357,6 +385,13 @@ class Press:
     def compute_ratio(self, n_layers: int) -> float | None:
         """CR the method targets by construction (None: measured only)."""
         return 1.0
+
+    def kept_target(self, n_context: int, n_tokens: int, n_layers: int) -> float | None:
+        """Share of a request's ``n_tokens`` tokens (the first ``n_context`` of them the context chunk) that the
+        press's configured budget keeps by construction, mean over layers and KV heads: the target the
+        measured ``kept`` of the audit row (:meth:`StoreLayer.kept_share`) is compared with. None: the press
+        drops nothing (kept 1.0) or has no closed form. Default None."""
+        return None
 
     def kr_formula(self, n_tokens: int, n_layers: int, d_kv: int, codec: Any = None) -> float | None:
         """KR by the paper's closed form (ResidualKV §V-A) at ``n_tokens`` on a model of ``n_layers`` layers and

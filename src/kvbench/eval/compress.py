@@ -11,8 +11,12 @@ names do not hold paths; the spec's ``codec`` field names the codec variant for 
 
 Each answer is produced by :func:`kvbench.compress.generate.greedy_generate` (the prompt in one or two chunks
 by the press's ``protocol``, then greedy decoding through the compressed cache). The audit row of every sample holds KR measured from the bytes
-the cache holds (per layer, by part), CR measured from the keys attention could read, and, for the first
-``audit_requests`` samples of a run, OmniKV's selected positions per step.
+the cache holds, in two accountings never mixed (:mod:`kvbench.compress.accounting`): ``kr_packed`` (the paper's:
+codes at their bit width, per part) and ``kr_resident`` (every tensor held, as held), with ``full_bytes`` (the
+full FP16 cache, their denominator) and ``bytes`` (per layer: the packed parts and ``resident``); ``kept`` (share
+of the tokens whose K/V the cache still holds, measured) beside ``kept_target`` (what the press's configured
+budget keeps by construction, :meth:`~kvbench.compress.cache.Press.kept_target`); CR measured from the keys
+attention could read; and, for the first ``audit_requests`` samples of a run, OmniKV's selected positions per step.
 """
 from __future__ import annotations
 
@@ -105,19 +109,27 @@ class CompressMethod(EvalMethod):
         ids, split = split_prompt(tok, record)
         split = self.press().first_chunk(ids.shape[1], split)
         new, cache = greedy_generate(model, self.press(), ids, split, int(record["max_new_tokens"]), eos_ids(model, proc))
-        self._audit = self._audit_row(model, cache, ids.shape[1], question_chunk=0 < split < ids.shape[1])
+        self._audit = self._audit_row(model, cache, ids.shape[1], question_chunk=0 < split < ids.shape[1],
+                                      n_context=split if 0 < split else ids.shape[1])
         self._n += 1
         return self.decode(proc, record, torch.tensor(new))
 
-    def _audit_row(self, model: Any, cache: Any, n_prompt: int, question_chunk: bool = True) -> dict:
+    def _audit_row(self, model: Any, cache: Any, n_prompt: int, question_chunk: bool = True,
+                   n_context: int | None = None) -> dict:
         cfg = model.config.get_text_config()
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         parts = cache.stored_bytes()
         n_tokens = cache.get_seq_length()
+        shape = {"n_tokens": n_tokens, "n_layers": cfg.num_hidden_layers, "n_kv_heads": cfg.num_key_value_heads,
+                 "head_dim": head_dim}
         row = {
             "n_tokens": n_tokens,
-            "kr": accounting.keep_ratio_measured(parts, n_tokens=n_tokens, n_layers=cfg.num_hidden_layers,
-                                                 n_kv_heads=cfg.num_key_value_heads, head_dim=head_dim),
+            "kr_packed": accounting.keep_ratio_measured(parts, kind="packed", **shape),
+            "kr_resident": accounting.keep_ratio_measured(parts, kind="resident", **shape),
+            "full_bytes": accounting.full_cache_bytes(**shape),
+            "kept": sum(layer.kept_share() for layer in cache.layers) / len(cache.layers),
+            "kept_target": self.press().kept_target(n_prompt if n_context is None else n_context, n_tokens,
+                                                    cfg.num_hidden_layers),
             # CR over the forwards after the first chunk (the question chunk, if any, and decode steps): what the
             # compressed cache served; the context chunk is exact by construction.
             "cr": _compute_ratio(cache.attended[1:], n_prompt if question_chunk else n_prompt + 1),

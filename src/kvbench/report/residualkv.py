@@ -1,12 +1,15 @@
 """ResidualKV's tables and figures from compression runs, codec training curves and profiling CSVs.
 
 Tables (``results/residualkv/table{III,VI,VII,VIII}.csv``): one row per press spec, one column per task
-(mean per-record score x 100), ``avg`` (unweighted mean over tasks, the paper's average), ``KR %`` (bytes
-the cache held at the end of each request / the full FP16 cache, :func:`kvbench.compress.accounting.
-keep_ratio_measured`, mean over requests and tasks), ``CR %`` (keys attention could read / keys visible,
-mean over layers and over the steps that read the compressed cache), and for ResidualKV rows ``KR formula %``
-(§V-A: β q_full + (1−β)(ρ_ref/2 + q_b d_c/2d_k), with the measured reference density). A cell is computed
-or empty with its reason in ``notes``. Files start with ``#`` header lines (``pd.read_csv(path, comment="#")``).
+(mean per-record score x 100), ``avg`` (unweighted mean over tasks, the paper's average), two measured KRs
+never mixed (:mod:`kvbench.compress.accounting`; bytes at the end of each request / the full FP16 cache, mean
+over requests and tasks): ``KR_packed %`` (the paper's accounting: codes at their bit width) and
+``KR_resident %`` (every tensor the cache holds, as held); ``CR %`` (keys attention could read / keys visible,
+mean over layers and over the steps that read the compressed cache); for ResidualKV rows ``KR formula %``
+(§V-A: β q_full + (1−β)(ρ_ref/2 + q_b d_c/2d_k), with the measured reference density); and the packed bytes
+by part in % of the full FP16 cache (:data:`BREAKDOWN`; they add up to ``KR_packed %`` up to rounding), which
+show what the formula leaves out (indices, raw window and sinks). A cell is computed or empty with its reason
+in ``notes``. Files start with ``#`` header lines (``pd.read_csv(path, comment="#")``).
 
 Figures: Fig. 5 (score vs number of references), Figs. 10-12 (codec training curves of the variants),
 Fig. 8 (decode tokens/s vs context, from the profiling CSV), Fig. 6 (codec cost, from its CSV).
@@ -38,15 +41,49 @@ def _mean(xs) -> float:
     return sum(xs) / len(xs) if xs else math.nan
 
 
+#: Table columns of the packed bytes by part, in % of the full FP16 cache: column -> StoredBytes parts summed.
+BREAKDOWN: dict[str, tuple[str, ...]] = {
+    "full layers %": ("full_layer",), "codes+scales %": ("codes", "scales"), "references %": ("references",),
+    "indices %": ("indices",), "window+sinks %": ("raw_window", "sinks"),
+}
+
+
+def _kr_packed(plan: dict) -> float | None:
+    # An audit row written before the resident accounting (issue #13 item 6) has ``kr``: the same packed
+    # accounting (codes at their bit width, indices at the held width, raw tokens at FP16), so it is that value.
+    return plan.get("kr_packed", plan.get("kr"))
+
+
+def _breakdown(plan: dict) -> dict[str, float | None]:
+    """Fractions of the full FP16 cache per :data:`BREAKDOWN` column from one audit row's per-layer ``bytes``
+    (``full_bytes`` its denominator; in an older row, Σ packed bytes / ``kr``)."""
+    layers = plan.get("bytes")
+    if not isinstance(layers, list) or not layers:
+        return dict.fromkeys(BREAKDOWN)
+    sums = {col: sum(b.get(k, 0) for b in layers for k in keys) for col, keys in BREAKDOWN.items()}
+    full = plan.get("full_bytes")
+    if not full:
+        kr = _kr_packed(plan)
+        full = sum(sums.values()) / kr if kr else None
+    return {col: (v / full if full else None) for col, v in sums.items()}
+
+
 def run_summary(run_dir: str | Path) -> dict:
-    """Score x 100, KR, CR (fractions), mean tokens and error count of one run."""
+    """Score x 100; KR packed and resident, CR, per-part fractions of the full cache (:data:`BREAKDOWN` keys)
+    (fractions, mean over ok records; NaN where no record has one, e.g. ``kr_resident`` in runs written
+    before it existed); mean tokens; error count of one run."""
     rows = _read_run(run_dir)
     ok = [r for r in rows if r.get("status") == "ok"]
     plans = [r["plan"] for r in ok if isinstance(r.get("plan"), dict)]
+    parts = [_breakdown(p) for p in plans]
+    resident = [p.get("kr_resident") for p in plans]
     return {
         "score": 100 * _mean([r["score"] for r in rows]),
-        "kr": _mean([p.get("kr") for p in plans]),
+        "kr_packed": _mean([_kr_packed(p) for p in plans]),
+        # never a mean over some records: a run with a record lacking it has no resident KR
+        "kr_resident": _mean(resident) if all(x is not None for x in resident) else math.nan,
         "cr": _mean([p.get("cr") for p in plans]),
+        **{col: _mean([b[col] for b in parts]) for col in BREAKDOWN},
         "n_tokens": _mean([p.get("n_tokens") for p in plans]),
         "n": len(rows),
         "errors": len(rows) - len(ok),
@@ -70,22 +107,27 @@ def score_table(plan: RKVPlan, target: str, root: str | Path = ".", shape: tuple
     (None: :func:`model_shape`)."""
     n_layers, d_kv = shape or model_shape(plan, root)
     out = []
+    pct = lambda x: None if math.isnan(x) else round(100 * x, 1)  # noqa: E731
     for row in plan.rows(target):
-        cells, notes, krs, crs, toks = {"method": row.label, "spec": row.spec}, [], [], [], []
-        for task in plan.tasks:
-            s = run_summary(Path(root) / plan.run_dir(task, row.spec))
+        cells, notes = {"method": row.label, "spec": row.spec}, []
+        runs = [run_summary(Path(root) / plan.run_dir(task, row.spec)) for task in plan.tasks]
+        for task, s in zip(plan.tasks, runs):
             cells[task] = round(s["score"], 2)
-            krs.append(s["kr"]), crs.append(s["cr"]), toks.append(s["n_tokens"])
             if s["errors"]:
                 notes.append(f"{task}: {s['errors']}/{s['n']} samples failed (scored 0)")
         cells["avg"] = round(_mean([cells[t] for t in plan.tasks]), 2)
-        cells["KR %"] = round(100 * _mean(krs), 1)
-        cr = _mean(crs)
-        cells["CR %"] = round(100 * cr, 1) if not math.isnan(cr) else None
-        f = kr_formula(plan, row.spec, _mean(toks), (n_layers, d_kv))
+        cells["KR_packed %"] = pct(_mean([s["kr_packed"] for s in runs]))
+        resident = [s["kr_resident"] for s in runs]
+        cells["KR_resident %"] = None if any(math.isnan(x) for x in resident) else pct(_mean(resident))
+        if cells["KR_resident %"] is None:
+            notes.append("KR_resident: a run predates the resident accounting (rerun it)")
+        cells["CR %"] = pct(_mean([s["cr"] for s in runs]))
+        f = kr_formula(plan, row.spec, _mean([s["n_tokens"] for s in runs]), (n_layers, d_kv))
         cells["KR formula %"] = None if f is None else round(100 * f, 1)
         if f is None:
             notes.append("KR formula: ResidualKV's §V-A formula applies to ResidualKV rows only")
+        for col in BREAKDOWN:
+            cells[col] = pct(_mean([s[col] for s in runs]))
         cells["notes"] = "; ".join(notes)
         out.append(cells)
     return pd.DataFrame(out)
@@ -153,8 +195,10 @@ def write_table(plan: RKVPlan, target: str, out: str | Path, root: str | Path = 
     """Compute and write ``target`` (a key of :data:`TABLES`: tableIII, tableVI, tableVII, tableVIII)."""
     df = table_vi(plan, root) if target == "tableVI" else score_table(plan, target, root)
     header = plan.header(TABLES[f"residualkv/{target}"].title, target) + [
-        "# scores: mean per-record score x 100; KR %: bytes held / full FP16 cache (measured, incl. sinks, raw "
-        "window, indices); CR %: keys read / keys visible after the context chunk; KR formula %: paper §V-A"
+        "# scores: mean per-record score x 100; KR_packed %: packed bytes / full FP16 cache (the paper's accounting, "
+        "measured, incl. sinks, raw window, indices); KR_resident %: bytes of every tensor held, as held (unpacked "
+        "codes, masks, positions, dequantised copies, model dtype); CR %: keys read / keys visible after the first "
+        "chunk; KR formula %: paper §V-A; full layers/codes+scales/references/indices/window+sinks %: KR_packed by part"
     ] + selection_header(plan, target)
     write_csv(df, header, out)
     return df
@@ -164,9 +208,15 @@ def _write(key: str, spec: str | dict, out: str | Path, root: str | Path = ".") 
     return write_table(RKVPlan.from_spec(spec), key, out, root)
 
 
-_CELLS = ("Scores are mean per-record score x 100 (``avg``: unweighted mean over tasks); KR is the keep ratio (bytes "
-          "the cache held / the full FP16 cache, measured), CR the compute ratio (keys attention reads / keys "
-          "visible), and ``KR formula %`` the §V-A formula for ResidualKV rows. On the smoke profile the model is the "
+_CELLS = ("Scores are mean per-record score x 100 (``avg``: unweighted mean over tasks). KR is the keep ratio against "
+          "the full FP16 cache, measured two ways never mixed: ``KR_packed %`` the paper's accounting (codes at their "
+          "bit width, fp16 group scales, FP8 references, int16 reference indices, raw window, sinks and uncompressed "
+          "K/V at FP16) and ``KR_resident %`` every tensor the cache really holds (unpacked uint8 codes, bool masks, "
+          "int64 positions, KIVI's float32 dequantised rows, raw K/V in the model's dtype). ``KR formula %`` is the "
+          "§V-A formula for ResidualKV rows; it omits the reference indices, the raw window and sinks, which the "
+          "columns ``full layers %``, ``codes+scales %``, ``references %``, ``indices %`` and ``window+sinks %`` "
+          "(``KR_packed %`` by part; an eviction press's kept tokens count as full-precision K/V under ``full "
+          "layers %``) show. CR is the compute ratio (keys attention reads / keys visible). On the smoke profile the model is the "
           "tiny zoo LM (codec trained here) and the tasks are smoke needle, key-value and code-completion tasks in "
           "place of LongBench: these are not the paper's numbers. OmniKV selection (standalone and ``+omnikv``) is "
           "the authors' unless a row's spec says otherwise, and the CSV header names it: only decode steps select, "
@@ -180,15 +230,18 @@ TABLES: dict[str, Table] = {t.name: t for t in (
     Table("residualkv/tableIII", "ResidualKV", "residualkv", "Table III (methods x tasks, KR/CR)",
           "**ResidualKV Table III** (paper §V-B, main long-context results): every compression method (SnapKV, "
           "PyramidKV, KVzip, Quest, OmniKV, KIVI, Palu, ResidualKV with and without its codec) against the full KV "
-          f"cache, per task. {_CELLS}", _write),
+          "cache, per task. ResidualKV stores its full-attention layers KIVI-style 4-bit (`full_kv_bits=4`), the "
+          "paper's deployment (§V-A); a row labelled `(full layers FP16)`, where the config has one, keeps them FP16, "
+          f"and so does the ResidualKV† row (as config/paper.yaml runs it). {_CELLS}", _write),
     Table("residualkv/tableVI", "ResidualKV", "residualkv", "Table VI (dynamic stride alpha: references and score)",
           "**ResidualKV Table VI** (paper §V-C, dynamic reference stride): per α, the number and share of reference "
           "tokens at the longest evaluated context and at the paper's 262K context, then the score with the main "
           f"codec. {_CELLS}", _write),
     Table("residualkv/tableVII", "ResidualKV", "residualkv", "Table VII (standalone vs combined)",
           "**ResidualKV Table VII** (paper §V-C, standalone vs combined): ResidualKV alone (every coded token "
-          "restored, CR 100%) and combined with OmniKV or SnapKV selection, against the full KV cache. "
-          f"{_CELLS}", _write),
+          "restored, CR 100%) and combined with OmniKV or SnapKV selection, against the full KV cache; full-attention "
+          "layers KIVI-style 4-bit (`full_kv_bits=4`, the paper's deployment, §V-A); a row labelled `(full layers "
+          f"FP16)`, where the config has one, keeps them FP16. {_CELLS}", _write),
     Table("residualkv/tableVIII", "ResidualKV", "residualkv", "Table VIII (ablation: without codec; codes unquantised)",
           "**ResidualKV Table VIII** (paper §V-D, ablation of the core modules, codes not quantised, its own codec "
           "with d_c 1.5x the main one): ResidualKV, without the codec f_c/f_d as the authors ran it (a zero code "

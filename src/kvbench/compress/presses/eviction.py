@@ -8,7 +8,8 @@ monkeypatch cached repeated heads: docs/decisions.md, "static eviction: SnapKV, 
 A :class:`~kvbench.compress.cache.KVView` needs the same token count on every head. When heads keep
 different counts (KVzip's global threshold), shorter heads are padded with zero K/V at position
 :data:`PAD_POSITION`, which no query position reaches, so the press attention function
-(``key pos <= query pos``) never reads them; :meth:`EvictingLayer.stored_bytes` does not count them.
+(``key pos <= query pos``) never reads them; :meth:`EvictingLayer.packed_bytes` does not count them (the
+resident bytes do, with the int64 per-head positions that eviction makes necessary).
 """
 from __future__ import annotations
 
@@ -77,10 +78,18 @@ class EvictingLayer(StoreLayer):
             return torch.zeros(0, dtype=torch.int64)
         return (self._stored.positions != PAD_POSITION).sum(-1)[0]
 
-    def stored_bytes(self) -> StoredBytes:
-        """FP16 K and V of the kept tokens (2 bytes · 2 · D per kept token per KV head), padding excluded.
-        Positions are not counted: kept keys are already RoPE-rotated, as in the original repos' caches."""
+    def packed_bytes(self) -> StoredBytes:
+        """FP16 K and V of the kept tokens (2 bytes · 2 · D per kept token per KV head), padding excluded, in
+        the ``full_layer`` part. Positions are not counted: kept keys are already RoPE-rotated, as in the
+        original repos' caches. (Resident: the padded K/V in the model's dtype and int64 ``[1, H_kv, n]``
+        positions, :meth:`~kvbench.compress.cache.StoreLayer.held_tensors`.)"""
         if self._stored is None:
             return StoredBytes(layer=self.ctx.layer_idx)
         head_dim = self._stored.keys.shape[-1]
         return StoredBytes(layer=self.ctx.layer_idx, full_layer=2 * 2 * head_dim * int(self.kept_counts().sum()))
+
+    def kept_share(self) -> float:
+        """Kept tokens / tokens written, mean over KV heads (padding excluded; 1.0 before the first commit)."""
+        if self._stored is None or not self.seen:
+            return 1.0
+        return float(self.kept_counts().double().mean()) / self.seen

@@ -91,16 +91,17 @@ class KIVILayer(StoreLayer):
         if n_k:
             for start in range(0, n_k, self.group):
                 self._quantize_keys(self.k_raw[start:start + self.group])
-            self.k_raw = self.k_raw[n_k:]
+            self.k_raw = self.k_raw[n_k:].clone()   # a copy: a view would keep the quantised rows' storage
         n_v = self.v_raw.shape[0] - self.residual
         if n_v > 0:
             self._quantize_values(self.v_raw[:n_v])
-            self.v_raw = self.v_raw[n_v:]
+            self.v_raw = self.v_raw[n_v:].clone()
 
     def _quantize_keys(self, block: torch.Tensor) -> None:
         """Per-channel: one group = one channel over ``group`` tokens (``block`` ``[group, C]``)."""
         if self.bits == 16:
-            self.kq.add(block.clone(), block.float())
+            exact = block.clone()
+            self.kq.add(exact, exact.float())
             return
         codes = quant.quantize(block.float().T.contiguous(), self.bits, block.shape[0])   # rows = channels
         self.kq.add(codes, quant.dequantize(codes).T)
@@ -108,7 +109,8 @@ class KIVILayer(StoreLayer):
     def _quantize_values(self, rows: torch.Tensor) -> None:
         """Per-token: groups of ``min(group, head_dim)`` consecutive channels of one head."""
         if self.bits == 16:
-            self.vq.add(rows.clone(), rows.float())
+            exact = rows.clone()
+            self.vq.add(exact, exact.float())
             return
         vg = min(self.group, self.head_dim)
         if self.head_dim % vg:
@@ -124,12 +126,23 @@ class KIVILayer(StoreLayer):
         heads = lambda x: x.view(x.shape[0], self.heads, self.head_dim).transpose(0, 1).unsqueeze(0)  # noqa: E731
         return KVView.dense(heads(k), heads(v), torch.arange(k.shape[0], device=k.device))
 
-    def stored_bytes(self) -> StoredBytes:
+    def packed_bytes(self) -> StoredBytes:
         """Packed codes, fp16 min/scale per group, and the raw residual keys and values at FP16."""
         kp, ks = self.kq.bytes()
         vp, vs = self.vq.bytes()
         raw = sum(0 if x is None else x.numel() * FP16_BYTES for x in (self.k_raw, self.v_raw))
         return StoredBytes(layer=self.ctx.layer_idx, codes=kp + vp, scales=ks + vs, raw_window=raw)
+
+    def held_tensors(self):
+        """Resident: the unpacked ``uint8`` codes and fp16 min/scale of every block, the float32 dequantised
+        rows kept for attention (decoded once, module docstring), and the raw residual in the model's dtype."""
+        yield from super().held_tensors()
+        for q in (self.kq, self.vq):
+            for c in q.codes:
+                yield from ((c,) if isinstance(c, torch.Tensor) else (c.q, c.zmin, c.scale))
+            yield from q.rows
+        yield self.k_raw
+        yield self.v_raw
 
 
 def _cat(a: torch.Tensor | None, b: torch.Tensor) -> torch.Tensor:

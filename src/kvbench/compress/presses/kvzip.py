@@ -177,6 +177,13 @@ class KVzipPress(Press):
             layer.evict(mask)
             layer.score = None
 
+    def kept_target(self, n_context: int, n_tokens: int, n_layers: int) -> float | None:
+        """(kept context pairs per layer and head + tokens after the context) / ``n_tokens``: ``round(ratio · T)``
+        per head for "pair-uniform"; ``ratio · T`` for "pair" (its one threshold over all layers and heads
+        rounds once over L · H_kv · T pairs, so the mean differs by at most one pair)."""
+        kept = budget(self.ratio, n_context) if self.level == "pair-uniform" else self.ratio * n_context
+        return (kept + n_tokens - n_context) / n_tokens
+
     def compute_ratio(self, n_layers: int) -> float | None:
         """``ratio``: the share of context KV pairs attended after eviction (question and decoded tokens
         add to the measured CR)."""

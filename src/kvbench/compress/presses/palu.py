@@ -103,10 +103,17 @@ class PaluLayer(StoreLayer):
         v = heads(self.vb.decode(join(self.v_lat)), self.vb.head_dim)
         return KVView.dense(self.ctx.rotate(k, pos), v, pos)
 
-    def stored_bytes(self) -> StoredBytes:
+    def packed_bytes(self) -> StoredBytes:
         """The latents at FP16 (the bases are model weights, shared by all requests: not counted)."""
         n = sum(h.numel() for lat in self.k_lat + self.v_lat for h in lat)
         return StoredBytes(layer=self.ctx.layer_idx, codes=n * FP16_BYTES)
+
+    def held_tensors(self):
+        """Resident: the float32 latents and the int64 positions of every chunk."""
+        yield from super().held_tensors()
+        for lat in self.k_lat + self.v_lat:
+            yield from lat
+        yield from self.pos
 
 
 @dataclass

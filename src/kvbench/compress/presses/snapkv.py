@@ -108,7 +108,10 @@ class SnapKVPress(Press):
     Parameters
     ----------
     keep : float, default 0.3 — share of the prefix (context minus window) kept per KV head (the ResidualKV
-        authors' configuration); the kept count is ``round(keep · (T − window))``, at least 1.
+        authors' configuration); the kept count is ``round(keep · (T − window))``, at least 1. The window is
+        kept on top, so the share of the context kept is ``(round(keep · (T − w)) + w) / T``: 41% for
+        ``keep=0.3`` on a 200-token context (50 + 32 of 200); :meth:`kept_target`, and the audit row's
+        measured ``kept`` and ``kr_packed``, report that, not ``keep``.
     window : int, default 32 — observation window (original repo and ResidualKV configs).
     kernel : int, default 5 — pooling width (original repo; the ResidualKV authors use 7).
     pooling : str, default "avg" — "avg" (original) or "max" (ablation).
@@ -150,7 +153,16 @@ class SnapKVPress(Press):
         """A :class:`SnapKVLayer` reading this press's settings."""
         return SnapKVLayer(ctx, cache, self)
 
+    def kept_target(self, n_context: int, n_tokens: int, n_layers: int) -> float | None:
+        """(prefix budget + window + tokens after the context) / ``n_tokens``, prefix budget
+        :meth:`layer_budget` averaged over layers; all tokens when the context is within the window."""
+        n_prefix = n_context - self.window
+        if n_prefix <= 0:
+            return 1.0
+        kept = sum(self.layer_budget(i, n_layers, n_prefix) for i in range(n_layers)) / n_layers
+        return (kept + self.window + n_tokens - n_context) / n_tokens
+
     def compute_ratio(self, n_layers: int) -> float | None:
-        """``keep``: the share of the prefix attended after eviction. The window and the question/decoded
-        tokens add to it (CR = (keep·(T − w) + w) / T for the context), so the measured CR is higher."""
-        return self.keep
+        """None (measured only): ``keep`` is the share of the prefix kept; the window and the question/decoded
+        tokens add to it (CR = (round(keep·(T − w)) + w) / T for the context), so it is not the CR."""
+        return None
