@@ -105,11 +105,11 @@ def main(argv: list[str] | None = None) -> int:
                                logits_to_keep=1).logits[0, -1]
             for layer in model.model.layers:            # no mask left for the next run
                 layer.self_attn.masked_key_indices = None
-            runs.append(dict(press=entry["name"], context=name, kept=kept, logits=logits.float().tolist(),
-                             match_distance=worst))
-    out = dict(versions=dict(torch=torch.__version__, transformers=transformers.__version__,
-                             kvpress=getattr(kvpress, "__version__", None) or _dist_version("kvpress")),
-               runs=runs)
+            runs.append({"press": entry["name"], "context": name, "kept": kept, "logits": logits.float().tolist(),
+                             "match_distance": worst})
+    out = {"versions": {"torch": torch.__version__, "transformers": transformers.__version__,
+                             "kvpress": getattr(kvpress, "__version__", None) or _dist_version("kvpress")},
+               "runs": runs}
     tmp = a.out + ".tmp"
     with open(tmp, "w") as f:
         json.dump(out, f, indent=1, sort_keys=True)

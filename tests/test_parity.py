@@ -7,14 +7,21 @@ import sys
 
 import pandas as pd
 import pytest
+from test_workflow import REPO, planned_jobs, snakemake
 
 from kvbench.bench.parity import byte_tokenizer, kvpress_params
 from kvbench.compress.presses.eviction import budget
 from kvbench.compress.presses.kvzip import KVzipPress
 from kvbench.compress.presses.pyramidkv import PyramidKVPress
 from kvbench.compress.presses.snapkv import SnapKVPress
-from kvbench.report.parity import COLUMNS, jaccard, parity_rows, relation, summary, write_parity_csv
-from test_workflow import REPO, planned_jobs, snakemake
+from kvbench.report.parity import (
+    COLUMNS,
+    jaccard,
+    parity_rows,
+    relation,
+    summary,
+    write_parity_csv,
+)
 
 PARITY_PYTHON = REPO / "envs" / ".parity-venv" / "bin" / "python"
 

@@ -37,8 +37,8 @@ from kvbench.compress.presses.eviction import PAD_POSITION, budget
 from kvbench.utils.io import write_json
 
 #: The tiny model: 4 layers, 4 query / 2 KV heads of 16 (GQA), byte vocabulary, float32.
-MODEL = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-             intermediate_size=128, vocab_size=256, max_position_embeddings=1024, tie_word_embeddings=False)
+MODEL = {"hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+             "intermediate_size": 128, "vocab_size": 256, "max_position_embeddings": 1024, "tie_word_embeddings": False}
 #: Weight init std: the zoo's (:data:`kvbench.models.tiny.INIT_RANGE`), so attention is far from uniform
 #: and scores do not tie.
 INIT_RANGE = 0.08
@@ -83,7 +83,7 @@ def kvpress_params(press: Any, n_ctx: int, n_layers: int, n_kv_heads: int) -> di
         w = press.window
         if n_ctx <= w:
             raise ValueError(f"context of {n_ctx} tokens within the window {w}: kvpress refuses it")
-        common = dict(window_size=w, kernel_size=press.kernel)
+        common = {"window_size": w, "kernel_size": press.kernel}
         if name == "snapkv":
             kept = budget(press.keep, n_ctx - w) + w
             return dict(compression_ratio=0.0 if kept >= n_ctx else 1 - (kept + 0.5) / n_ctx, **common)
@@ -96,8 +96,8 @@ def kvpress_params(press: Any, n_ctx: int, n_layers: int, n_kv_heads: int) -> di
             raise ValueError("only KVzip's level='pair' has a kvpress counterpart (layerwise=False)")
         n = n_layers * n_kv_heads * n_ctx
         kept = budget(press.ratio, n)
-        return dict(compression_ratio=(n - kept + 0.5) / n, layerwise=False, n_sink=0,
-                    chunk_size=press.chunk_size, kvzip_plus_normalization=False)
+        return {"compression_ratio": (n - kept + 0.5) / n, "layerwise": False, "n_sink": 0,
+                    "chunk_size": press.chunk_size, "kvzip_plus_normalization": False}
     raise ValueError(f"no kvpress counterpart for {name!r}")
 
 
@@ -153,10 +153,10 @@ def prepare(workdir: str | Path, threads: int = 1) -> dict:
         press = parse(p.spec, PRESS).build()
         params = {c: kvpress_params(press, len(ids), MODEL["num_hidden_layers"], MODEL["num_key_value_heads"])
                   for c, ids in contexts.items()}
-        presses.append(dict(name=p.name, kvbench_spec=parse(p.spec, PRESS).canonical,
-                            kvpress_class=p.kvpress_class, kvpress_params=params))
-    plan = dict(model_dir="model", question=tok.encode(QUESTION, add_special_tokens=False), contexts=contexts,
-                presses=presses)
+        presses.append({"name": p.name, "kvbench_spec": parse(p.spec, PRESS).canonical,
+                            "kvpress_class": p.kvpress_class, "kvpress_params": params})
+    plan = {"model_dir": "model", "question": tok.encode(QUESTION, add_special_tokens=False), "contexts": contexts,
+                "presses": presses}
     write_json(workdir / "plan.json", plan)
     write_json(workdir / "kvbench.json", run_kvbench(plan, model_dir))
     return plan
@@ -191,8 +191,8 @@ def run_kvbench(plan: dict, model_dir: str | Path) -> dict:
                 kept = [_kept_positions(layer, n) for layer in cache.layers]
                 pos = torch.arange(n, n + question.shape[1]).view(1, -1)
                 logits = model(input_ids=question, position_ids=pos, cache=cache, use_cache=True).logits[0, -1]
-            runs.append(dict(press=entry["name"], context=name, kept=kept, logits=logits.float().tolist()))
-    return dict(versions=dict(torch=torch.__version__, transformers=transformers.__version__), runs=runs)
+            runs.append({"press": entry["name"], "context": name, "kept": kept, "logits": logits.float().tolist()})
+    return {"versions": {"torch": torch.__version__, "transformers": transformers.__version__}, "runs": runs}
 
 
 def _fields(cls: type) -> set[str]:

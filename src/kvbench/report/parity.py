@@ -71,9 +71,9 @@ def parity_rows(plan: dict, kvbench: dict, kvpress: dict) -> list[dict]:
                 for head, (b, p) in enumerate(zip(heads_b, heads_p)):
                     rel = relation(set(p), set(b))
                     note = rel if rel == "identical" or entry["name"] not in CAUSES else f"{rel}; {CAUSES[entry['name']]}"
-                    rows.append(dict(press=entry["name"], kvpress_params=params, kvbench_spec=entry["kvbench_spec"],
-                                     context=ctx, layer=layer, head=head, jaccard=jaccard(p, b),
-                                     n_kept_kvpress=len(p), n_kept_kvbench=len(b), max_logit_diff=diff, note=note))
+                    rows.append({"press": entry["name"], "kvpress_params": params, "kvbench_spec": entry["kvbench_spec"],
+                                     "context": ctx, "layer": layer, "head": head, "jaccard": jaccard(p, b),
+                                     "n_kept_kvpress": len(p), "n_kept_kvbench": len(b), "max_logit_diff": diff, "note": note})
     return rows
 
 
