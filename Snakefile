@@ -55,6 +55,7 @@ include: "workflow/rules/conduit_latency.smk"
 include: "workflow/rules/residualkv.smk"
 include: "workflow/rules/tables.smk"
 include: "workflow/rules/targets.smk"
+include: "workflow/rules/parity.smk"
 
 
 localrules:

@@ -233,6 +233,23 @@ def _bench(a: argparse.Namespace) -> None:
         pd.DataFrame(rows, columns=RAW_COLUMNS).to_csv(tmp, index=False)
 
 
+def _parity(a: argparse.Namespace) -> None:
+    if a.what == "prepare":
+        from kvbench.bench.parity import prepare
+
+        prepare(a.workdir, threads=a.threads)
+        return
+    from pathlib import Path
+
+    from kvbench.report.parity import summary, write_parity_csv
+
+    if not a.out:
+        raise ValueError("parity compare needs --out")
+    w = Path(a.workdir)
+    table = write_parity_csv(w / "plan.json", w / "kvbench.json", w / "kvpress.json", a.out)
+    print(summary(table).to_string())
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``kvbench`` argument parser (one sub-command per pipeline verb)."""
     p = argparse.ArgumentParser(prog="kvbench", description=__doc__.splitlines()[0])
@@ -339,6 +356,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: error)")
     s.add_argument("--out", required=True)
     s.set_defaults(func=_report)
+
+    s = sub.add_parser("parity", help="parity with NVIDIA's kvpress (results/parity/kvpress.csv): prepare = the tiny "
+                                       "model, contexts, mapped parameters and kvbench's kept sets; compare = the CSV "
+                                       "from both sides (kvpress's written by scripts/parity_kvpress.py)")
+    s.add_argument("what", choices=["prepare", "compare"])
+    s.add_argument("--workdir", required=True, help="model/, plan.json, kvbench.json (prepare writes), kvpress.json")
+    s.add_argument("--out", default=None, help="compare: the CSV")
+    s.add_argument("--threads", type=_positive_int, default=1)
+    s.set_defaults(func=_parity)
 
     from kvbench.bench import BENCH_DEFAULTS as d  # light modules: defaults only
     from kvbench.bench import DTYPES as d_dtypes
