@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 from pathlib import Path
 
@@ -545,6 +546,36 @@ def test_conduit_targets_dry_run_paper(tmp_path):
     # 2 backbones x (4 K=8 sets + 4 single-image sets) caches; no training, no data materialisation
     assert jobs["conduit_cache"] == 16 and "train" not in jobs and "data" not in jobs
     assert f"--split {root}/benchmarks/mmlongbench/longdocurl_K8.jsonl" in r.stdout
+
+
+CONFIRM_CONFIG = REPO / "config" / "confirm.yaml"
+
+
+def test_confirm_profile_dry_run(tmp_path):
+    """The confirm profile: 2,000 records per split and three seed replicas of the zoo VLM, each trained from its
+    own seed into its own recipe directory, each a backbone block of every CONDUIT table. (Not marked slow: about
+    as long as the smoke dry run above; parsing the workflow dominates, not the DAG's size.)"""
+    r = snakemake(tmp_path, "-n", "-p", "conduit", "--configfile", str(CONFIRM_CONFIG))
+    assert r.returncode == 0, r.stdout[-3000:]
+    jobs = planned_jobs(r.stdout)
+    assert jobs["train"] == 3 and jobs["conduit_cache"] == 6 and jobs["table"] == 5
+    assert jobs["eval"] == 3 * 48  # per backbone: 48 refresh runs, as on the default profile
+    dirs = set(re.findall(r"--out (zoo/confirm/tiny-qwen2\.5-vl-s(\d)-([0-9a-f]{8}))", r.stdout))
+    assert {(d[1]) for d in dirs} == {"0", "1", "2"} and len({d[2] for d in dirs}) == 3  # three recipe hashes
+    for k in "012":
+        assert re.search(rf"kvbench train --model tiny-qwen2\.5-vl-s{k} .* --seed {k} ", r.stdout)
+    assert "--limit 2000" in r.stdout and "--n-test 2000" in r.stdout
+    cfg = yaml.safe_load(CONFIRM_CONFIG.read_text())
+    assert cfg["conduit"]["n_test"] >= 2000 and len(cfg["conduit"]["models"]) >= 3
+    assert all(cfg["datasets"][d]["smoke"]["n_test"] >= 2000 for d in ("docpages", "digitgrid"))
+
+
+def test_a_seed_replica_must_name_its_seed(tmp_path):
+    cfg = yaml.safe_load(CONFIRM_CONFIG.read_text())
+    cfg["models"]["tiny-qwen2.5-vl-s1"]["zoo"]["seed"] = 2
+    r = snakemake(tmp_path, "-n", "conduit", "--configfile", str(write_config(tmp_path / "c.yaml", cfg)))
+    assert r.returncode != 0 and "tiny-qwen2.5-vl-s1: a seed replica of 'tiny-qwen2.5-vl' named -s1 must set zoo.seed: 1" \
+        in r.stdout, r.stdout[-3000:]
 
 
 def test_empty_single_image_fails_naming_it(tmp_path):
