@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
 import torch
@@ -28,7 +30,7 @@ from kvbench.eval.runner import run_eval
 from kvbench.eval.registry import canonical, get_method, parse_method_spec, run_slugs, slug, with_budget
 from kvbench.models.loader import load_model
 from kvbench.report import tables
-from kvbench.report.conduit import ConduitPlan, Runs, report_fig3, staleness_gap
+from kvbench.report.conduit import ConduitPlan, Runs, paired_bootstrap, report_fig3, staleness_gap
 from kvbench.reuse import refresh
 from kvbench.utils.io import read_jsonl
 
@@ -421,6 +423,78 @@ def test_staleness_gap_ci_and_header(tmp_path):
     assert header[3].startswith("# gap NOT significant at 95% (CI includes 0):") and "m/dg" in header[3]
 
 
+_T1_METHODS = [{"label": "Cache reuse", "method": "reuse"}, {"label": "CacheBlend", "method": "cacheblend"},
+               {"label": "ProphetKV", "method": "prophetkv"}, {"label": "CONDUIT", "method": "conduit"},
+               {"label": "Full prefill", "method": "full"}]
+
+
+def test_table1_paired_difference_to_the_strongest_other_budgeted_row(tmp_path):
+    """Per budget block, CONDUIT minus the budgeted row with the highest avg (computed: reuse, although it scores
+    highest, carries no budget); one block whose CI excludes 0 and one that cannot be told apart."""
+    cfg = _cfg(budgets=[0.05, 0.1], methods=_T1_METHODS)
+    _, spec = _synthetic(tmp_path, {
+        ("dp", "full"): [1] * 6, ("dp", "reuse"): [1] * 6,
+        # r = 0.05: ProphetKV (avg 37.5) beats CacheBlend (0); CONDUIT wins 4, ties 2
+        ("dp", "cacheblend@0.05"): [0] * 6, ("dp", "prophetkv@0.05"): [1, 0, 0, 0, 1, 0],
+        ("dp", "conduit@0.05"): [1] * 6,
+        # r = 0.1: CacheBlend (avg 75) beats ProphetKV (25); CONDUIT wins 2, loses 2, ties 2
+        ("dp", "cacheblend@0.1"): [0, 1, 0, 1, 1, 1], ("dp", "prophetkv@0.1"): [0, 0, 0, 0, 1, 0],
+        ("dp", "conduit@0.1"): [1, 0, 1, 0, 1, 1],
+    }, cfg)
+    tables.write("conduit/table1", spec, tmp_path / "t1.csv", root=tmp_path)
+    header, df = _read(tmp_path / "t1.csv")
+    assert (df["kind"] == "score").sum() == 10  # the score rows come first, unchanged
+    diffs = df[df["kind"] == "paired difference"].set_index("r")
+    assert list(diffs.index) == [0.05, 0.1] and list(df["kind"].iloc[-2:]) == ["paired difference"] * 2
+    a = diffs.loc[0.05]
+    assert a["method"] == "CONDUIT − ProphetKV" and a["spec"] == "conduit@0.05 − prophetkv@0.05"
+    assert [a["K2"], a["K3"], a["diff"]] == [75.0, 50.0, round(100 * 4 / 6, 2)]
+    assert [a["wins"], a["losses"], a["ties"], a["n"]] == [4, 0, 2, 6]
+    assert 0 < a["ci95_lo"] <= a["diff"] <= a["ci95_hi"] and bool(a["told_apart"])
+    b = diffs.loc[0.1]
+    assert b["method"] == "CONDUIT − CacheBlend" and [b["K2"], b["K3"], b["diff"]] == [0.0, 0.0, 0.0]
+    assert [b["wins"], b["losses"], b["ties"], b["n"]] == [2, 2, 2, 6]
+    assert b["ci95_lo"] < 0 < b["ci95_hi"] and not bool(b["told_apart"])
+    assert any(h.startswith("# paired differences") and "1000 resamples" in h and "pooled" in h for h in header)
+    told = [h for h in header if h.startswith("# told apart")][0]
+    cannot = [h for h in header if h.startswith("# CANNOT be told apart")][0]
+    assert "m/CONDUIT − ProphetKV at r = 0.05" in told and "CacheBlend" not in told
+    assert "m/CONDUIT − CacheBlend at r = 0.1 (+0.00" in cannot
+
+
+def test_table5_paired_difference_of_the_composite_to_each_ablation(tmp_path):
+    cfg = _cfg(ablation=[{"label": "Query-attention only", "method": "conduit@0.1:use_v_norm=false"},
+                         {"label": "Intra-image throughput only", "method": "conduit@0.1:lam=0"},
+                         {"label": "Composite", "method": "conduit@0.1"}])
+    _, spec = _synthetic(tmp_path, {("dp", "full"): [1] * 6, ("dp", "conduit@0.1:use_v_norm=false"): [0] * 6,
+                                    ("dp", "conduit@0.1:lam=0.0"): [1] * 6, ("dp", "conduit@0.1"): [1] * 6}, cfg)
+    tables.write("conduit/table5", spec, tmp_path / "t5.csv", root=tmp_path)
+    header, df = _read(tmp_path / "t5.csv")
+    d = df[df["kind"] == "paired difference"].set_index("method")
+    assert list(d.index) == ["Composite − Query-attention only", "Composite − Intra-image throughput only"]
+    assert d.iloc[0][["diff", "ci95_lo", "ci95_hi", "wins", "losses", "ties"]].tolist() == [100.0, 100.0, 100.0, 6, 0, 0]
+    assert bool(d.iloc[0]["told_apart"]) and not bool(d.iloc[1]["told_apart"])  # identical runs: CI [0, 0]
+    assert d.iloc[1][["diff", "ties"]].tolist() == [0.0, 6]
+    assert any(h.startswith("# CANNOT be told apart") and "Intra-image" in h for h in header)
+
+
+def test_paired_difference_refuses_unpaired_runs(tmp_path):
+    cfg = _cfg(ablation=[{"label": "A", "method": "conduit@0.1:lam=0"}, {"label": "C", "method": "conduit@0.1"}])
+    _, spec = _synthetic(tmp_path, {("dp", "full"): [1] * 6, ("dp", "conduit@0.1:lam=0.0"): [1] * 5,
+                                    ("dp", "conduit@0.1"): [1] * 6}, cfg)
+    with pytest.raises(ValueError, match="hold different records; cannot pair them"):
+        tables.write("conduit/table5", spec, tmp_path / "t5.csv", root=tmp_path)
+
+
+def test_stratified_bootstrap_resamples_within_columns():
+    """With strata, the statistic is the unweighted mean of the stratum means (a table's avg): constant strata
+    give a zero-width CI at that value, where the pooled bootstrap varies around the pooled mean."""
+    x, strata = np.array([1.0, 1, 1, 1, 0, 0]), np.array(["K2"] * 4 + ["K3"] * 2)
+    assert paired_bootstrap(x, 500, 0, strata=strata) == (0.5, 0.5)
+    lo, hi = paired_bootstrap(x, 500, 0)
+    assert lo < 4 / 6 < hi
+
+
 def test_staleness_gap_refuses_unpaired_runs(tmp_path):
     plan, spec = _synthetic(tmp_path, {("dp", "full"): [1] * 6, ("dp", "reuse"): [1] * 5,
                                        ("dg", "full"): [1] * 4, ("dg", "reuse"): [1] * 4})
@@ -435,6 +509,9 @@ def test_fig3_pdf_and_data(tmp_path):
     assert (tmp_path / "fig3.pdf").read_bytes().startswith(b"%PDF")
     _, df = _read(tmp_path / "fig3.csv")
     assert df.set_index("spec").loc["conduit@0.1", "avg"] == 75.0
+    pts = df.set_index("spec")
+    assert pts.loc["full", ["ci95_lo", "ci95_hi", "n"]].tolist() == [100.0, 100.0, 6]
+    assert pts.loc["conduit@0.1", "ci95_lo"] < 75.0 < pts.loc["conduit@0.1", "ci95_hi"]
     assert set(df["method"]) == {"CONDUIT", "Full prefill", "Cache reuse"}
     # the PDF carried its creation time, so a rebuilt figure differed from the first one
     report_fig3(spec, tmp_path / "again.pdf", tmp_path / "again.csv", root=tmp_path)
@@ -469,6 +546,36 @@ def test_conduit_targets_dry_run_paper(tmp_path):
     # 2 backbones x (4 K=8 sets + 4 single-image sets) caches; no training, no data materialisation
     assert jobs["conduit_cache"] == 16 and "train" not in jobs and "data" not in jobs
     assert f"--split {root}/benchmarks/mmlongbench/longdocurl_K8.jsonl" in r.stdout
+
+
+CONFIRM_CONFIG = REPO / "config" / "confirm.yaml"
+
+
+def test_confirm_profile_dry_run(tmp_path):
+    """The confirm profile: 2,000 records per split and three seed replicas of the zoo VLM, each trained from its
+    own seed into its own recipe directory, each a backbone block of every CONDUIT table. (Not marked slow: about
+    as long as the smoke dry run above; parsing the workflow dominates, not the DAG's size.)"""
+    r = snakemake(tmp_path, "-n", "-p", "conduit", "--configfile", str(CONFIRM_CONFIG))
+    assert r.returncode == 0, r.stdout[-3000:]
+    jobs = planned_jobs(r.stdout)
+    assert jobs["train"] == 3 and jobs["conduit_cache"] == 6 and jobs["table"] == 5
+    assert jobs["eval"] == 3 * 48  # per backbone: 48 refresh runs, as on the default profile
+    dirs = set(re.findall(r"--out (zoo/confirm/tiny-qwen2\.5-vl-s(\d)-([0-9a-f]{8}))", r.stdout))
+    assert {(d[1]) for d in dirs} == {"0", "1", "2"} and len({d[2] for d in dirs}) == 3  # three recipe hashes
+    for k in "012":
+        assert re.search(rf"kvbench train --model tiny-qwen2\.5-vl-s{k} .* --seed {k} ", r.stdout)
+    assert "--limit 2000" in r.stdout and "--n-test 2000" in r.stdout
+    cfg = yaml.safe_load(CONFIRM_CONFIG.read_text())
+    assert cfg["conduit"]["n_test"] >= 2000 and len(cfg["conduit"]["models"]) >= 3
+    assert all(cfg["datasets"][d]["smoke"]["n_test"] >= 2000 for d in ("docpages", "digitgrid"))
+
+
+def test_a_seed_replica_must_name_its_seed(tmp_path):
+    cfg = yaml.safe_load(CONFIRM_CONFIG.read_text())
+    cfg["models"]["tiny-qwen2.5-vl-s1"]["zoo"]["seed"] = 2
+    r = snakemake(tmp_path, "-n", "conduit", "--configfile", str(write_config(tmp_path / "c.yaml", cfg)))
+    assert r.returncode != 0 and "tiny-qwen2.5-vl-s1: a seed replica of 'tiny-qwen2.5-vl' named -s1 must set zoo.seed: 1" \
+        in r.stdout, r.stdout[-3000:]
 
 
 def test_empty_single_image_fails_naming_it(tmp_path):

@@ -59,3 +59,22 @@ def test_validation_slice_is_not_the_test_split(tokenizer):
     assert {r["context"] for r in val}.isdisjoint({r["context"] for r in test})
     with pytest.raises(ValueError, match="floor task 'nope' is not a smoke task"):
         validation_records("nope", tokenizer, seed=0, n=1)
+
+
+def test_a_seed_replica_trains_the_entry_from_its_own_seed(tokenizer_dir, tmp_path):
+    """``<entry>-s<k>`` (config/confirm.yaml's tiny-qwen2.5-vl-s0/s1/s2) is the entry's architecture and recipe; its
+    seed gives other weights, and its summary keeps the replica's name (the zoo report's key)."""
+    from kvbench.models.tiny import seed_replica, zoo_spec
+
+    assert zoo_spec("tiny-qwen2.5-vl-s2") is zoo_spec("tiny-qwen2.5-vl") and seed_replica("tiny-qwen2.5-vl-s2") == (
+        "tiny-qwen2.5-vl", 2)
+    assert seed_replica("tiny-qwen2.5-vl") is None and seed_replica("nothing-s1") is None
+    with pytest.raises(KeyError, match="or a seed replica"):
+        zoo_spec("tiny-qwen2.5-vl-x1")
+    base = _train(tokenizer_dir, tmp_path / "s0")
+    replica = train_zoo_model("tiny-qwen2-lm-s1", tokenizer_dir=tokenizer_dir, out_dir=tmp_path / "s1" / "model",
+                              workdir=tmp_path / "s1" / "work", seed=1, threads=1, overrides=TINY)
+    assert replica["model"] == "tiny-qwen2-lm-s1" and replica["seed"] == 1
+    assert replica["architecture"] == base["architecture"] and replica["total_steps"] == base["total_steps"]
+    assert ((tmp_path / "s1" / "model" / "model.safetensors").read_bytes()
+            != (tmp_path / "s0" / "model" / "model.safetensors").read_bytes())

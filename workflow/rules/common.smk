@@ -63,7 +63,17 @@ def _check_names():
     for name in SMOKE_DATASETS:
         if name not in TASKS:
             raise ValueError(f"config datasets.{name}: no smoke generator named {name!r}; expected one of {sorted(TASKS)}")
+    from kvbench.models.tiny import seed_replica, zoo_spec
+
     for name in ZOO_MODELS:
+        try:
+            zoo_spec(name)
+        except KeyError as e:
+            raise ValueError(f"config models.{name}: {e.args[0]}") from None
+        replica = seed_replica(name)
+        if replica is not None and model_seed(name) != replica[1]:
+            raise ValueError(f"config models.{name}: a seed replica of {replica[0]!r} named -s{replica[1]} must set "
+                             f"zoo.seed: {replica[1]} (it trains with seed {model_seed(name)})")
         for task in MODELS[name]["zoo"]["floors"]:
             if task not in TASKS:
                 raise ValueError(f"config models.{name}.zoo.floors: {task!r} is not a smoke task; "
@@ -77,6 +87,12 @@ def _check_names():
             apply_overrides(RECIPES[MODELS[name]["kind"]](), overrides)
         except ValueError as e:
             raise ValueError(f"config training overrides of model {name!r}: {e}") from e
+
+
+def model_seed(model):
+    """Training seed of a zoo model: its `zoo.seed` (seed replicas), else the config's `seed`."""
+    seed = MODELS[model]["zoo"].get("seed")
+    return SEED if seed is None else seed
 
 
 _check_names()
@@ -114,7 +130,8 @@ def _recipes():
         overrides = {**config["training"]["overrides"], **zoo["overrides"]}
         # The floors are in the recipe: a changed floor is a new model directory, never a rerun (and
         # first a deletion) of a finished one.
-        recipe = zoo_recipe(name, MODELS[name]["kind"], overrides, seed=SEED, threads=zoo["threads"], tokenizer=tok)
+        recipe = zoo_recipe(name, MODELS[name]["kind"], overrides, seed=model_seed(name), threads=zoo["threads"],
+                            tokenizer=tok)
         models[name] = recipe_hash({**recipe, "floors": zoo["floors"], "val_n": zoo["val_n"]})
     data = {task: recipe_hash({"task": task, "seed": SEED, "tokenizer": tok, **DATASETS[task]["smoke"]})
             for task in SMOKE_DATASETS}

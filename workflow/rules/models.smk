@@ -9,7 +9,8 @@
 # deliberately NOT a declared output, so Snakemake never deletes it. The declared outputs are written
 # once, at the end, summary.json last. Progress lines reach the console and the log.
 # Why not protected()/update()/--keep-incomplete: docs/decisions.md, "Workflow".
-# Models given as `checkpoint:` in the config have no rule: eval reads them.
+# A model named `<zoo entry>-s<k>` is a seed replica: the entry's architecture and recipe trained with its
+# `zoo.seed: k` (config/confirm.yaml). Models given as `checkpoint:` in the config have no rule: eval reads them.
 
 
 rule train:
@@ -25,7 +26,7 @@ rule train:
         out=lambda wc, output: os.path.dirname(output.config),
         workdir=lambda wc, output: os.path.dirname(output.summary),
         tokenizer=lambda wc, input: os.path.dirname(input.tokenizer),
-        seed=SEED,
+        seed=lambda wc: model_seed(wc.model),  # per-model for seed replicas (config/confirm.yaml)
         overrides=lambda wc: train_overrides(wc.model),
         floors=lambda wc: json.dumps(MODELS[wc.model]["zoo"]["floors"], sort_keys=True),
         val_n=lambda wc: MODELS[wc.model]["zoo"]["val_n"],

@@ -80,10 +80,26 @@ ZOO: dict[str, ZooSpec] = {
 }
 
 
+def seed_replica(name: str) -> tuple[str, int] | None:
+    """``(entry, k)`` when ``name`` is ``<entry>-s<k>``, a seed replica of a :data:`ZOO` entry, else None.
+
+    A replica is the entry's architecture and recipe trained from another seed (the config's
+    ``models.<name>.zoo.seed``, which must be ``k``); the confirm profile trains ``tiny-qwen2.5-vl-s0/s1/s2``
+    to see how much of a difference between two rows is the training seed's.
+    """
+    entry, sep, k = name.rpartition("-s")
+    return (entry, int(k)) if sep and k.isdigit() and entry in ZOO and name not in ZOO else None
+
+
 def zoo_spec(name: str) -> ZooSpec:
-    """Look up a zoo entry. Raises ``KeyError`` naming the valid names."""
+    """Look up a zoo entry, or the entry of a seed replica (:func:`seed_replica`). Raises ``KeyError`` naming the
+    valid names."""
+    replica = seed_replica(name)
+    if replica is not None:
+        return ZOO[replica[0]]
     if name not in ZOO:
-        raise KeyError(f"unknown zoo model {name!r}; expected one of {sorted(ZOO)}")
+        raise KeyError(f"unknown zoo model {name!r}; expected one of {sorted(ZOO)} or a seed replica "
+                       f"<name>-s<k> of one")
     return ZOO[name]
 
 

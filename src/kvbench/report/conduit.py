@@ -14,7 +14,10 @@ for empty cells (then the note names the missing run). Each file starts with ``#
 (read back with ``pd.read_csv(path, comment="#")``) saying which profile produced it.
 
 Staleness gap (:func:`staleness_gap`): reuse − full prefill, per record, paired; 95% CI by a paired
-bootstrap (percentile method) of the mean difference.
+bootstrap (percentile method) of the mean difference. Tables 1 and 5 carry the same paired statistic below
+their scores (:func:`paired_difference`: CONDUIT minus the strongest other budgeted row of each block; the
+composite minus each ablation), so a reader sees when two rows cannot be told apart; Figure 3's points carry
+a bootstrap CI of their average (:func:`mean_ci`).
 """
 from __future__ import annotations
 
@@ -329,8 +332,124 @@ def write_score_table(plan: ConduitPlan, runs: Runs, target: str, out: str | Pat
     described = [f"{name} = {form}" for name, form in forms.items() if form]
     if described:
         header.append("# baseline forms: " + "; ".join(described))
+    contrasts = table_of(target).contrasts
+    if contrasts is not None:
+        diffs = [paired_difference(plan, runs, m, a, b, plan.columns(target)) for m, a, b in contrasts(plan, df)]
+        header += difference_lines(plan, table_of(target).contrast_text, diffs)
+        df.insert(2, "kind", "score")
+        df = pd.concat([df, pd.DataFrame(diffs)], ignore_index=True)
+        for c in ("wins", "losses", "ties", "n"):  # counts stay integers beside the score rows' empty cells
+            if c in df:
+                df[c] = df[c].astype("Int64")
+        df = df[[c for c in df.columns if c != "notes"] + ["notes"]]
     _write_csv(df, header, out)
     return df
+
+
+# --- paired differences (Tables 1 and 5) -------------------------------------------------------
+
+def _policy(row: Row, plain: bool = False) -> str | None:
+    """The row's refresh-policy name (with ``plain``: only when the spec sets no parameter besides r)."""
+    spec = parse_method_spec(row.spec)
+    return spec.name if not plain or not spec.params else None
+
+
+def _avg(df: pd.DataFrame, model: str, row: Row) -> float:
+    hit = df[(df["backbone"] == model) & (df["method"] == row.label) & (df["spec"] == row.spec)]
+    return float(hit["avg"].iloc[0])
+
+
+def table1_contrasts(plan: ConduitPlan, df: pd.DataFrame) -> list[tuple[str, Row, Row]]:
+    """``(backbone, CONDUIT row, strongest other budgeted row)`` per backbone and budget block of Table 1.
+
+    Strongest: the highest ``avg`` in ``df`` (Table 1's score rows) among the block's rows whose method spec
+    carries a budget (``@r``: not ``reuse`` nor ``full``), the CONDUIT row excluded; ties go to the first in
+    table order, rows with an empty ``avg`` are skipped. A block without exactly one CONDUIT row (policy
+    ``conduit``) or without another budgeted row with a score gives no pair.
+    """
+    out = []
+    for model in plan.models:
+        for r in plan.cfg["budgets"]:
+            block = [row for row in plan.rows("table1") if row.r == r]
+            ours = [row for row in block if _policy(row) == "conduit"]
+            others = [row for row in block if row not in ours and parse_method_spec(row.spec).r is not None
+                      and not math.isnan(_avg(df, model, row))]
+            if len(ours) == 1 and others:
+                out.append((model, ours[0], max(others, key=lambda row: _avg(df, model, row))))  # max: first on ties
+    return out
+
+
+def table5_contrasts(plan: ConduitPlan, df: pd.DataFrame) -> list[tuple[str, Row, Row]]:
+    """``(backbone, composite, ablation)`` for each other row of Table 5; the composite is the one row whose spec
+    is plain CONDUIT (``conduit@r``, no parameter changed). No composite row, or two, gives no pair."""
+    rows = plan.rows("table5")
+    composite = [row for row in rows if _policy(row, plain=True) == "conduit"]
+    if len(composite) != 1:
+        return []
+    return [(model, composite[0], row) for model in plan.models for row in rows if row is not composite[0]]
+
+
+def paired_difference(plan: ConduitPlan, runs: Runs, model: str, a: Row, b: Row, cols: list[Column]) -> dict:
+    """Row ``a`` minus row ``b`` on ``model``, per record, paired by record id within each column.
+
+    Returns:
+        A table row: ``backbone, r, kind = "paired difference", method = "<a> − <b>", spec``; per column the
+        column's mean difference (points); ``diff`` the mean difference over all records pooled across the
+        columns (each (column, record) pair once), ``ci95_lo``/``ci95_hi`` its 95% paired-bootstrap CI
+        (:func:`paired_bootstrap`, the config's ``gap`` resamples and seed), ``wins``/``losses``/``ties``
+        records where ``a`` scores above/below/equal to ``b``, ``n`` records, ``told_apart`` the CI excludes 0
+        (points = score difference x 100, 2 decimals). A column without scores leaves the pooled figures empty
+        (the reason in ``notes``).
+
+    Raises:
+        ValueError: the two runs of a column hold different record ids (not paired).
+    """
+    boot = plan.cfg["gap"]
+    rec = {"backbone": model, "r": a.r, "kind": "paired difference", "method": f"{a.label} − {b.label}",
+           "spec": f"{a.spec} − {b.spec}"}
+    diffs, notes = [], []
+    for c in cols:
+        sa, why_a = runs.column(plan.run_dir(model, c.dataset, a.spec), c)
+        sb, why_b = runs.column(plan.run_dir(model, c.dataset, b.spec), c)
+        if sa is None or sb is None:
+            notes += [w for w in (why_a, why_b) if w]
+            rec[c.name] = math.nan
+            continue
+        if set(sa) != set(sb):
+            raise ValueError(f"{model}/{c.name}: runs of {a.spec} and {b.spec} hold different records; cannot "
+                             "pair them")
+        d = np.array([sa[i] - sb[i] for i in sorted(sa)])
+        rec[c.name] = round(100 * float(d.mean()), 2)
+        diffs.append(d)
+    if notes:
+        return {**rec, "n": 0, "notes": "; ".join(notes + ["pooled difference: a column is empty"])}
+    d = np.concatenate(diffs)
+    lo, hi = paired_bootstrap(d, boot["resamples"], boot["seed"])
+    return {**rec, "diff": round(100 * float(d.mean()), 2), "ci95_lo": round(100 * lo, 2),
+            "ci95_hi": round(100 * hi, 2), "wins": int((d > 0).sum()), "losses": int((d < 0).sum()),
+            "ties": int((d == 0).sum()), "n": len(d), "told_apart": bool(lo > 0 or hi < 0), "notes": ""}
+
+
+def difference_lines(plan: ConduitPlan, contrast: str, diffs: list[dict]) -> list[str]:
+    """Header lines of a table's paired-difference rows: the method, and which pairs can(not) be told apart."""
+    boot = plan.cfg["gap"]
+
+    def name(rows: list[dict]) -> str:
+        return "; ".join(f"{d['backbone']}/{d['method']}" + ("" if d["r"] is None else f" at r = {d['r']:g}")
+                         + f" ({d['diff']:+.2f} [{d['ci95_lo']:+.2f}, {d['ci95_hi']:+.2f}])"
+                         for d in rows) or "none"
+
+    done = [d for d in diffs if d["n"]]
+    return [
+        (f"# paired differences (rows with kind = 'paired difference', below the scores): {contrast}. Per record "
+         "a - b, paired by record id within each column, x 100; a column cell is that column's mean difference; "
+         "diff = mean over all records pooled across the columns (each column's records once: not the avg of "
+         "the columns), n records; 95% CI of diff: paired bootstrap over the pooled records, percentile method, "
+         f"{boot['resamples']} resamples, seed {boot['seed']}; wins/losses/ties = records where a scores "
+         "above/below/equal to b; told_apart = the CI excludes 0"),
+        f"# told apart (95% CI excludes 0): {name([d for d in done if d['told_apart']])}",
+        f"# CANNOT be told apart (95% CI includes 0): {name([d for d in done if not d['told_apart']])}",
+    ]
 
 
 def degenerate_line(plan: ConduitPlan, runs: Runs, rows: list[Row], cols: list[Column]) -> str | None:
@@ -384,11 +503,28 @@ def _write_csv(df: pd.DataFrame, header: list[str], out: str | Path) -> None:
 
 # --- staleness gap -----------------------------------------------------------------------------
 
-def paired_bootstrap(diff: np.ndarray, resamples: int, seed: int) -> tuple[float, float]:
-    """95% percentile CI of the mean of ``diff`` (per-record paired differences) by bootstrap resampling."""
+def paired_bootstrap(diff: np.ndarray, resamples: int, seed: int, strata: np.ndarray | None = None
+                     ) -> tuple[float, float]:
+    """95% percentile CI of the mean of ``diff`` (per-record values, e.g. paired differences) by bootstrap.
+
+    Args:
+        diff: ``(n,)`` float per-record values (score units, [0, 1] or differences of them).
+        resamples: bootstrap resamples.
+        seed: ``numpy.random.default_rng`` seed.
+        strata: optional ``(n,)`` labels (a table's columns); records are then resampled within each
+            stratum and the statistic is the unweighted mean of the stratum means (a table's ``avg``).
+
+    Returns:
+        ``(lo, hi)``: the 2.5th and 97.5th percentiles of the resampled statistic.
+    """
     rng = np.random.default_rng(seed)
-    idx = rng.integers(0, len(diff), size=(int(resamples), len(diff)))
-    means = diff[idx].mean(axis=1)
+    if strata is None:
+        idx = rng.integers(0, len(diff), size=(int(resamples), len(diff)))
+        means = diff[idx].mean(axis=1)
+    else:
+        groups = [diff[strata == s] for s in dict.fromkeys(strata.tolist())]
+        means = np.mean([g[rng.integers(0, len(g), size=(int(resamples), len(g)))].mean(axis=1) for g in groups],
+                        axis=0)
     return float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))
 
 
@@ -451,35 +587,69 @@ def write_staleness_gap(plan: ConduitPlan, runs: Runs, out: str | Path) -> pd.Da
 
 # --- Figure 3 ----------------------------------------------------------------------------------
 
+def mean_ci(plan: ConduitPlan, runs: Runs, model: str, row: Row, cols: list[Column]) -> dict:
+    """95% CI of a row's ``avg`` (unweighted mean over ``cols`` of the column means) on ``model``.
+
+    Bootstrap of the mean per point, not paired: records are resampled within each column
+    (:func:`paired_bootstrap` with the columns as strata; the config's ``gap`` resamples and seed).
+
+    Returns:
+        ``{"ci95_lo", "ci95_hi"}`` in points (2 decimals) and ``n`` (records over the columns); NaN bounds and
+        ``n = 0`` when a column has no scores.
+    """
+    boot = plan.cfg["gap"]
+    vals, strata = [], []
+    for c in cols:
+        scores, _ = runs.column(plan.run_dir(model, c.dataset, row.spec), c)
+        if scores is None:
+            return {"ci95_lo": math.nan, "ci95_hi": math.nan, "n": 0}
+        vals += [scores[i] for i in sorted(scores)]
+        strata += [c.name] * len(scores)
+    lo, hi = paired_bootstrap(np.array(vals), boot["resamples"], boot["seed"], strata=np.array(strata))
+    return {"ci95_lo": round(100 * lo, 2), "ci95_hi": round(100 * hi, 2), "n": len(vals)}
+
+
 def fig3_data(plan: ConduitPlan, runs: Runs) -> pd.DataFrame:
-    """Budget-quality points: ``backbone, method, r, avg`` (multi-image column average, points), plus
-    the full-prefill and reuse levels as methods with r = NaN."""
-    t = score_table(plan, runs, plan.fig3_rows(), plan.multi)
-    return t[["backbone", "method", "spec", "r", "avg", "avg %full", "notes"]]
+    """Budget-quality points: ``backbone, method, spec, r, avg, ci95_lo, ci95_hi, n, avg %full, notes`` (``avg``: the
+    multi-image column average, points; its 95% CI by :func:`mean_ci`), plus the full-prefill and reuse levels as
+    methods with r = NaN."""
+    rows = plan.fig3_rows()
+    t = score_table(plan, runs, rows, plan.multi)
+    # score_table lists the rows of each backbone in order, so its rows line up with (model, row)
+    ci = pd.DataFrame([mean_ci(plan, runs, m, row, plan.multi) for m in plan.models for row in rows])
+    t = pd.concat([t.reset_index(drop=True), ci], axis=1)
+    return t[["backbone", "method", "spec", "r", "avg", "ci95_lo", "ci95_hi", "n", "avg %full", "notes"]]
 
 
 def write_fig3(plan: ConduitPlan, runs: Runs, out_pdf: str | Path, out_csv: str | Path) -> pd.DataFrame:
-    """Figure 3: average multi-image score vs refresh budget r, one line per budgeted method, one panel per
-    backbone; full prefill and cache reuse as horizontal lines. The plotted numbers go to ``out_csv``."""
+    """Figure 3: average multi-image score vs refresh budget r, one line per budgeted method with 95% CI error bars,
+    one panel per backbone; full prefill and cache reuse as horizontal lines with their CI as a band. The
+    plotted numbers go to ``out_csv``."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import seaborn as sns
 
     df = fig3_data(plan, runs)
     curve = df[df["r"].notna()]
+    boot = plan.cfg["gap"]
     fig, axes = plt.subplots(1, len(plan.models), figsize=(5 * len(plan.models), 4), squeeze=False)
     for ax, model in zip(axes[0], plan.models):
         sub = curve[curve["backbone"] == model]
-        sns.lineplot(data=sub, x="r", y="avg", hue="method", marker="o", ax=ax)
+        for method, pts in sub.groupby("method", sort=False):
+            pts = pts.sort_values("r")
+            err = [pts["avg"] - pts["ci95_lo"], pts["ci95_hi"] - pts["avg"]]
+            ax.errorbar(pts["r"], pts["avg"], yerr=err, marker="o", markersize=4, capsize=3, linewidth=1,
+                        label=method)
         for label, style in (("Full prefill", "--"), ("Cache reuse", ":")):
-            level = df[(df["backbone"] == model) & (df["method"] == label)]["avg"]
-            if len(level) and not level.isna().all():
-                ax.axhline(float(level.iloc[0]), color="k", linestyle=style, linewidth=1, label=label)
+            level = df[(df["backbone"] == model) & (df["method"] == label)]
+            if len(level) and not level["avg"].isna().all():
+                lv = level.iloc[0]
+                ax.axhline(float(lv["avg"]), color="k", linestyle=style, linewidth=1, label=label)
+                ax.axhspan(float(lv["ci95_lo"]), float(lv["ci95_hi"]), color="k", alpha=0.08, linewidth=0)
         ax.set_xscale("symlog", linthresh=0.02)
         ax.set_xlabel("refresh budget r (fraction of visual tokens)")
-        ax.set_ylabel("average score (points)")
+        ax.set_ylabel("average score (points), 95% CI")
         ax.set_title(model, fontsize=9)
         ax.legend(fontsize=7)
     fig.suptitle(plan.header("Figure 3 (budget-quality curves)").lstrip("# "), fontsize=8)
@@ -487,7 +657,11 @@ def write_fig3(plan: ConduitPlan, runs: Runs, out_pdf: str | Path, out_csv: str 
     with atomic_path(out_pdf) as tmp:
         fig.savefig(tmp, format="pdf", metadata={"CreationDate": None})  # no timestamp: same bytes on a rerun
     plt.close(fig)
-    _write_csv(df, [plan.header("Figure 3 data (average over multi-image columns, points)")], out_csv)
+    header = [plan.header("Figure 3 data (average over multi-image columns, points)"),
+              (f"# ci95_lo, ci95_hi: 95% CI of avg (error bars; bands for the full-prefill and reuse levels): "
+               f"bootstrap of the mean per point, not paired, records resampled within each column, percentile "
+               f"method, {boot['resamples']} resamples, seed {boot['seed']}; n = records over the columns")]
+    _write_csv(df, header, out_csv)
     return df
 
 
@@ -524,6 +698,9 @@ def _table4_rows(plan: ConduitPlan) -> list[Row]:
 
 _NOT_THE_PAPER = ("On the smoke profile the backbone is the tiny zoo VLM and the columns are docpages K buckets "
                   "(digitgrid for Table 2): these are not the paper's numbers.")
+_DIFFS = ("Below the scores, paired-difference rows (``kind``) give a minus b per record, paired by record id, with "
+          "the mean over all records pooled across the columns, its paired-bootstrap 95% CI, wins/losses/ties and "
+          "whether the CI excludes 0; the header names the pairs that cannot be told apart.")
 _CELLS = ("The CSV's ``#`` header lines name the columns, the records per column and the spread across rows "
           "(a table that comes out flat says so).")
 
@@ -538,8 +715,11 @@ TABLES: dict[str, Table] = {t.name: t for t in (
           "mean over columns (the paper's five-dataset average). When a row's layer schedule was degenerate (the "
           "as-run CacheBlend/KVShare schedule on a model with about <= 1/r layers puts the whole budget at layer 0, "
           "which equals cache reuse), a ``# DEGENERATE`` header line names the row, budget and records, computed "
-          f"from the runs' audit records. {_CELLS} {_NOT_THE_PAPER}",
-          _score_table, rows=_table1_rows, columns="multi_image"),
+          f"from the runs' audit records. {_DIFFS} {_CELLS} {_NOT_THE_PAPER}",
+          _score_table, rows=_table1_rows, columns="multi_image", contrasts=table1_contrasts,
+          contrast_text=("a = CONDUIT, b = the strongest other budgeted row of the same backbone and budget block "
+                         "(highest avg among the rows whose method carries @r, reuse and full excluded; ties: "
+                         "the first in table order), chosen from the scores above")),
     Table("conduit/table2", "CONDUIT", "conduit",
           "Table 2 (K=1: one image cached under a generic instruction; r = 0, r = 0.05, full prefill)",
           "**CONDUIT Table 2** (paper §4.2, K = 1): one image cached under a generic instruction and served under "
@@ -557,8 +737,10 @@ TABLES: dict[str, Table] = {t.name: t for t in (
           "Table 5 (component ablation: query-attention only, intra-image throughput only, composite)",
           "**CONDUIT Table 5** (paper §4.4, component ablation at r = 0.10): query-attention only (no value-norm "
           "weighting), intra-image throughput only (no image coefficient) and the composite score. Cells are mean "
-          f"per-record score x 100. {_CELLS} {_NOT_THE_PAPER}",
-          _score_table, rows=lambda plan: [_row(m) for m in plan.cfg["ablation"]], columns="multi_image"),
+          f"per-record score x 100. {_DIFFS} {_CELLS} {_NOT_THE_PAPER}",
+          _score_table, rows=lambda plan: [_row(m) for m in plan.cfg["ablation"]], columns="multi_image",
+          contrasts=table5_contrasts,
+          contrast_text="a = the composite (the row that is plain conduit@r), b = each other ablation row"),
     Table("conduit/staleness_gap", "CONDUIT", "conduit",
           "staleness gap: cache reuse (stale per-image KV, r = 0) minus full prefill",
           "**CONDUIT staleness gap** (the premise of paper §1 and the cache-reuse protocol of §4.1; not a table of "

@@ -68,6 +68,9 @@ class Table:
         rows: ``rows(plan)`` -> the methods a CONDUIT table compares (ResidualKV tables take theirs from the config
             list of their own name, :meth:`kvbench.report.rkv_plan.RKVPlan.rows`), else None.
         columns: which column group a CONDUIT table averages over (``multi_image``, ``single_image``, ``all``).
+        contrasts: ``contrasts(plan, scores)`` -> ``[(backbone, row a, row b)]`` whose paired difference a - b a
+            CONDUIT table carries below its scores (Tables 1 and 5), else None.
+        contrast_text: what the contrasts compare, for the CSV header.
     """
 
     name: str
@@ -78,6 +81,8 @@ class Table:
     write: Callable[[str, dict, str, str], Any]
     rows: Callable[[Any], list] | None = None
     columns: str = ""
+    contrasts: Callable[[Any, Any], list] | None = None
+    contrast_text: str = ""
 
     @property
     def key(self) -> str:
