@@ -226,6 +226,33 @@ def test_omnikv_keeps_int_keep_times_candidates():
     assert OmniKVPress(keep=1.0).n_keep(7) == 7
 
 
+def test_omnikv_keep_tokens_is_an_absolute_count_clamped_to_the_candidates(tiny_lm):
+    """``keep_tokens``: min(keep_tokens, n) candidates (ResidualKV's decode keep of 2,048 on Llama), at a decode step
+    of a real run too; exclusive with a non-default ``keep``; spelled in a spec standalone and composed."""
+    from kvbench.compress.registry import PRESS
+    from kvbench.utils.spec import parse
+    press = OmniKVPress(keep_tokens=5)
+    assert [press.n_keep(n) for n in range(12)] == [0] + [min(5, n) for n in range(1, 12)]
+    assert OmniKVPress(keep_tokens=2048).n_keep(10_000) == 2048 and OmniKVPress(keep_tokens=2048).n_keep(300) == 300
+    ids, cuts = ids_of(71), (60, 70)        # decode at 70: candidates 4..61 (58)
+    _, cache = chunked_logits(tiny_lm, OmniKVPress(keep_tokens=5, filter_layers=(1,), n_sink=4, window=8), ids, cuts=cuts)
+    assert len(cache.step.selected) == 5 and cache.attended[2] == [71, 71, 4 + 5 + 9]
+    _, cache = chunked_logits(tiny_lm, OmniKVPress(keep_tokens=500, filter_layers=(1,), n_sink=4, window=8), ids, cuts=cuts)
+    assert len(cache.step.selected) == 58
+    for kwargs, needle in [({"keep": 0.2, "keep_tokens": 8}, r"keep=0.2 .* and keep_tokens=8 .* set one"),
+                           ({"keep_tokens": 0}, "keep_tokens .* int >= 1"), ({"keep_tokens": 2.5}, "keep_tokens")]:
+        with pytest.raises(ValueError, match=needle):
+            OmniKVPress(**kwargs)
+    spec = parse("residualkv+omnikv:full_layers=0+1,keep_tokens=2048", PRESS)
+    assert spec.canonical == "residualkv+omnikv:full_layers=0+1,keep_tokens=2048" and parse(spec.canonical, PRESS) == spec
+    sel = spec.build(codec_dir="c").selector
+    assert (sel.keep_tokens, sel.n_keep(100)) == (2048, 100)
+    assert "min(2048, n) candidates" in sel.selection_form()
+    assert parse("omnikv:keep_tokens=16", PRESS).build().keep_tokens == 16
+    with pytest.raises(ValueError, match="keep=0.2 .* keep_tokens=16"):
+        parse("residualkv+omnikv:full_layers=0+1,keep=0.2,keep_tokens=16", PRESS)
+
+
 def test_omnikv_reads_every_token_in_a_multi_token_chunk(tiny_lm):
     """Default (the authors'): the question chunk after the context reads every token, so its logits are the
     full cache's, and only the decode step is sparse; ``sparse_prefill=true`` also selects in the chunk."""

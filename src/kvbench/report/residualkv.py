@@ -221,7 +221,7 @@ _CELLS = ("Scores are mean per-record score x 100 (``avg``: unweighted mean over
           "place of LongBench: these are not the paper's numbers. OmniKV selection (standalone and ``+omnikv``) is "
           "the authors' unless a row's spec says otherwise, and the CSV header names it: only decode steps select, "
           "so the question chunk reads every (restored) token; a decode step keeps int(keep·n) of the candidates "
-          "by raw q·k, max over query heads (``sparse_prefill=true`` selects in multi-token chunks too, their "
+          "(min(keep_tokens, n) where a row sets keep_tokens) by raw q·k, max over query heads (``sparse_prefill=true`` selects in multi-token chunks too, their "
           "query rows averaged or, with ``row_agg=max``, maxed).")
 
 #: ResidualKV's tables (:class:`~kvbench.report.plan.Table`); rows from the config key of the table's name

@@ -5,7 +5,7 @@ Hao et al., "OmniKV: Dynamic Context Selection for Efficient Long-Context LLMs",
 Every layer keeps its full KV (KR 100%). A filter layer attends densely; after its attention, at a decode
 step (one query row), it scores the candidate tokens (neither sinks nor in the recent raw window) by the
 raw q·k logits of the current query, max over query heads, and keeps the top ``int(keep · n_candidates)``
-(at least one). The sparse layers up to the next filter layer read sinks + selected + window, one set
+(at least one), or ``min(keep_tokens, n_candidates)`` with an absolute ``keep_tokens``. The sparse layers up to the next filter layer read sinks + selected + window, one set
 shared by all heads. A multi-token chunk (the question chunk, a later prefill chunk) selects nothing, so
 every layer reads every token, unless ``sparse_prefill`` is set; its rows are then aggregated by
 ``row_agg`` (the mean, as the authors' scoring function does, or the max). Layers before the first filter
@@ -45,6 +45,9 @@ from typing import Any, Protocol
 import torch
 
 from kvbench.compress.cache import KVView, LayerContext, PressCache, Press, StoreLayer
+
+#: OmniKVPress.keep's default: ``keep_tokens`` may be set only while ``keep`` is left at it
+KEEP_DEFAULT = 0.17
 
 # The authors' filter layers for the models they released (sources.md, "OmniKV inside it").
 AUTHORS_FILTER_LAYERS = {32: (2, 8, 18), 28: (2, 4, 7, 14)}
@@ -175,6 +178,10 @@ class OmniKVPress(Press):
     ----------
     keep : float, 0.17 — share of the candidate tokens the sparse layers read (ResidualKV authors'
         OmniKV baseline config; OmniKV's ``num_of_selected_tokens`` as a ratio).
+    keep_tokens : int or None, None — an absolute count instead: the sparse layers read
+        ``min(keep_tokens, n_candidates)`` candidates at a selecting step (the authors' ``num_top_tokens``
+        above 1, e.g. ResidualKV's decode keep of 2,048 for Llama-3.1-8B). Exclusive with a ``keep`` other
+        than its default. In ``residualkv+omnikv`` it is the selector's, like ``keep``.
     filter_layers : tuple of int, () — filter layers; () = the authors' choice for 32-layer
         (Llama-3.1-8B: 2, 8, 18) and 28-layer (Qwen2.5-7B: 2, 4, 7, 14) models, otherwise
         ``(2, round(18/32 · L))`` (8 layers: 2, 4): layers 0-1 dense as in every authors' config, the last
@@ -190,13 +197,15 @@ class OmniKVPress(Press):
         max over heads: "mean" (the authors' ``omnikv_token_selection``) or "max" (a token any row attends
         strongly). Decode steps have one row, so it only matters with ``sparse_prefill``.
 
-    Raises ValueError for keep outside (0, 1], negative n_sink/window/audit_steps, a ``row_agg`` other
-    than "mean"/"max", or (in :meth:`new_cache`) a filter layer outside the model.
+    Raises ValueError for keep outside (0, 1], ``keep_tokens`` not an int >= 1 or set together with a
+    non-default ``keep``, negative n_sink/window/audit_steps, a ``row_agg`` other than "mean"/"max", or
+    (in :meth:`new_cache`) a filter layer outside the model.
     """
 
     name = "omnikv"
     exact = {"keep": 1.0}
-    keep: float = 0.17
+    keep: float = KEEP_DEFAULT
+    keep_tokens: int | None = None
     filter_layers: tuple[int, ...] = ()
     n_sink: int = 8
     window: int = 128
@@ -208,6 +217,13 @@ class OmniKVPress(Press):
         super().__post_init__()
         if not 0 < self.keep <= 1:
             raise ValueError(f"keep must be in (0, 1], got {self.keep}")
+        if self.keep_tokens is not None:
+            k = self.keep_tokens
+            if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+                raise ValueError(f"keep_tokens (absolute candidates kept) must be an int >= 1, got {k!r}")
+            if self.keep != KEEP_DEFAULT:
+                raise ValueError(f"keep={self.keep} (a share of the candidates) and keep_tokens={k} (an absolute "
+                                 f"count) both set the selected count; set one")
         if self.row_agg not in ROW_AGGREGATIONS:
             raise ValueError(f"row_agg must be one of {ROW_AGGREGATIONS} (over a chunk's query rows), got {self.row_agg!r}")
         for name in ("n_sink", "window", "audit_steps"):
@@ -216,17 +232,21 @@ class OmniKVPress(Press):
         self.filter_layers = layer_list("filter_layers", self.filter_layers)
 
     def n_keep(self, n_candidates: int) -> int:
-        """Selected tokens for ``n_candidates`` candidates: ``int(keep · n)`` clamped to ``[1, n]`` (0 without
-        a candidate), the authors' rounding (down) of a ratio budget."""
+        """Selected tokens for ``n_candidates`` candidates: ``min(keep_tokens, n)`` when ``keep_tokens`` is
+        set, else ``int(keep · n)`` clamped to ``[1, n]`` (the authors' rounding, down, of a ratio budget);
+        0 without a candidate."""
         if n_candidates <= 0:
             return 0
+        if self.keep_tokens is not None:
+            return min(n_candidates, self.keep_tokens)
         return max(1, min(n_candidates, int(n_candidates * self.keep)))
 
     def selection_form(self) -> str:
         """One line on when and how this press selects, for table headers."""
         when = (f"decode steps and multi-token chunks (query rows: {self.row_agg})" if self.sparse_prefill
                 else "decode steps only (a multi-token chunk reads every token)")
-        return f"{when}; raw q·k, max over query heads; int(keep·n) candidates"
+        count = f"min({self.keep_tokens}, n)" if self.keep_tokens is not None else "int(keep·n)"
+        return f"{when}; raw q·k, max over query heads; {count} candidates"
 
     def layers_for(self, n_layers: int) -> tuple[int, ...]:
         """The filter layers used on an ``n_layers`` model (the default rule in the class docstring)."""
