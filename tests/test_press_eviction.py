@@ -12,7 +12,7 @@ from kvbench.compress.presses.eviction import (
     topk_mask,
 )
 from kvbench.compress.presses.kvzip import KVzipPress, reconstruction_scores
-from kvbench.compress.presses.pyramidkv import PyramidKVPress, pyramid_budget
+from kvbench.compress.presses.pyramidkv import PyramidKVPress, linear_ratio, pyramid_budget
 from kvbench.compress.presses.snapkv import SnapKVPress, snapkv_scores
 
 D = 16
@@ -153,6 +153,20 @@ def test_snapkv_keeps_window_and_differs_per_head(model):
 def test_pyramidkv_kept_counts(model):
     _, cache = two_chunks(model, PyramidKVPress(), ids_of(105), 100)
     assert [layer.kept_counts().tolist() for layer in cache.layers] == [[77, 77], [57, 57], [38, 38]]
+
+
+def test_pyramidkv_authors_linear_schedule(model):
+    """``least_ratio``: the ResidualKV authors' schedule, shares 0.5 -> 0.3 -> 0.1 of the 68-token prefix (mean keep
+    0.3) on 3 layers: 34, 20, 7 (round(6.8)) kept + window 32 + question 5."""
+    press = PyramidKVPress(keep=0.3, least_ratio=0.1, kernel=7, pooling="max")
+    assert [round(linear_ratio(0.3, 0.1, i, 32), 4) for i in (0, 31)] == [0.5, 0.1]
+    assert sum(linear_ratio(0.3, 0.1, i, 32) for i in range(32)) / 32 == pytest.approx(0.3)
+    _, cache = two_chunks(model, press, ids_of(105), 100)
+    assert [layer.kept_counts().tolist() for layer in cache.layers] == [[71, 71], [57, 57], [44, 44]]
+    for kwargs, needle in [({"least_ratio": 0.4}, r"in \(0, keep=0.3\]"), ({"least_ratio": 0.0}, "least_ratio"),
+                           ({"keep": 0.8, "least_ratio": 0.1}, "first layer's share at 1.5 > 1")]:
+        with pytest.raises(ValueError, match=needle):
+            PyramidKVPress(**kwargs)
 
 
 def test_kvzip_kept_counts(model):
