@@ -49,7 +49,8 @@ def identity_codec(tiny_lm, tmp_path_factory):
 
 def resources(cls, identity_codec) -> dict:
     """The resources a press takes (PRESS.resources), as this test provides them."""
-    have = {"codec_dir": str(identity_codec), "tokenizer": CharTok()}
+    have = {"codec_dir": str(identity_codec), "tokenizer": CharTok(),
+            "calib_ids": torch.randint(0, 256, (2, 48), generator=torch.Generator().manual_seed(7))}
     return {f.name: have[f.name] for f in dataclasses.fields(cls) if f.name in PRESS.resources}
 
 

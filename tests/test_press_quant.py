@@ -8,7 +8,7 @@ from test_press_dynamic import chunked_logits, ids_of
 from kvbench.compress.cache import Press
 from kvbench.compress.generate import greedy_generate
 from kvbench.compress.presses.kivi import KIVIPress
-from kvbench.compress.presses.palu import PaluPress, low_rank_basis
+from kvbench.compress.presses.palu import PaluPress, input_grams, low_rank_basis, whitening_factor
 
 
 # -- KIVI ------------------------------------------------------------------------------------------------
@@ -92,17 +92,114 @@ def test_low_rank_basis_is_the_truncated_svd():
         assert resid.norm() ** 2 == pytest.approx(float((s[8:] ** 2).sum()), rel=1e-5)
 
 
+def calib(n: int = 4, length: int = 64, seed: int = 3) -> torch.Tensor:
+    return torch.randint(0, 256, (n, length), generator=torch.Generator().manual_seed(seed))
+
+
 def test_palu_bytes_kept_rank_and_cache(tiny_lm):
-    press = PaluPress(rank_ratio=0.5)
+    press = PaluPress(rank_ratio=0.5, calib_ids=calib())
     _, cache = chunked_logits(tiny_lm, press, ids_of(20), cuts=(12,))
     # 2 KV heads < 4: one group of 2 heads x 16 = 32 dims, rank 16, for K and V: 32 fp16 values per token
     assert cache.layers[0].stored_bytes().codes == 20 * 32 * 2
     assert cache.layers[0].stored_bytes().packed() / (20 * 2 * 2 * 32) == 0.5   # KR vs the FP16 cache
-    assert press.bases(tiny_lm) is PaluPress(rank_ratio=0.5).bases(tiny_lm)     # SVD cached per model
+    assert press.bases(tiny_lm) is PaluPress(rank_ratio=0.5, calib_ids=calib()).bases(tiny_lm)  # cached per model
+    assert press.bases(tiny_lm) is not PaluPress(rank_ratio=0.5, calib_ids=calib(seed=4)).bases(tiny_lm)
     new, _ = greedy_generate(tiny_lm, press, ids_of(3), 2, max_new_tokens=2, eos=set())
     assert len(new) == 2
-    for kwargs in ({"rank_ratio": 0.0}, {"rank_ratio": 1.5}, {"group_heads": 0}):
+    for kwargs in ({"rank_ratio": 0.0}, {"rank_ratio": 1.5}, {"group_heads": 0}, {"calib_tokens": 0}, {"calib_len": 0}):
         with pytest.raises(ValueError):
             PaluPress(**kwargs)
     with pytest.raises(ValueError, match="multiple of group_heads"):
         low_rank_basis(torch.nn.Linear(8, 32), n_heads=2, head_dim=16, group_heads=3, rank_ratio=0.5)
+
+
+# -- Palu whitening (SVD-LLM style, as Palu's decomposition) ---------------------------------------------
+@pytest.fixture(scope="module")
+def outlier_lm():
+    """The tiny LM with per-channel input norm scales spread over two decades, as real LLMs' hidden states have
+    outlier channels (whitening has nothing to exploit on isotropic inputs)."""
+    import transformers
+    torch.manual_seed(0)
+    cfg = transformers.Qwen2Config(hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                                   head_dim=16, intermediate_size=128, vocab_size=256, attn_implementation="sdpa")
+    model = transformers.Qwen2ForCausalLM(cfg).eval()
+    scales = torch.logspace(-1, 1, 64)[torch.randperm(64, generator=torch.Generator().manual_seed(1))]
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.input_layernorm.weight.copy_(scales)
+    return model
+
+
+def _kv_io(model, ids):
+    """Per layer (X, K, V): k_proj inputs and k_proj / v_proj outputs over ``ids`` ``[n, L]``."""
+    got = {}
+    hooks = []
+    for i, layer in enumerate(model.model.layers):
+        for name in ("k_proj", "v_proj"):
+            def keep(mod, args, out, i=i, name=name):
+                if name == "k_proj":
+                    got.setdefault((i, "x"), []).append(args[0].reshape(-1, args[0].shape[-1]))
+                got.setdefault((i, name), []).append(out.reshape(-1, out.shape[-1]))
+            hooks.append(getattr(layer.self_attn, name).register_forward_hook(keep))
+    with torch.no_grad():
+        for row in ids:
+            model(input_ids=row.view(1, -1), use_cache=False)
+    for h in hooks:
+        h.remove()
+    n = len(model.model.layers)
+    return [tuple(torch.cat(got[(i, k)]) for k in ("x", "k_proj", "v_proj")) for i in range(n)]
+
+
+def test_whitening_lowers_the_kv_error_on_held_out_text(outlier_lm):
+    """Same rank (0.5), same model: the whitened bases reconstruct held-out K and V with less error than plain SVD,
+    at every layer (a wrong side for S, or S from the wrong activations, would not)."""
+    held_out = calib(n=4, length=64, seed=11)
+    whitened = PaluPress(rank_ratio=0.5, calib_ids=calib(n=8, length=64)).bases(outlier_lm)
+    plain = PaluPress(rank_ratio=0.5, whiten=False).bases(outlier_lm)
+    for i, (_, k, v) in enumerate(_kv_io(outlier_lm, held_out)):
+        for j, y in enumerate((k, v)):
+            err_w = (whitened[i][j].decode(whitened[i][j].encode(y)) - y).pow(2).sum()
+            err_p = (plain[i][j].decode(plain[i][j].encode(y)) - y).pow(2).sum()
+            assert err_w < 0.8 * err_p, (i, j, float(err_w), float(err_p))
+
+
+def test_whitened_basis_is_optimal_on_the_calibration_text(outlier_lm):
+    """Eckart-Young in the whitened norm: the calibration error of U_r is the tail of the singular values of W_g S."""
+    ids = calib(n=4, length=64)
+    grams = input_grams(outlier_lm, ids)
+    x, k, _ = _kv_io(outlier_lm, ids)[1]
+    torch.testing.assert_close(grams[1], x.double().T @ x.double(), rtol=1e-6, atol=1e-6)
+    s = whitening_factor(grams[1])
+    torch.testing.assert_close(s @ s.T, grams[1], rtol=1e-9, atol=1e-6)
+    proj = outlier_lm.model.layers[1].self_attn.k_proj
+    basis = low_rank_basis(proj, n_heads=2, head_dim=16, group_heads=2, rank_ratio=0.5, whitening=s)
+    err = (basis.decode(basis.encode(k)) - k).double().pow(2).sum()
+    tail = torch.linalg.svdvals(proj.weight.detach().double() @ s)[16:].pow(2).sum()
+    assert float(err) == pytest.approx(float(tail), rel=1e-3)
+
+
+def test_whitening_factor_ridge_and_determinism(outlier_lm):
+    """A rank-deficient C (fewer tokens than channels) gets Palu's ridge and still factors; two calibration passes
+    over the same windows give identical bases."""
+    x = torch.randn(10, 64, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    s = whitening_factor(x.T @ x)
+    lam = torch.linalg.eigvalsh(x.T @ x)[0]
+    torch.testing.assert_close(s @ s.T, x.T @ x + (-lam + 1e-3) * torch.eye(64, dtype=torch.float64))
+    a = [whitening_factor(c) for c in input_grams(outlier_lm, calib(n=2))]
+    b = [whitening_factor(c) for c in input_grams(outlier_lm, calib(n=2))]
+    assert all(torch.equal(p, q) for p, q in zip(a, b))
+
+
+def test_corpus_calibration_windows_are_seeded():
+    """Without ``calib_ids`` the windows come from the packed corpus, ``ceil(calib_tokens / calib_len)`` of them,
+    the same for one seed and different for another."""
+    class Tok:
+        eos_token_id = 0
+
+        def __call__(self, text, add_special_tokens=False):
+            return {"input_ids": [1 + ord(c) % 255 for c in text]}
+
+    ids = PaluPress(calib_tokens=100, calib_len=32, tokenizer=Tok()).calibration_ids(None)
+    assert ids.shape == (4, 32) and ids.dtype == torch.long
+    assert torch.equal(ids, PaluPress(calib_tokens=100, calib_len=32, tokenizer=Tok()).calibration_ids(None))
+    assert not torch.equal(ids, PaluPress(calib_tokens=100, calib_len=32, seed=1, tokenizer=Tok()).calibration_ids(None))

@@ -28,5 +28,6 @@ PRESSES: dict[str, type[Press]] = {cls.name: cls for cls in (
     FullKV, SnapKVPress, PyramidKVPress, KVzipPress, QuestPress, OmniKVPress, KIVIPress, PaluPress, ResidualKVPress)}
 
 #: Press specs: no budget ``@r``; the canonical form keeps every parameter the spec spelled; a trained
-#: codec (``codec_dir``) and KVzip's tokenizer are resources, given when the press is built, never in a spec.
-PRESS = Family("press", PRESSES, resources=("codec_dir", "tokenizer"))
+#: codec (``codec_dir``), KVzip's and Palu's tokenizer and Palu's calibration windows (``calib_ids``) are
+#: resources, given when the press is built, never in a spec.
+PRESS = Family("press", PRESSES, resources=("codec_dir", "tokenizer", "calib_ids"))
