@@ -20,7 +20,7 @@ import yaml
 
 from test_workflow import CONFIG, SNAKEFILE, snakemake
 
-CATEGORIES = {"CONDUIT", "ResidualKV", "Smoke suite"}
+CATEGORIES = {"CONDUIT", "ResidualKV", "Smoke suite", "Parity"}
 SUBCATEGORIES = {"Tables", "Figures", "Figure data"}
 # Outputs under results/ that are not tables or figures, and copies under short names: not reported.
 NOT_REPORTED = {
@@ -133,7 +133,7 @@ def _item_name(path: str) -> str:
         return f"Table {m.group(1)}"
     if m := re.fullmatch(r"fig(\d+)(_throughput)?", stem):
         return f"Figure {m.group(1)}" if "/conduit/" in path else f"Fig. {m.group(1)}"
-    return {"staleness_gap": "staleness gap", "zoo": "zoo", "zoo_training": "zoo"}[stem]
+    return {"staleness_gap": "staleness gap", "zoo": "zoo", "zoo_training": "zoo", "kvpress": "Parity with kvpress"}[stem]
 
 
 def test_each_caption_names_its_table_or_figure_and_paper_section(workflow):

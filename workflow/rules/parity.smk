@@ -90,7 +90,12 @@ rule parity_csv:
         kvbench=rules.parity_kvbench.output.kvbench,
         kvpress=rules.parity_kvpress.output[0],
     output:
-        "results/parity/kvpress.csv",
+        report(
+            "results/parity/kvpress.csv",
+            caption="../report/parity.rst",
+            category="Parity",
+            subcategory="Tables",
+        ),
     params:
         workdir=lambda wc, input: os.path.dirname(input.plan),
     log:
