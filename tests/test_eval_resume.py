@@ -183,3 +183,28 @@ def test_append_log_refuses_a_damaged_middle_line(tmp_path):
     (tmp_path / "x.partial").write_bytes(b'{"id": "a"}\n{"id": "b"}\n{"id": "c", "tor')
     assert log.recover() == [{"id": "a"}, {"id": "b"}]
     assert (tmp_path / "x.partial").read_bytes() == b'{"id": "a"}\n{"id": "b"}\n'
+
+
+def test_a_finished_run_is_not_overwritten_by_other_arguments(lm_dir, split, tmp_path):
+    """Review finding: `kvbench eval` into the directory of a finished run with another spec replaced its results
+    silently. Now it is refused, naming what differs; the same arguments rerun as before."""
+    run = tmp_path / "run"
+    run_eval(lm_dir, split, method="snapkv:keep=0.3", out_dir=run)
+    before = {f: (run / f).read_bytes() for f in RESULTS}
+    with pytest.raises(ValueError, match=r"holds a finished run made with other arguments \(method: 'snapkv:keep=0.3' -> 'snapkv:keep=0.5'"):
+        run_eval(lm_dir, split, method="snapkv:keep=0.5", out_dir=run)
+    assert {f: (run / f).read_bytes() for f in RESULTS} == before
+    run_eval(lm_dir, split, method="snapkv:keep=0.3", out_dir=run)
+    assert {f: (run / f).read_bytes() for f in RESULTS} == before
+
+
+def test_replay_of_a_compression_run_says_it_is_not_a_refresh_run(lm_dir, split, tmp_path):
+    from kvbench.eval.refresh import replay
+
+    run = tmp_path / "run"
+    run_eval(lm_dir, split, method="snapkv:keep=0.3", out_dir=run)
+    rid = read_jsonl(run / "predictions.jsonl")[0]["id"]
+    with pytest.raises(ValueError, match="is not a refresh policy; replay re-executes CONDUIT refresh plans only"):
+        replay(run, rid)
+    with pytest.raises(FileNotFoundError, match="no run_info.json"):
+        replay(tmp_path / "nowhere", rid)

@@ -238,9 +238,14 @@ def replay(run_dir: str | Path, record_id: str, *, cache_dir: str | None = None,
     from kvbench.utils.io import read_jsonl
 
     run_dir = Path(run_dir)
+    if not (run_dir / "run_info.json").is_file():
+        raise FileNotFoundError(f"{run_dir}: no run_info.json, so not a finished `kvbench eval` run directory")
     info = json.loads((run_dir / "run_info.json").read_text())
     row = _find_row(run_dir, record_id)
     audit = row.get("plan")
+    if audit and "policy" not in audit:
+        raise ValueError(f"{run_dir}: method {info['method'].get('spec', info['method'].get('name'))!r} is not a refresh "
+                         "policy; replay re-executes CONDUIT refresh plans only")
     if not audit:
         raise ValueError(f"{run_dir}: row {record_id!r} has no refresh plan (method {info['method'].get('name')!r}, "
                          f"status {row.get('status')!r})")

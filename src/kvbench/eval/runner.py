@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.metadata
+import json
 import os
 import platform
 import socket
@@ -174,6 +175,28 @@ def _run_identity(args: dict, split_path: Path, model_spec: str | os.PathLike) -
     }
 
 
+def _refuse_other_finished_run(out_dir: Path, args: dict) -> None:
+    """Refuse to overwrite a finished run (``metrics.json`` present) made with other arguments: a second method
+    written into one directory would silently replace the first one's results. Same arguments: a rerun.
+
+    Raises:
+        ValueError: naming the directory, the arguments that differ (old -> new) and how to proceed.
+    """
+    info_path = out_dir / "run_info.json"
+    if not (out_dir / "metrics.json").is_file() or not info_path.is_file():
+        return
+    try:
+        old = json.loads(info_path.read_text()).get("args", {})
+    except (json.JSONDecodeError, AttributeError):
+        return  # not a run_info of ours: the run's own files are then replaced atomically as usual
+    keys = [k for k in args if k not in ("out_dir", "threads", "device")]
+    differ = {k: (old.get(k), args[k]) for k in keys if old.get(k) != args[k]}
+    if differ:
+        what = ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in differ.items())
+        raise ValueError(f"{out_dir} holds a finished run made with other arguments ({what}); choose another --out, "
+                         "or delete that directory to replace its results")
+
+
 def record_seed(seed: int, index: int) -> int:
     """Seed of torch's generators before the ``index``-th record (0-based) of a run with ``seed``.
 
@@ -222,7 +245,8 @@ def run_eval(
 
     Raises:
         ValueError: unknown method, invalid records, empty split, or ``out_dir`` holds an unfinished
-            run with other arguments or inputs (names what differs and the files to delete).
+            run with other arguments or inputs (names what differs and the files to delete), or a finished run
+            with other arguments (it is never overwritten silently).
         RuntimeError: every sample failed (the first error is chained).
     """
     t0, started = time.perf_counter(), datetime.now(UTC)
@@ -243,6 +267,7 @@ def run_eval(
             "out_dir": str(out_dir), "seed": seed, "limit": limit, "threads": threads,
             "method_params": method_params or {}, "device": device}
     ids = [r["id"] for r in records]
+    _refuse_other_finished_run(out_dir, args)
     log = RunLog(out_dir, _run_identity(args, split_path, model_spec))
     rows = log.resume(ids)  # before loading: arguments that do not match the unfinished run fail at once
 
