@@ -34,7 +34,8 @@ rule rkv_codec:
         "logs/residualkv/codec/{profile}/{model}/{codec}.log",
     benchmark:
         "benchmarks/residualkv/codec/{profile}/{model}/{codec}.tsv"
-    threads: 2
+    # 1 by default: bit-identical weights run to run (residualkv.train.threads; 2 threads measured to differ)
+    threads: config.get("residualkv", {}).get("train", {}).get("threads", 1)
     resources:
         mem_mb=model_resource("mem_mb", 8000, 64000),
         runtime=lambda wc: rkv_plan().codec_runtime_min(RKV_CODECS[wc.codec]),  # minutes: slice + load/save, or estimate
