@@ -186,9 +186,10 @@ def _refuse_other_finished_run(out_dir: Path, args: dict) -> None:
     if not (out_dir / "metrics.json").is_file() or not info_path.is_file():
         return
     try:
-        old = json.loads(info_path.read_text()).get("args", {})
-    except (json.JSONDecodeError, AttributeError):
-        return  # not a run_info of ours: the run's own files are then replaced atomically as usual
+        old = json.loads(info_path.read_text())["args"]
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        # a finished run whose arguments cannot be read must not be overwritten on a guess
+        raise ValueError(f"{info_path}: unreadable run_info ({type(e).__name__}); delete {out_dir} to replace it") from e
     keys = [k for k in args if k not in ("out_dir", "threads", "device")]
     differ = {k: (old.get(k), args[k]) for k in keys if old.get(k) != args[k]}
     if differ:
