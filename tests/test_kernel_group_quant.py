@@ -7,7 +7,7 @@ from _kernel_fixtures import DEVICE, assert_within, interpreter  # noqa: F401
 
 from kvbench.compress.residualkv import quant
 from kvbench.kernels.group_quant import (PackedCodes, check_pack, group_dequant, group_dequant_bytes, group_dequant_ref,
-                                         group_quant, group_quant_ref, pack_levels, unpack_levels)
+                                         group_quant, group_quant_bytes, group_quant_ref, pack_levels, unpack_levels)
 
 pytestmark = pytest.mark.usefixtures("interpreter")
 
@@ -134,3 +134,4 @@ def test_kernel_group_dequant_bytes_hand_computed():
     assert group_dequant_bytes(codes) == 10 * 40
     assert group_dequant_bytes(codes, torch.tensor([1, 2, 3])) == 3 * 40 + 3 * 8
     assert codes.nbytes() == quant.quantize(torch.randn(10, 64), 4, 32).nbytes()
+    assert group_quant_bytes(torch.zeros(10, 64, dtype=torch.bfloat16)) == 10 * 64 * 2

@@ -311,6 +311,11 @@ def group_dequant(codes: PackedCodes, rows: torch.Tensor | None = None) -> torch
     return out
 
 
+def group_quant_bytes(z: torch.Tensor) -> int:
+    """Bytes :func:`group_quant` reads: the codes ``z`` once (it writes the packed levels and side information)."""
+    return z.numel() * z.element_size()
+
+
 def group_dequant_bytes(codes: PackedCodes, rows: torch.Tensor | None = None) -> int:
     """Bytes :func:`group_dequant` reads: each selected token's packed row and its fp16 zmin/scale, plus the
     row indices. Distinct bytes (what memory must deliver at least), not cache traffic."""
