@@ -134,13 +134,16 @@ def test_kernel_rope_is_the_models_rotation():
     torch.testing.assert_close(tab_cos[pos[0]], cos[0], rtol=0, atol=1e-6)
 
 
-def test_kernel_knn_mean_is_mean_reference():
+def test_kernel_knn_mean_is_mean_reference_and_zero_without_a_valid_reference():
     refs, nbr = torch.randn(9, 8), torch.randint(0, 9, (20, 4))
     valid = torch.rand(20, 4) > 0.4
     valid[:, 0] = True
-    torch.testing.assert_close(knn_mean(refs, nbr, valid), references.mean_reference(refs, nbr, valid))
-    valid[3] = False     # no valid neighbour: a zero mean (mean_reference refuses it)
-    assert torch.equal(knn_mean(refs, nbr, valid)[3], torch.zeros(8))
+    valid[3] = False     # no valid neighbour: a zero mean (mean_reference refuses such a row)
+    got = knn_mean(refs, nbr, valid)
+    assert torch.equal(got[3], torch.zeros(8))
+    # the other rows by hand: sum of the valid neighbours over their count
+    want = (refs[nbr] * valid[..., None]).sum(1) / valid.sum(1, keepdim=True).clamp(min=1)
+    torch.testing.assert_close(got, want)
 
 
 @pytest.mark.parametrize("joint", [True, False])
