@@ -15,6 +15,17 @@ from kvbench.compress.presses import omnikv
 from kvbench.compress.presses.omnikv import OmniKVPress, filter_step
 from kvbench.compress.presses.quest import QuestPress, page_bounds, page_scores
 
+class StubCache:
+    """What :func:`filter_step` needs of a :class:`~kvbench.compress.cache.PressCache`."""
+
+    def __init__(self):
+        self.step, self.selections = StepState(), []
+
+    def record_selection(self, selected, limit):
+        if len(self.selections) < limit:
+            self.selections.append(selected.tolist())
+
+
 CUTS = (100, 110, 111, 112)   # context, question chunk, three decode-like single tokens, a last chunk
 
 
@@ -88,7 +99,7 @@ def test_quest_tiny_context_and_ratio(tiny_lm):
 # -- OmniKV ----------------------------------------------------------------------------------------------
 def test_filter_layer_selects_by_max_logit_over_heads():
     """Candidate i is token position i: scores |s_p| (two query heads q = ±e0), sinks and window excluded."""
-    cache = SimpleNamespace(step=StepState(), selections=[])
+    cache = StubCache()
     selector = SimpleNamespace(n_sink=2, window=3, audit_steps=1, n_keep=lambda n: 2, sparse_prefill=False, row_agg="mean")
     layer = StoreLayer(SimpleNamespace(layer_idx=0), cache)
     layer.after_commit = functools.partial(filter_step, selector)
@@ -205,7 +216,7 @@ def test_filter_step_aggregates_rows_as_asked():
     s_keys = torch.tensor([[0.0, 0.0], [4.0, -4.0], [1.0, 1.0], [-3.0, 2.5], [0.0, 0.0]]).view(1, 1, 5, 2)
     picks = {}
     for agg in ("mean", "max"):
-        cache = SimpleNamespace(step=StepState(), selections=[])
+        cache = StubCache()
         selector = OmniKVPress(keep=0.34, n_sink=1, window=1, sparse_prefill=True, row_agg=agg)
         layer = StoreLayer(SimpleNamespace(layer_idx=0), cache)
         for n0, n1 in ((0, 5), (5, 7)):     # context (no history), then a 2-token chunk: candidates 1..3

@@ -210,6 +210,7 @@ class ResidualKVLayer(StoreLayer):
         return quant.from_fp8(self.ref_store) if self.press.ref_fp8 else self.ref_store
 
     def commit(self, chunk: KVView, query: torch.Tensor) -> None:
+        self.ctx.rope.reach(self.seen)   # RoPE is inverted at positions below the tokens written
         k_in, self._k_in = self._k_in, None
         if self.k_norm is not None and (k_in is None or len(k_in) != len(chunk)):
             raise RuntimeError(f"layer {self.ctx.layer_idx}: the k_proj hook did not see this chunk's "
@@ -308,6 +309,7 @@ class ResidualKVLayer(StoreLayer):
     def history(self) -> KVView | None:
         if self.seen == 0:   # nothing written yet (not "no sink": a codec may hold n_sink = 0)
             return None
+        self.ctx.rope.reach(self.seen)
         selected = self.cache.step.selected   # set only by an OmniKV filter layer of this step
         parts = [self.sink]
         if len(self.ref_pos):
