@@ -100,7 +100,8 @@ def test_quest_tiny_context_and_ratio(tiny_lm):
 def test_filter_layer_selects_by_max_logit_over_heads():
     """Candidate i is token position i: scores |s_p| (two query heads q = ±e0), sinks and window excluded."""
     cache = StubCache()
-    selector = SimpleNamespace(n_sink=2, window=3, audit_steps=1, n_keep=lambda n: 2, sparse_prefill=False, row_agg="mean")
+    selector = SimpleNamespace(n_sink=2, window=3, block=1, audit_steps=1, n_keep=lambda n: 2, sparse_prefill=False,
+                               row_agg="mean")
     layer = StoreLayer(SimpleNamespace(layer_idx=0), cache)
     layer.after_commit = functools.partial(filter_step, selector)
     s = torch.tensor([0.0, 0.0, 1.0, -5.0, 2.0, 0.5, -3.0, 9.0, 9.0, 9.0, 0.0])

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvbench.compress import checks
 from kvbench.compress.accounting import StoredBytes
 from kvbench.compress.cache import KVView, LayerContext, PressCache, Press, StoreLayer
 from kvbench.compress.residualkv import quant
@@ -103,7 +104,8 @@ class KIVILayer(StoreLayer):
             exact = block.clone()
             self.kq.add(exact, exact.float())
             return
-        codes = quant.quantize(block.float().T.contiguous(), self.bits, block.shape[0])   # rows = channels
+        codes = quant.quantize(block.float().T.contiguous(), self.bits, block.shape[0],   # rows = channels
+                               check=checks.ENABLED)
         self.kq.add(codes, quant.dequantize(codes).T)
 
     def _quantize_values(self, rows: torch.Tensor) -> None:
@@ -115,7 +117,7 @@ class KIVILayer(StoreLayer):
         vg = min(self.group, self.head_dim)
         if self.head_dim % vg:
             raise ValueError(f"head_dim {self.head_dim} must be a multiple of the value group {vg}")
-        codes = quant.quantize(rows.float(), self.bits, vg)
+        codes = quant.quantize(rows.float(), self.bits, vg, check=checks.ENABLED)
         self.vq.add(codes, quant.dequantize(codes))
 
     def history(self) -> KVView | None:

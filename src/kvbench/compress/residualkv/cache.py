@@ -45,7 +45,7 @@ from pathlib import Path
 
 import torch
 
-from kvbench.compress import accounting
+from kvbench.compress import accounting, checks
 from kvbench.compress.accounting import StoredBytes
 from kvbench.compress.cache import KVView, LayerContext, PressCache, Press, StoreLayer
 from kvbench.compress.presses.kivi import KIVILayer
@@ -157,7 +157,7 @@ class ResidualKVLayer(StoreLayer):
         self.ref_store = torch.zeros(0, self.cfg.d_kv, dtype=torch.float8_e4m3fn if press.ref_fp8 else torch.float32)
         self.ref_pos = torch.zeros(0, dtype=torch.long)
         self.codes = _Codes()
-        self.n_saturated = 0
+        self._saturated: int | torch.Tensor = 0   # FP8 values clamped to ±448, a device count (n_saturated)
         #: the attention's key norm (Qwen3 ``k_norm``), applied after restore; None: K is the pre-RoPE key
         self.k_norm: torch.nn.Module | None = None
         self._k_in: torch.Tensor | None = None         # this step's k_proj output [t, d_k] (key norm only)
@@ -166,6 +166,12 @@ class ResidualKVLayer(StoreLayer):
         #: and normalise it at read; here the window also keeps the model's own post-RoPE keys, so that its
         #: attention is exact.
         self.window_k_in: torch.Tensor | None = None
+
+    @property
+    def n_saturated(self) -> int:
+        """Reference values clamped to the FP8 range so far (:func:`~kvbench.compress.residualkv.quant.cast_fp8`),
+        read back only when asked (the audit)."""
+        return int(self._saturated)
 
     # -- the codec's K (keys.py) ------------------------------------------------------------------------
     def attach(self, attn: torch.nn.Module) -> list:
@@ -266,13 +272,13 @@ class ResidualKVLayer(StoreLayer):
         if self.ref_store.device != kv.device:  # stores live where the model's K/V do (CPU or GPU)
             self.ref_store, self.ref_pos = self.ref_store.to(kv.device), self.ref_pos.to(kv.device)
         is_ref = references.reference_mask(pos, n_sink=self.cfg.n_sink, stride=self.cfg.stride,
-                                           alpha=self.cfg.alpha, grid=self.cfg.grid)
+                                           alpha=self.cfg.alpha, grid=self.cfg.grid, check=checks.ENABLED)
         if not self.cfg.references:
             is_ref = torch.zeros_like(is_ref)
         if is_ref.any():
             if self.press.ref_fp8:
-                stored, sat = quant.to_fp8(kv[is_ref])
-                self.n_saturated += sat
+                stored, sat = quant.cast_fp8(kv[is_ref])
+                self._saturated += sat
             else:
                 stored = kv[is_ref]
             self.ref_store = torch.cat([self.ref_store, stored])
@@ -282,7 +288,8 @@ class ResidualKVLayer(StoreLayer):
             return
         refs = self.refs()
         if self.cfg.references:
-            nbr, valid = references.nearest_references(kv[tok], pos[tok], refs, self.ref_pos, self.cfg.k)
+            nbr, valid = references.nearest_references(kv[tok], pos[tok], refs, self.ref_pos, self.cfg.k,
+                                                       check=checks.ENABLED)
         else:  # no references: a zero mean, no indices stored
             n = int(tok.sum())
             nbr = torch.zeros(n, 0, dtype=torch.long, device=kv.device)
@@ -296,14 +303,15 @@ class ResidualKVLayer(StoreLayer):
             else:  # the raw residual itself, quantised at full width (the authors' "origin" codec)
                 z = kv[tok] - mean
         # bits 32: the payload stored exactly in float32 (the identity-codec invariant; not a paper setting)
-        codes = z.float().clone() if self.press.bits == 32 else quant.quantize(z, self.press.bits, self.cfg.group)
+        codes = z.float().clone() if self.press.bits == 32 else quant.quantize(z, self.press.bits, self.cfg.group,
+                                                                                       check=checks.ENABLED)
         self.codes.add(codes, nbr, valid, pos[tok], len(self.ref_pos))
 
     def _mean(self, refs: torch.Tensor, nbr: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         """Mean of each token's references ``[n, d_kv]`` (zeros without references)."""
         if nbr.shape[-1] == 0:
             return torch.zeros(nbr.shape[0], self.cfg.d_kv, device=nbr.device)
-        return references.mean_reference(refs, nbr, valid)
+        return references.mean_reference(refs, nbr, valid, check=checks.ENABLED)
 
     # -- reading ---------------------------------------------------------------------------------------
     def history(self) -> KVView | None:
