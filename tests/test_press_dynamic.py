@@ -300,10 +300,11 @@ def test_residualkv_omnikv_reads_every_restored_token_in_a_multi_token_chunk(tin
     got, cache = run()
     torch.testing.assert_close(got[:, :36], ref[:, :36], atol=2e-5, rtol=1e-4)
     assert cache.attended[1][2] == 36
-    # decode at 36..39: candidates 2..(n-5), int(0.2 n) of them, + 2 sinks + the raw window of 4 + the new token
+    # decode at 36..39: the candidates are the n coded tokens (blocks of 4, the window, once 8 are raw), int(0.2 n)
+    # of them, + 2 sinks + the raw rest (4..7 tokens) + the new token
     for step, pos in enumerate(range(36, 40), start=2):
-        n = pos - 4 - 2
-        assert cache.attended[step][2] == 2 + int(0.2 * n) + 4 + 1
+        n = (pos - 2 - 4) // 4 * 4
+        assert cache.attended[step][2] == 2 + int(0.2 * n) + (pos - 2 - n) + 1
     sparse, cache = run(sparse_prefill=True, row_agg="max")
-    assert cache.attended[1][2] == 2 + int(0.2 * 18) + 4 + 12   # candidates 2..19, window 20..23, the chunk
+    assert cache.attended[1][2] == 2 + int(0.2 * 16) + 6 + 12   # candidates 2..17, raw 18..23, the chunk
     assert not torch.allclose(sparse[:, 24:36], ref[:, 24:36], atol=1e-3)

@@ -68,7 +68,7 @@ class Growable:
     def drop_front(self, m: int) -> None:
         """Drop the first ``m`` rows: the rest moves to the front of a fresh storage of the same capacity
         (a copy of the kept rows, once per call; the source and destination never overlap)."""
-        if m <= 0:
+        if m <= 0 or self.data is None:
             return
         rest = self.data.narrow(self.dim, m, self.n - m)
         new = (torch.empty_like(self.data) if self.fill is None else torch.full_like(self.data, self.fill))

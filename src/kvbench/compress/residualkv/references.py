@@ -87,6 +87,26 @@ def reference_positions(
     return torch.cat([sinks, grid_pos]) if grid == "code" else grid_pos
 
 
+def references_between(
+    start: int, end: int, *, n_sink: int, stride: int, alpha: float = 0.0, grid: str = "paper", block: int = 128
+) -> list[int]:
+    """Reference positions in ``[start, end)``, ascending, as Python ints (the schedule of :func:`reference_mask`,
+    computed on the host: a cache coding a block of consecutive positions reads no tensor back to know which of
+    them are references). A loop over references for α > 0, ranges otherwise.
+
+    Raises ValueError for a bad schedule (see :func:`reference_mask`).
+    """
+    _check_schedule(n_sink, stride, alpha, grid, block)
+    start = max(0, start)
+    sinks = list(range(start, min(n_sink, end))) if grid == "code" else []
+    if alpha > 0.0:
+        return sinks + [p for p in _dynamic_positions(end, n_sink, stride, alpha) if p >= start]
+    lo = max(start, n_sink)
+    if grid == "paper":
+        return list(range(lo + (-(lo - n_sink)) % stride, end, stride))
+    return sinks + [p for p in range(lo, end) if (p - n_sink) % block % stride == 0]
+
+
 def reference_mask(
     positions: torch.LongTensor,
     *,
