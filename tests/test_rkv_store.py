@@ -192,3 +192,20 @@ def test_a_decode_step_reads_nothing_back(tiny_lm, codec_dir, monkeypatch, spec)
     if spec != "full":
         assert len(cache.selections) == 4 and len(cache.layers[1].codes) > 0
 
+
+def test_a_quantised_filter_layer_scores_the_keys_its_attention_read(tiny_lm, codec_dir):
+    """KIVI-style full layers overwrite quantised rows of the store attention reads; the overwrite waits for the
+    next step, so OmniKV's filter step (after the commit) scores the keys this step's attention read, also at the
+    step whose commit quantises a key block (token 63: 32 raw keys 32..63)."""
+    press = ResidualKVPress(codec_dir=str(codec_dir), selector=OmniKVPress(keep=0.5), full_layers=(0,), full_kv_bits=4)
+    cache = press.new_cache(tiny_lm)
+    layer, same = cache.layers[0], []
+    commit, hook = layer.commit, layer.after_commit
+    layer.commit = lambda chunk, q: (same.append(layer._view.keys.clone()), commit(chunk, q))
+    layer.after_commit = lambda lay, chunk, q: (same.append(torch.equal(same.pop(), lay._view.keys)), hook(lay, chunk, q))
+    ids = torch.randint(0, 256, (1, 70), generator=torch.Generator().manual_seed(5))
+    with torch.inference_mode(), press_attention(tiny_lm, cache):
+        for start, end in ((0, 30), *((p, p + 1) for p in range(30, 70))):
+            tiny_lm(input_ids=ids[:, start:end], position_ids=torch.arange(start, end).view(1, -1), cache=cache,
+                    use_cache=True)
+    assert len(same) == 41 and all(same) and len(layer.kq) == 64
