@@ -12,7 +12,7 @@ from kvbench.compress.registry import PRESS
 from kvbench.compress.residualkv import quant, references
 from kvbench.compress.residualkv.cache import ResidualKVLayer, ResidualKVPress
 from kvbench.compress.residualkv.codec import ResidualCodec
-from kvbench.compress.residualkv.store import CodeStore, PositionMap
+from kvbench.compress.residualkv.store import CodeStore, PositionMap, RefPool
 from kvbench.utils.spec import parse
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -153,6 +153,19 @@ def test_position_map_grows_and_answers_minus_one():
     m.set(torch.tensor([2, 4]), torch.tensor([0, 1]), end=5)
     m.set(torch.tensor([9]), torch.tensor([2]), end=12)
     assert m(torch.tensor([4, 2, 3, 9, 11])).tolist() == [1, 0, -1, 2, -1]
+
+
+def test_a_cpu_fp8_pool_reads_an_exact_fp16_copy():
+    """FP8 is what is stored (and counted packed); on CPU the rows are read from an fp16 copy, value for value the
+    FP8 ones, since torch converts FP8 one value at a time there."""
+    kv = torch.randn(5, 4, generator=torch.Generator().manual_seed(0)) * 400
+    pool = RefPool(4, fp8=True)
+    pool.add(kv, torch.arange(3, 8), end=8)
+    want = quant.to_fp8(kv)[0].float()
+    assert pool.stored().dtype == torch.float8_e4m3fn and pool.kv16.view().dtype == torch.float16
+    assert torch.equal(pool.all(), want) and torch.equal(pool.rows(torch.tensor([[4, 0]])), want[[4, 0]].view(1, 2, 4))
+    assert int(pool.saturated) == int((kv.abs() > 448).sum()) > 0
+    assert pool.slot(torch.tensor([2, 3, 7])).tolist() == [-1, 0, 4]
 
 
 def test_code_store_widens_indices_past_2_15_references():

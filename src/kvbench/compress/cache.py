@@ -112,7 +112,7 @@ class RopeTable:
             cap = max(self.needed, 2 * cap)
             cos, sin = rope.cos_sin(self.rotary_emb, torch.arange(cap, device=positions.device).view(1, -1), self.dtype)
             self.cos, self.sin = cos[0], sin[0]
-        return self.cos[positions].unsqueeze(0), self.sin[positions].unsqueeze(0)
+        return self.cos.index_select(0, positions).unsqueeze(0), self.sin.index_select(0, positions).unsqueeze(0)
 
 
 @dataclass
@@ -202,6 +202,17 @@ class StoreLayer(CacheLayerMixin):
             self._buf.append(*chunk.tensors())
         self._staged = None
 
+    def view_with(self, chunk: KVView) -> KVView:
+        """What this step's attention reads: :meth:`history` followed by ``chunk`` (its exact K/V). The base
+        store (also eviction's and Quest's, which keep its :meth:`history`) writes the chunk in place after the
+        stored tokens and returns one view of its buffer, no copy of the cache (the chunk is counted at
+        :meth:`commit`); a store with its own :meth:`history` gets ``KVView.cat([history(), chunk])``, or
+        overrides this to build its view in one copy."""
+        if type(self).history is StoreLayer.history:
+            self._staged = chunk
+            return KVView(*self._buf.stage(*chunk.tensors()))
+        return KVView.cat([self.history(), chunk])
+
     def attach(self, attn: Any) -> list:
         """Hooks this layer needs on ``attn`` (its decoder layer's attention module) while the model runs:
         registered by :func:`press_attention` on entry and removed on exit (also after an exception).
@@ -256,13 +267,7 @@ class StoreLayer(CacheLayerMixin):
         pos = torch.arange(self.seen, self.seen + t, device=key_states.device)
         self._pending = KVView.dense(key_states, value_states, pos)
         self._query_pos = pos
-        if type(self).history is StoreLayer.history:
-            # the base store (also eviction's and Quest's): write the chunk in place after the stored tokens
-            # and read one view of the buffer, no copy of the cache (the chunk is counted at commit)
-            self._staged = self._pending
-            self._view = KVView(*self._buf.stage(*self._pending.tensors()))
-        else:
-            self._view = KVView.cat([self.history(), self._pending])
+        self._view = self.view_with(self._pending)
         self.seen += t
         return self._view.keys, self._view.values
 

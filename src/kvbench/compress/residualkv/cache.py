@@ -297,16 +297,24 @@ class ResidualKVLayer(StoreLayer):
             kv = torch.where(is_ref[:, None], ref_rows.to(kv.dtype), kv)
         return self._to_view(kv, selected)
 
-    def history(self) -> KVView | None:
-        if self.seen == 0:   # nothing written yet (not "no sink": a codec may hold n_sink = 0)
-            return None
+    def _parts(self) -> list[KVView | None]:
+        """Sinks, the restored tokens (every one, or OmniKV's selection of this step) and the raw window."""
         self.ctx.rope.reach(self.seen)
         selected = self.cache.step.selected   # set only by an OmniKV filter layer of this step
         if selected is None:
             restored = self._restore_all()
         else:
             restored = [self._restore_selected(selected)] if len(selected) else []
-        return KVView.cat([self.sink, *restored, self.window])
+        return [self.sink, *restored, self.window]
+
+    def history(self) -> KVView | None:
+        if self.seen == 0:   # nothing written yet (not "no sink": a codec may hold n_sink = 0)
+            return None
+        return KVView.cat(self._parts())
+
+    def view_with(self, chunk: KVView) -> KVView:
+        """History and ``chunk`` in one concatenation (not history's, then a second with the chunk)."""
+        return KVView.cat([*self._parts(), chunk]) if self.seen else chunk
 
     def packed_bytes(self) -> StoredBytes:
         """Packed parts (:mod:`~kvbench.compress.accounting`): codes, scales and indices

@@ -319,6 +319,7 @@ def mean_rows(rows: torch.Tensor, valid: torch.BoolTensor) -> torch.Tensor:
     token i = its j-th neighbour), ``valid`` ``[T, k]`` -> float32 ``[T, D]``. One slot at a time in slot order
     (the sum's rounding is :func:`mean_reference`'s); a token with no valid slot gives NaN (callers check)."""
     acc = torch.zeros((rows.shape[0], rows.shape[2]), dtype=torch.float32, device=rows.device)
+    weight = valid.to(torch.float32)
     for j in range(rows.shape[1]):
-        acc += rows[:, j] * valid[:, j, None].to(torch.float32)
-    return acc / valid.sum(1)[:, None].to(torch.float32)
+        acc.addcmul_(rows[:, j], weight[:, j, None])   # acc + row · {0, 1}: the product is exact, one rounding
+    return acc.div_(weight.sum(1)[:, None])

@@ -48,12 +48,18 @@ class PositionMap:
         """Slots ``[n]`` of ``positions`` (below the largest ``end`` given to :meth:`set`; -1 where none)."""
         if self.table.data is None:
             return torch.full_like(positions, -1)
-        return self.table.data[positions]
+        return self.table.data.index_select(0, positions)
 
 
 class RefPool:
     """Reference tokens of one layer: pre-RoPE K‖V as stored (FP8 e4m3 with ``fp8``, else float32)
     ``[R, d_kv]``, their positions ``[R]`` and a position → index map.
+
+    On CPU, torch converts FP8 one value at a time (measured ~7 ns a value, against ~0.2 ns from fp16), which
+    made reading the rows a step restores cost more than the restore; a CPU pool of FP8 references therefore
+    also holds them as fp16 (exact: every e4m3 value is an fp16 value) and reads that copy. It is counted in the
+    resident bytes, not in the packed ones (the stored form is FP8). Elsewhere the FP8 rows are gathered and
+    converted.
 
     Parameters:
         d_kv: K‖V width. fp8: store FP8 (saturating cast, :func:`~kvbench.compress.residualkv.quant.cast_fp8`).
@@ -62,6 +68,7 @@ class RefPool:
     def __init__(self, d_kv: int, fp8: bool):
         self.d_kv, self.fp8 = d_kv, fp8
         self.kv, self.pos, self.slot = Growable(0), Growable(0), PositionMap()
+        self.kv16 = Growable(0)                  # the fp16 reading copy of a CPU FP8 pool (class docstring)
         self.saturated: int | torch.Tensor = 0   # values clamped to ±448, a device count read when asked
 
     def __len__(self) -> int:
@@ -72,6 +79,8 @@ class RefPool:
         if self.fp8:
             kv, sat = quant.cast_fp8(kv)
             self.saturated = self.saturated + sat
+            if kv.device.type == "cpu":
+                self.kv16.append(kv.to(torch.float16))
         first = len(self)
         self.kv.append(kv)
         self.pos.append(pos)
@@ -85,19 +94,23 @@ class RefPool:
         """The references as stored ``[R, d_kv]`` (FP8 or float32)."""
         return self.kv.view() if len(self) else torch.zeros(0, self.d_kv)
 
+    def _readable(self) -> torch.Tensor:
+        return self.kv16.view() if len(self.kv16) else self.stored()
+
     def all(self) -> torch.Tensor:
         """Every reference as read back, float32 ``[R, d_kv]`` (a conversion of the whole pool: for coding a
         block, or a step that restores every token)."""
-        return self.stored().to(torch.float32)
+        return self._readable().to(torch.float32)
 
     def rows(self, idx: torch.Tensor) -> torch.Tensor:
-        """The references at indices ``idx`` (any shape, int) as read back, float32 ``[*idx.shape, d_kv]``:
+        """The references at indices ``idx`` (any shape, int64) as read back, float32 ``[*idx.shape, d_kv]``:
         gathered first, so only those rows are converted."""
-        return self.kv.view()[idx.reshape(-1)].to(torch.float32).view(*idx.shape, self.d_kv)
+        return self._readable().index_select(0, idx.reshape(-1)).to(torch.float32).view(*idx.shape, self.d_kv)
 
     def tensors(self):
-        """Storages held (resident bytes): the stored K‖V, the int64 positions and the position map."""
-        return self.kv.data, self.pos.data, self.slot.table.data
+        """Storages held (resident bytes): the stored K‖V, its fp16 reading copy (CPU FP8 pools), the int64
+        positions and the position map."""
+        return self.kv.data, self.kv16.data, self.pos.data, self.slot.table.data
 
 
 class CodeStore:
@@ -147,7 +160,7 @@ class CodeStore:
     def rows(self, slots: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(z̃ [m, d_c] float32, nbr [m, k] int64, valid [m, k])`` of the tokens at ``slots`` ``[m]`` (all when
         None); only those codes are dequantised."""
-        take = (lambda g: g.view()) if slots is None else (lambda g: g.view()[slots])  # noqa: E731
+        take = (lambda g: g.view()) if slots is None else (lambda g: g.view().index_select(0, slots))  # noqa: E731
         q = take(self.q)
         if self.bits < 16:
             z = quant.dequantize(quant.QuantizedCodes(q, take(self.zmin), take(self.scale), self.bits, self.group))
