@@ -190,28 +190,28 @@ def test_kernel_restore_attend_bytes_hand_computed():
 # -- against the cache ----------------------------------------------------------------------------------
 def test_kernel_restore_attend_equals_attention_over_the_caches_history(tiny_lm, tmp_path, record_property):
     """A ResidualKV layer (random linear codec, 4-bit codes, FP8 references) after 60 tokens: the kernel and the
-    reference over its stores equal SDPA over the K/V its ``history()`` restores. Reads the layer's stores
-    as they are held today (``ref_store``, ``codes.chunks``), which the decode refactor replaces."""
+    reference over its stores (the contiguous reference pool and code store) equal SDPA over the K/V its
+    ``history()`` restores."""
     from test_rkv_cache import IDS, _run
 
     from kvbench.compress.residualkv.cache import ResidualKVPress
+    from kvbench.compress.cache import KVView
+    from kvbench.compress.residualkv.quant import QuantizedCodes
     from kvbench.models import rope
 
     codec = ResidualCodec.for_model(tiny_lm, seed=3, d_c=32, d_ff=64, encoder="linear", n_sink=2, window=4, stride=5)
     codec.save(tmp_path / "codec")
-    _, cache = _run(tiny_lm, ResidualKVPress(codec_dir=str(tmp_path / "codec"), bits=4), IDS, [30, 45])
+    _, cache = _run(tiny_lm, ResidualKVPress(codec_dir=str(tmp_path / "codec"), bits=4, block=1), IDS, [30, 45])
     store = cache.layers[1]
     view = store.history()
     h_kv, d = view.keys.shape[1], view.keys.shape[-1]
     cos, sin = rope.cos_sin(tiny_lm.model.rotary_emb, torch.arange(60).view(1, -1), torch.float32)
     w, b = linear_decoder(store.codec)
     c = store.codes
-    codes = PackedCodes.from_quantized(c.chunks[0]) if len(c.chunks) == 1 else PackedCodes(
-        *(torch.cat(t) for t in zip(*[(p.packed, p.zmin, p.scale) for p in map(PackedCodes.from_quantized, c.chunks)])),
-        c.chunks[0].bits, c.chunks[0].group)
-    layer = _to(CodedLayer(store.ref_store, store.ref_pos, codes, torch.cat(c.nbr), torch.cat(c.valid),
-                           torch.cat(c.pos), w, b, cos[0], sin[0]), DEVICE)
-    raw = [v for v in (store.sink, store.window)]
+    codes = PackedCodes.from_quantized(QuantizedCodes(c.q.view(), c.zmin.view(), c.scale.view(), c.bits, c.group))
+    layer = _to(CodedLayer(store.pool.stored(), store.pool.positions(), codes, c.nbr.view(), c.valid.view(),
+                           c.positions(), w, b, cos[0], sin[0]), DEVICE)
+    raw = [store.sink, KVView(*store.raw.view())]
     k_raw = torch.cat([v.keys[0] for v in raw], 1).to(DEVICE)
     v_raw = torch.cat([v.values[0] for v in raw], 1).to(DEVICE)
     q = torch.randn(4, d, generator=torch.Generator().manual_seed(0)).to(DEVICE)

@@ -5,6 +5,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
+from kvbench.compress.buffers import Growable
 from kvbench.compress.cache import Press, press_attention
 from kvbench.compress.generate import greedy_generate, split_prompt
 
@@ -62,3 +63,40 @@ def test_split_prompt_puts_the_question_in_the_second_chunk(tokenizer):
 def test_split_prompt_refuses_a_record_without_context(tokenizer):
     with pytest.raises(ValueError, match="'context' and 'question'"):
         split_prompt(tokenizer, {"id": "x", "question": "q"})
+
+
+def test_growable_writes_in_place_and_doubles():
+    x = torch.arange(12.0).view(2, 6)
+    g = Growable(dim=1)
+    g.append(x[:, :2])
+    assert g.capacity == 2
+    g.append(x[:, 2:3])                      # grows: at least double
+    storage = g.data.data_ptr()
+    g.append(x[:, 3:4])                      # fits: written in place
+    assert g.capacity == 4 and g.data.data_ptr() == storage and torch.equal(g.view(), x[:, :4])
+    g.drop_front(3)
+    assert torch.equal(g.view(), x[:, 3:4]) and g.capacity == 4
+    g.append(x[:, 4:])
+    g.keep(torch.tensor([True, False, True]))
+    assert torch.equal(g.view(), x[:, [3, 5]]) and g.capacity == 2
+
+
+def test_full_cache_decodes_in_place_and_counts_its_capacity(tiny_lm):
+    """The full cache (every method's reference) writes a step's token into spare capacity and attention reads a
+    view of that buffer: no copy of the cache per step. Its resident bytes count the capacity allocated."""
+    ids = torch.randint(0, 256, (1, 23), generator=torch.Generator().manual_seed(4))
+    cache = Press().new_cache(tiny_lm)
+    layer = cache.layers[0]
+    caps, storages = [], []
+    with torch.inference_mode(), press_attention(tiny_lm, cache):
+        for start, end in ((0, 20), (20, 21), (21, 22), (22, 23)):
+            tiny_lm(input_ids=ids[:, start:end], position_ids=torch.arange(start, end).view(1, -1), cache=cache,
+                    use_cache=True)
+            caps.append(layer._buf.keys.capacity)
+            storages.append(layer._stored.keys.untyped_storage().data_ptr())
+    assert caps == [20, 40, 40, 40] and len(set(storages[1:])) == 1
+    assert torch.equal(layer._stored.positions[0, 0], torch.arange(23))
+    b = layer.stored_bytes()
+    assert b.full_layer == 23 * 2 * 32 * 2                       # FP16 K and V of the 23 stored tokens
+    assert b.resident == 40 * 2 * 32 * 4 + 40 * 8                # float32 K, V and int64 positions, capacity 40
+    assert cache.attended[-1] == [23, 23, 23]                   # no mask built: every key, itself included

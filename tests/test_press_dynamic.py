@@ -15,6 +15,17 @@ from kvbench.compress.presses import omnikv
 from kvbench.compress.presses.omnikv import OmniKVPress, filter_step
 from kvbench.compress.presses.quest import QuestPress, page_bounds, page_scores
 
+class StubCache:
+    """What :func:`filter_step` needs of a :class:`~kvbench.compress.cache.PressCache`."""
+
+    def __init__(self):
+        self.step, self.selections = StepState(), []
+
+    def record_selection(self, selected, limit):
+        if len(self.selections) < limit:
+            self.selections.append(selected.tolist())
+
+
 CUTS = (100, 110, 111, 112)   # context, question chunk, three decode-like single tokens, a last chunk
 
 
@@ -88,8 +99,9 @@ def test_quest_tiny_context_and_ratio(tiny_lm):
 # -- OmniKV ----------------------------------------------------------------------------------------------
 def test_filter_layer_selects_by_max_logit_over_heads():
     """Candidate i is token position i: scores |s_p| (two query heads q = ±e0), sinks and window excluded."""
-    cache = SimpleNamespace(step=StepState(), selections=[])
-    selector = SimpleNamespace(n_sink=2, window=3, audit_steps=1, n_keep=lambda n: 2, sparse_prefill=False, row_agg="mean")
+    cache = StubCache()
+    selector = SimpleNamespace(n_sink=2, window=3, block=1, audit_steps=1, n_keep=lambda n: 2, sparse_prefill=False,
+                               row_agg="mean")
     layer = StoreLayer(SimpleNamespace(layer_idx=0), cache)
     layer.after_commit = functools.partial(filter_step, selector)
     s = torch.tensor([0.0, 0.0, 1.0, -5.0, 2.0, 0.5, -3.0, 9.0, 9.0, 9.0, 0.0])
@@ -205,7 +217,7 @@ def test_filter_step_aggregates_rows_as_asked():
     s_keys = torch.tensor([[0.0, 0.0], [4.0, -4.0], [1.0, 1.0], [-3.0, 2.5], [0.0, 0.0]]).view(1, 1, 5, 2)
     picks = {}
     for agg in ("mean", "max"):
-        cache = SimpleNamespace(step=StepState(), selections=[])
+        cache = StubCache()
         selector = OmniKVPress(keep=0.34, n_sink=1, window=1, sparse_prefill=True, row_agg=agg)
         layer = StoreLayer(SimpleNamespace(layer_idx=0), cache)
         for n0, n1 in ((0, 5), (5, 7)):     # context (no history), then a 2-token chunk: candidates 1..3
@@ -288,10 +300,11 @@ def test_residualkv_omnikv_reads_every_restored_token_in_a_multi_token_chunk(tin
     got, cache = run()
     torch.testing.assert_close(got[:, :36], ref[:, :36], atol=2e-5, rtol=1e-4)
     assert cache.attended[1][2] == 36
-    # decode at 36..39: candidates 2..(n-5), int(0.2 n) of them, + 2 sinks + the raw window of 4 + the new token
+    # decode at 36..39: the candidates are the n coded tokens (blocks of 4, the window, once 8 are raw), int(0.2 n)
+    # of them, + 2 sinks + the raw rest (4..7 tokens) + the new token
     for step, pos in enumerate(range(36, 40), start=2):
-        n = pos - 4 - 2
-        assert cache.attended[step][2] == 2 + int(0.2 * n) + 4 + 1
+        n = (pos - 2 - 4) // 4 * 4
+        assert cache.attended[step][2] == 2 + int(0.2 * n) + (pos - 2 - n) + 1
     sparse, cache = run(sparse_prefill=True, row_agg="max")
-    assert cache.attended[1][2] == 2 + int(0.2 * 18) + 4 + 12   # candidates 2..19, window 20..23, the chunk
+    assert cache.attended[1][2] == 2 + int(0.2 * 16) + 6 + 12   # candidates 2..17, raw 18..23, the chunk
     assert not torch.allclose(sparse[:, 24:36], ref[:, 24:36], atol=1e-3)

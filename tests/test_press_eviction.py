@@ -245,3 +245,14 @@ def test_snapkv_keep_03_on_200_tokens_reports_what_it_kept(model):
     assert press.compute_ratio(3) is None          # it returned keep (0.3), neither what is kept nor what is read
     # later tokens are never evicted: 10 more tokens -> (82 + 10) / 210 kept
     assert press.kept_target(200, 210, 3) == pytest.approx(92 / 210)
+
+
+def test_padding_stays_masked_at_decode_steps(model):
+    """A decode step builds no position mask when every key is visible; after KVzip's head-wise eviction some
+    heads hold padding slots, so its decode steps still mask them (the count is per head, padding excluded)."""
+    press = KVzipPress(tokenizer=CharTok())
+    _, cache = greedy_generate(model, press, ids_of(45), 40, max_new_tokens=3, eos=set())
+    counts = torch.stack([layer.kept_counts() for layer in cache.layers]) - 7   # kept context per head
+    assert any(layer.hides_keys() for layer in cache.layers)
+    # last decode step at position 46: kept context + 5 question tokens + 1 decoded + itself, mean over heads
+    assert cache.attended[-1] == [(int(c.sum()) + 2 * 7) // 2 for c in counts]

@@ -9,6 +9,7 @@ from kvbench.compress.cache import Press
 from kvbench.compress.generate import greedy_generate
 from kvbench.compress.presses.kivi import KIVIPress
 from kvbench.compress.presses.palu import PaluPress, input_grams, low_rank_basis, whitening_factor
+from kvbench.compress.residualkv import quant
 
 
 # -- KIVI ------------------------------------------------------------------------------------------------
@@ -48,7 +49,8 @@ def test_kivi_groups_per_channel_keys_per_token_values(tiny_lm):
     """2 bits: at most 4 levels per key channel over 32 tokens, and per value token over 16 channels."""
     _, cache = chunked_logits(tiny_lm, KIVIPress(bits=2), ids_of(70), cuts=())
     layer = cache.layers[2]
-    k, v = layer.kq.rows[0], layer.vq.rows[0]                       # [32 tokens, 32 ch], [38 tokens, 32 ch]
+    # the first key block [32 tokens, 32 ch] and the quantised values [38 tokens, 32 ch], dequantised
+    k, v = quant.dequantize(layer.kq.codes[0]).T, quant.dequantize(layer.vq.codes[0])
     assert max(len(k[:, c].unique()) for c in range(32)) <= 4
     assert max(len(v[t, g * 16:(g + 1) * 16].unique()) for t in range(38) for g in range(2)) <= 4
     # per-token key groups would not hold this: a key token varies over more than 4 levels

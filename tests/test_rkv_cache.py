@@ -47,9 +47,10 @@ def test_identity_codec_equals_vanilla_cache(tiny_lm, tmp_path):
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
     layer = cache.layers[1]
     assert isinstance(layer, ResidualKVLayer)
-    # 60 tokens: 2 sinks, 4 raw, 54 flushed; references at 2, 7, 12, ... (paper grid, stride 5)
-    assert layer.ref_pos.tolist() == list(range(2, 56, 5))
-    assert len(layer.codes.positions()) == 54 - len(layer.ref_pos)
+    # 60 tokens: 2 sinks, then blocks of 4 (the window) coded once 8 are raw: 52 flushed (2..53), 6 raw;
+    # references at 2, 7, 12, ... (paper grid, stride 5)
+    assert layer.ref_pos.tolist() == list(range(2, 54, 5))
+    assert len(layer.codes.positions()) == 52 - len(layer.ref_pos) and len(layer.window) == 6
 
 
 def test_restored_keys_get_rope_at_their_own_positions(tiny_lm, tmp_path):
@@ -68,7 +69,7 @@ def test_restored_keys_get_rope_at_their_own_positions(tiny_lm, tmp_path):
 def test_quantised_codes_change_little_and_store_fewer_bytes(tiny_lm, tmp_path):
     codec_dir = _identity_codec(tiny_lm, tmp_path / "id", n_sink=2, window=4, stride=5)
     exact, _ = _run(tiny_lm, ResidualKVPress(codec_dir=str(codec_dir), bits=32, ref_fp8=False), IDS, [30])
-    q4, c4 = _run(tiny_lm, ResidualKVPress(codec_dir=str(codec_dir), bits=4), IDS, [30])
+    q4, c4 = _run(tiny_lm, ResidualKVPress(codec_dir=str(codec_dir), bits=4, block=1), IDS, [30])
     assert not torch.equal(exact, q4)
     b4 = c4.layers[1].stored_bytes()
     # 60 tokens: 11 refs FP8 (64 bytes each), 43 codes at 4 bits (32 bytes) + 2 groups x 2 fp16 (8 bytes)
@@ -111,7 +112,7 @@ def test_missing_codec_dir_is_named(tiny_lm, tmp_path):
 
 def test_snapkv_selector_keeps_the_keep_share_of_codes_and_every_reference(tiny_lm, tmp_path):
     codec_dir = _identity_codec(tiny_lm, tmp_path / "id", n_sink=2, window=4, stride=5)
-    press = ResidualKVPress(codec_dir=str(codec_dir), selector=SnapKVPress(keep=0.5, kernel=7, pooling="max"))
+    press = ResidualKVPress(codec_dir=str(codec_dir), selector=SnapKVPress(keep=0.5, kernel=7, pooling="max"), block=1)
     _, cache = _run(tiny_lm, press, IDS, [50])
     layer = cache.layers[1]
     # context chunk of 50: 2 sinks, 4 raw, 44 flushed = 9 refs (2, 7, ..., 42) + 35 codes -> ceil(17.5) = 18 kept,
@@ -125,7 +126,7 @@ def test_snapkv_selector_keeps_the_keep_share_of_codes_and_every_reference(tiny_
 
 def test_without_references_every_token_is_coded_and_identity_stays_exact(tiny_lm, tmp_path):
     codec_dir = _identity_codec(tiny_lm, tmp_path / "noref", n_sink=2, window=4, references=False)
-    press = ResidualKVPress(codec_dir=str(codec_dir), bits=32, ref_fp8=False)
+    press = ResidualKVPress(codec_dir=str(codec_dir), bits=32, ref_fp8=False, block=1)
     got, cache = _run(tiny_lm, press, IDS, CUTS)
     want, _ = _run(tiny_lm, Press(), IDS, CUTS)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)

@@ -14,6 +14,7 @@ from kvbench.compress.residualkv.references import (
     reference_count,
     reference_mask,
     reference_positions,
+    references_between,
 )
 
 
@@ -201,3 +202,15 @@ def test_mean_reference():
         mean_reference(ref_kv, idx, torch.tensor([[True, True], [False, False]]))
     with pytest.raises(ValueError, match="out of range"):
         mean_reference(ref_kv, torch.tensor([[3, 0]]), torch.tensor([[True, False]]))
+
+
+@pytest.mark.parametrize("kw", [{"n_sink": 4, "stride": 10}, {"n_sink": 0, "stride": 3},
+                                {"n_sink": 4, "stride": 10, "alpha": 0.05},
+                                {"n_sink": 4, "stride": 10, "grid": "code", "block": 16},
+                                {"n_sink": 4, "stride": 10, "alpha": 0.05, "grid": "code"}])
+def test_references_between_is_the_mask_on_a_range(kw):
+    """The host-side schedule of a block of positions (the cache's coding path) is reference_mask's."""
+    pos = torch.arange(300)
+    want = pos[reference_mask(pos, **kw)].tolist()
+    for start, end in ((0, 300), (3, 50), (37, 38), (120, 299), (250, 250)):
+        assert references_between(start, end, **kw) == [p for p in want if start <= p < end], (start, end)

@@ -42,6 +42,7 @@ from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvbench.compress.accounting import StoredBytes, held_bytes
+from kvbench.compress.buffers import KVBuffer, shared_over_heads
 from kvbench.models import rope
 
 ATTN_NAME = "kvbench_press"
@@ -83,30 +84,74 @@ class KVView:
         return self.keys, self.values, self.positions
 
 
+class RopeTable:
+    """cos/sin of the model's RoPE at positions ``0..cap-1``, grown by doubling and indexed by position, so
+    restoring keys at their positions is a gather, not a rotary-embedding call per restore.
+
+    One per :class:`PressCache`, shared by its layers (the rotary embedding is the decoder stack's; a table
+    per layer would hold the same values L times). Tables ``[cap, head_dim]`` in the model dtype, computed by
+    the model's own rotary module (:func:`kvbench.models.rope.cos_sin`) over ``arange(cap)``. Not counted in
+    a layer's resident bytes: it depends on positions only, like the model's weights.
+    """
+
+    def __init__(self, rotary_emb: Any, dtype: torch.dtype):
+        self.rotary_emb, self.dtype = rotary_emb, dtype
+        self.cos: torch.Tensor | None = None
+        self.sin: torch.Tensor | None = None
+        self.needed = 0
+
+    def reach(self, n: int) -> None:
+        """Positions up to ``n - 1`` may be looked up (a layer that rotates calls it with its logical length).
+        The bound is a host int, so a lookup never reads a position tensor back to know whether to grow."""
+        self.needed = max(self.needed, n)
+
+    def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin ``[1, n, head_dim]`` at int64 ``positions`` ``[n]`` (all below :meth:`reach`'s bound)."""
+        cap = 0 if self.cos is None else self.cos.shape[0]
+        if cap < self.needed:
+            cap = max(self.needed, 2 * cap)
+            cos, sin = rope.cos_sin(self.rotary_emb, torch.arange(cap, device=positions.device).view(1, -1), self.dtype)
+            self.cos, self.sin = cos[0], sin[0]
+        return self.cos.index_select(0, positions).unsqueeze(0), self.sin.index_select(0, positions).unsqueeze(0)
+
+
 @dataclass
 class LayerContext:
     """What a store layer may need from the model: its index and RoPE, to restore pre-RoPE keys
-    (ResidualKV, Palu) at their own positions."""
+    (ResidualKV, Palu) at their own positions. ``rope``: the cache's cos/sin table (None: one of its own)."""
 
     layer_idx: int
     n_layers: int
     rotary_emb: Any
     apply_rope: Any
     dtype: torch.dtype
+    rope: RopeTable | None = None
+
+    def __post_init__(self) -> None:
+        if self.rope is None:
+            self.rope = RopeTable(self.rotary_emb, self.dtype)
 
     def rotate(self, k_pre: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Post-RoPE keys ``[1, H, n, D]`` from pre-RoPE ``k_pre`` at int64 ``positions`` ``[n]``."""
-        cos, sin = rope.cos_sin(self.rotary_emb, positions.view(1, -1), k_pre.dtype)
-        return rope.rotate(self.apply_rope, k_pre, cos, sin)
+        """Post-RoPE keys ``[1, H, n, D]`` from pre-RoPE ``k_pre`` (model dtype) at int64 ``positions`` ``[n]``."""
+        cos, sin = self.rope(positions)
+        # the model's own rotation; its query output is not used, so the query is one head, not H
+        _, out = self.apply_rope(k_pre[:, :1], k_pre, cos, sin)
+        return out
 
     def unrotate(self, k_post: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Pre-RoPE keys ``[1, H, n, D]`` from post-RoPE ``k_post`` at ``positions`` ``[n]`` (exact inverse)."""
-        cos, sin = rope.cos_sin(self.rotary_emb, positions.view(1, -1), k_post.dtype)
-        return rope.unrotate(self.apply_rope, k_post, cos, sin)
+        """Pre-RoPE keys ``[1, H, n, D]`` from post-RoPE ``k_post`` at ``positions`` ``[n]`` (exact inverse:
+        :func:`kvbench.models.rope.unrotate`)."""
+        cos, sin = self.rope(positions)
+        _, out = self.apply_rope(k_post[:, :1], k_post, cos, -sin)
+        return out
 
 
 class StoreLayer(CacheLayerMixin):
-    """One decoder layer of a compressed KV cache. The default stores every token exactly (the full cache).
+    """One decoder layer of a compressed KV cache. The default stores every token exactly (the full cache),
+    in a preallocated buffer that grows by doubling (:class:`~kvbench.compress.buffers.KVBuffer`): a step's
+    chunk is written in place after the stored tokens and attention reads one view of the buffer, so the
+    full cache every method is compared to reads its cache once per step and copies it only when it grows.
+    A subclass that overrides :meth:`history` gets ``history() + chunk`` (:meth:`KVView.cat`) instead.
 
     Subclasses override :meth:`history`, :meth:`commit`, optionally :meth:`narrow`, and for KR
     (:mod:`kvbench.compress.accounting`) :meth:`packed_bytes` (the paper's accounting, by part) and
@@ -122,13 +167,25 @@ class StoreLayer(CacheLayerMixin):
         self.ctx = ctx
         self.cache = cache
         self.seen = 0                      # tokens written to this layer (the logical length)
-        self._stored: KVView | None = None
+        self._buf = KVBuffer()           # the stored tokens (preallocated, doubling: buffers.py)
         self._pending: KVView | None = None
         self._view: KVView | None = None
         self._query_pos: torch.Tensor | None = None
+        self._staged: KVView | None = None  # this step's chunk, written in the buffer but not yet counted
         #: called as ``after_commit(layer, chunk, query)`` once :meth:`commit` stored ``chunk`` (``_view``
         #: still the keys this step's attention read): a selector composed with this store
         self.after_commit: Callable[[StoreLayer, KVView, torch.Tensor], None] | None = None
+
+    @property
+    def _stored(self) -> KVView | None:
+        """The tokens this layer stores exactly (None while it stores none): a view of its preallocated
+        buffer. Assigning a view replaces them (an eviction), None empties the store."""
+        view = self._buf.view()
+        return None if view is None else KVView(*view)
+
+    @_stored.setter
+    def _stored(self, view: KVView | None) -> None:
+        self._buf.replace(None if view is None else view.tensors())
 
     # -- the method's hooks ------------------------------------------------------------------
     def history(self) -> KVView | None:
@@ -136,8 +193,30 @@ class StoreLayer(CacheLayerMixin):
         return self._stored
 
     def commit(self, chunk: KVView, query: torch.Tensor) -> None:
-        """Store ``chunk`` (its exact post-RoPE K/V) after its attention ran; ``query`` ``[1, H_q, t, D]``."""
-        self._stored = KVView.cat([self._stored, chunk])
+        """Store ``chunk`` (its exact post-RoPE K/V) after its attention ran; ``query`` ``[1, H_q, t, D]``.
+        The base store already wrote the chunk in place when it built the step's view (:meth:`update`), so
+        committing it only counts it."""
+        if chunk is self._staged:
+            self._buf.commit_staged(len(chunk))
+        else:
+            self._buf.append(*chunk.tensors())
+        self._staged = None
+
+    def view_with(self, chunk: KVView) -> KVView:
+        """What this step's attention reads: :meth:`history` followed by ``chunk`` (its exact K/V). The base
+        store (also eviction's and Quest's, which keep its :meth:`history`) writes the chunk in place after the
+        stored tokens and returns one view of its buffer, no copy of the cache (the chunk is counted at
+        :meth:`commit`); a store with its own :meth:`history` gets ``KVView.cat([history(), chunk])``, or
+        overrides this to build its view in one copy."""
+        if type(self).history is StoreLayer.history:
+            return self._stage(chunk)
+        return KVView.cat([self.history(), chunk])
+
+    def _stage(self, chunk: KVView) -> KVView:
+        """Write ``chunk`` in place after the stored tokens (counted at :meth:`commit`) and return one view of
+        the buffer: stored tokens followed by the chunk, no copy of the cache."""
+        self._staged = chunk
+        return KVView(*self._buf.stage(*chunk.tensors()))
 
     def attach(self, attn: Any) -> list:
         """Hooks this layer needs on ``attn`` (its decoder layer's attention module) while the model runs:
@@ -149,6 +228,11 @@ class StoreLayer(CacheLayerMixin):
         """Optional bool mask ``[1, H_q, t, n]`` (True = may attend) over ``view``; None keeps all."""
         return None
 
+    def hides_keys(self) -> bool:
+        """True when :meth:`history` may return keys that no query may read (eviction's padding slots), so
+        even a one-token step needs the position mask. Default False: a decode step then builds no mask."""
+        return False
+
     def packed_bytes(self) -> StoredBytes:
         """Packed bytes by part (``resident`` left 0); default: FP16 K and V of every stored key (positions
         are not counted: stored keys are already RoPE'd, as in a plain cache)."""
@@ -159,7 +243,8 @@ class StoreLayer(CacheLayerMixin):
         """Every tensor this layer holds between steps; subclasses add theirs (``yield from
         super().held_tensors()``). Default: the stored keys, values and int64 positions, and any step state
         still set (:func:`_press_attention` drops the step's view after the layer's attention)."""
-        for view in (self._stored, self._pending, self._view):
+        yield from self._buf.tensors()
+        for view in (self._pending, self._view):
             if view is not None:
                 yield from view.tensors()
         yield self._query_pos
@@ -187,7 +272,7 @@ class StoreLayer(CacheLayerMixin):
         pos = torch.arange(self.seen, self.seen + t, device=key_states.device)
         self._pending = KVView.dense(key_states, value_states, pos)
         self._query_pos = pos
-        self._view = KVView.cat([self.history(), self._pending])
+        self._view = self.view_with(self._pending)
         self.seen += t
         return self._view.keys, self._view.values
 
@@ -202,7 +287,7 @@ class StoreLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         self.seen = 0
-        self._stored = self._pending = self._view = None
+        self._stored = self._pending = self._view = self._staged = None
         self.is_initialized = False
 
 
@@ -225,7 +310,9 @@ class PressCache(Cache):
     length: the number of tokens written, not the number stored).
 
     Records per forward: ``attended`` (per layer, the mean over KV heads of keys the LAST query row may
-    attend, for CR) and ``selections`` (OmniKV positions per decode step, for the audit record).
+    attend, for CR) and ``selections`` (OmniKV positions per decode step, for the audit record). Both are
+    kept as device tensors while the model runs and reduced to ints when read, so recording them never
+    synchronises a decode step with the host (docs/decisions.md, "No host synchronisation in a decode step").
     """
 
     def __init__(self, model: Any, layer_factory: Any):
@@ -233,19 +320,46 @@ class PressCache(Cache):
         n_layers = text_cfg.num_hidden_layers
         attn = decoder_layers(model)[0].self_attn
         rotary = _rotary(model)
+        table = RopeTable(rotary, model.dtype)
         layers = []
         for i in range(n_layers):
-            ctx = LayerContext(i, n_layers, rotary, rope.rotation_fn(attn), model.dtype)
+            ctx = LayerContext(i, n_layers, rotary, rope.rotation_fn(attn), model.dtype, table)
             layers.append(layer_factory(ctx, self))
         super().__init__(layers=layers)
         self.step = StepState()
-        self.attended: list[list[int]] = []
-        self.selections: list[list[int]] = []
+        self._attended: list[list[int | torch.Tensor]] = []
+        self._selections: list[list[int] | torch.Tensor] = []
 
     def begin_step(self) -> None:
         """Reset per-forward state (called by the attention function at layer 0)."""
         self.step = StepState()
-        self.attended.append([])
+        self._attended.append([])
+
+    def record_attended(self, count: int | torch.Tensor) -> None:
+        """This forward's count for the next layer: an int, or a 0-d integer tensor reduced when read."""
+        self._attended[-1].append(count)
+
+    def record_selection(self, selected: torch.Tensor, limit: int) -> None:
+        """Keep ``selected`` (int64 ``[m]``) for the audit record while fewer than ``limit`` are kept."""
+        if len(self._selections) < limit:
+            self._selections.append(selected)
+
+    @property
+    def attended(self) -> list[list[int]]:
+        """Per forward, per layer: keys the last query row may attend, mean over KV heads (int). The list
+        itself is the cache's record (a caller may cut it, as KVzip drops its scoring pass's entries)."""
+        pending = [x for row in self._attended for x in row if isinstance(x, torch.Tensor)]
+        if pending:   # one host read for every count recorded since the last read
+            values = iter(torch.stack([x.reshape(()).to(torch.long) for x in pending]).tolist())
+            for row in self._attended:
+                row[:] = [next(values) if isinstance(x, torch.Tensor) else x for x in row]
+        return self._attended
+
+    @property
+    def selections(self) -> list[list[int]]:
+        """OmniKV's selected positions of the first recorded steps (lists of ints)."""
+        self._selections[:] = [s.tolist() if isinstance(s, torch.Tensor) else s for s in self._selections]
+        return self._selections
 
     def stored_bytes(self) -> list[StoredBytes]:
         """Per-layer bytes by part (:class:`kvbench.compress.accounting.StoredBytes`)."""
@@ -266,7 +380,13 @@ def _rotary(model: Any) -> Any:
 
 def _press_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      attention_mask: torch.Tensor | None, scaling: float | None = None, **kwargs):
-    """Attention over what the active :class:`PressCache` returned, masked by key positions."""
+    """Attention over what the active :class:`PressCache` returned, masked by key positions.
+
+    GQA through ``enable_gqa`` (the KV heads are not repeated to the query heads); no mask at a one-token
+    step without :meth:`StoreLayer.narrow` when the store hides no key (:meth:`StoreLayer.hides_keys`), since
+    every stored key precedes the query; otherwise a bool mask ``[1, 1, t, n]`` (``[1, H_q, t, n]`` when heads
+    hold different tokens). The attended count is recorded without reading it back (:attr:`PressCache.attended`).
+    """
     cache = _active.get()
     if cache is None:
         raise RuntimeError(f"attention implementation {ATTN_NAME!r} needs an active PressCache (press_attention)")
@@ -274,21 +394,34 @@ def _press_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value:
     if module.layer_idx == 0:
         cache.begin_step()
     view = layer._view
-    groups = query.shape[1] // key.shape[1]
-    allowed = view.positions[:, :, None, :] <= layer._query_pos.view(1, 1, -1, 1)   # [1, H_kv, t, n]
-    allowed = allowed.repeat_interleave(groups, dim=1)
     extra = layer.narrow(query, view)
-    if extra is not None:
-        allowed = allowed & extra
-    cache.attended[-1].append(int(allowed[:, :, -1].sum().item()) // allowed.shape[1])
-    out = F.scaled_dot_product_attention(query, key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1),
-                                         attn_mask=allowed, scale=scaling)
+    if extra is None and query.shape[2] == 1 and not layer.hides_keys():
+        # a decode step whose store holds no padding: every key is visible to the one query row
+        allowed, attended = None, len(view)
+    else:
+        allowed = _visible(view.positions, layer._query_pos, query.shape[1])     # [1, 1 or H_q, t, n]
+        if extra is not None:
+            allowed = allowed & extra
+        attended = allowed[:, :, -1].sum() // allowed.shape[1]   # a tensor: read when cache.attended is
+    cache.record_attended(attended)
+    # GQA without repeating K/V to the query heads (one read of the cache)
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=allowed, scale=scaling, enable_gqa=True)
     pending, layer._pending = layer._pending, None
     layer.commit(pending, query)
     if layer.after_commit is not None:
         layer.after_commit(layer, pending, query)
     layer._view = layer._query_pos = None   # the step's working copy is not held between steps
     return out.transpose(1, 2).contiguous(), None
+
+
+def _visible(key_pos: torch.Tensor, query_pos: torch.Tensor, n_query_heads: int) -> torch.Tensor:
+    """Bool mask ``[1, 1, t, n]`` (key position <= query position) when every KV head holds the same
+    positions (``key_pos`` ``[1, H_kv, n]`` one row expanded: a host-side stride test), else per query head
+    ``[1, H_q, t, n]`` (each KV head's row repeated to its GQA group)."""
+    if shared_over_heads(key_pos):
+        return key_pos[:, :1, None, :] <= query_pos.view(1, 1, -1, 1)
+    allowed = key_pos[:, :, None, :] <= query_pos.view(1, 1, -1, 1)
+    return allowed.repeat_interleave(n_query_heads // key_pos.shape[1], dim=1)
 
 
 AttentionInterface.register(ATTN_NAME, _press_attention)

@@ -71,6 +71,11 @@ class EvictingLayer(StoreLayer):
         values = view.values.gather(2, idx) * real.unsqueeze(-1)
         positions = view.positions.gather(2, order).masked_fill(~real, PAD_POSITION)
         self._stored = KVView(keys, values, positions)
+        self._padded = bool((counts < width).any())   # once per eviction, not per step
+
+    def hides_keys(self) -> bool:
+        """True once an eviction left padding slots (heads kept different counts): they must be masked."""
+        return getattr(self, "_padded", False)
 
     def kept_counts(self) -> torch.Tensor:
         """Real (non-padding) stored tokens per KV head, int64 ``[H_kv]`` (zeros before the first commit)."""

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvbench.compress import checks
 from kvbench.compress.accounting import StoredBytes
 from kvbench.compress.cache import KVView, LayerContext, PressCache, Press, StoreLayer
 from kvbench.compress.residualkv import quant
@@ -30,19 +31,19 @@ FP16_BYTES = 2   # raw tensors are counted as FP16, the full cache's precision (
 
 
 class _Quantized:
-    """Quantised rows of one tensor: the codes as stored (for bytes) and their dequantised rows
-    ``[n, C]`` float32, read by attention (quantisation only appends, so they are decoded once)."""
+    """Quantised rows of one tensor: the codes as stored (for bytes) and how many rows they hold. Their
+    dequantised rows live in the layer's store, where attention reads them (decoded once)."""
 
     def __init__(self):
         self.codes: list[quant.QuantizedCodes | torch.Tensor] = []
-        self.rows: list[torch.Tensor] = []
+        self.n = 0
 
-    def add(self, codes: quant.QuantizedCodes | torch.Tensor, rows: torch.Tensor) -> None:
+    def add(self, codes: quant.QuantizedCodes | torch.Tensor, n_rows: int) -> None:
         self.codes.append(codes)
-        self.rows.append(rows)
+        self.n += n_rows
 
     def __len__(self) -> int:
-        return sum(r.shape[0] for r in self.rows)
+        return self.n
 
     def bytes(self) -> tuple[int, int]:
         """``(payload, scales)``: packed ``ceil(numel · bits / 8)`` per code tensor, 2 fp16 values per
@@ -62,6 +63,13 @@ class KIVILayer(StoreLayer):
     """One decoder layer of a KIVI cache (module docstring); usable on its own, e.g. as the 4-bit
     full-layer store of ResidualKV (paper §V-A: full layers KIVI-style 4-bit).
 
+    The base store (:class:`~kvbench.compress.cache.StoreLayer`'s preallocated buffer) holds what attention
+    reads: each token's dequantised K/V once quantised, its exact K/V before, in the model dtype; the rows a
+    commit quantises are overwritten in place at the next step (not at the commit, so an ``after_commit``
+    selector scores the keys this step's attention read). So a step reads one view, as the full cache does,
+    instead of concatenating every dequantised row per step. The codes and the raw residual are kept for the
+    bytes.
+
     Args:
         bits: 2, 4, 8 or 16 (16 = unquantised, stored exactly in the model dtype).
         group: tokens per key group (per channel) and channels per value group (per token; ``min(group,
@@ -80,8 +88,32 @@ class KIVILayer(StoreLayer):
         self.k_raw: torch.Tensor | None = None   # [n, C] raw keys not yet quantised (C = H_kv · D)
         self.v_raw: torch.Tensor | None = None   # [n, C] latest raw values
         self.heads = self.head_dim = 0
+        #: dequantised rows ``(keys?, first token, rows [n, C])`` quantised at the last commit, written into the
+        #: store at the next read (:meth:`history`, :meth:`view_with`)
+        self._dequantised: list[tuple[bool, int, torch.Tensor]] = []
+
+    def _write_dequantised(self) -> None:
+        """Overwrite the rows quantised at the last commit with their dequantised values, in place."""
+        for is_key, start, rows in self._dequantised:
+            n = rows.shape[0]
+            store = self._buf.keys.data if is_key else self._buf.values.data
+            # the store was made under the model's inference mode; a read after it (history()) must be too
+            with torch.inference_mode(store.is_inference()):
+                store[:, :, start:start + n] = rows.view(n, self.heads, self.head_dim).transpose(0, 1).unsqueeze(0)
+        self._dequantised = []
+
+    def history(self) -> KVView | None:
+        """The stored tokens as the next step's attention reads them: dequantised once quantised, exact before."""
+        self._write_dequantised()
+        return self._stored
+
+    def view_with(self, chunk: KVView) -> KVView:
+        """One view of the base store, the chunk written in place after it (no concatenation per step)."""
+        self._write_dequantised()
+        return self._stage(chunk)
 
     def commit(self, chunk: KVView, query: torch.Tensor) -> None:
+        super().commit(chunk, query)   # the store holds the chunk's exact K/V until they are quantised
         _, h, _, d = chunk.keys.shape
         self.heads, self.head_dim = h, d
         flat = lambda x: x[0].transpose(0, 1).reshape(x.shape[-2], h * d)  # noqa: E731  [1,H,n,D] -> [n, H·D]
@@ -100,31 +132,24 @@ class KIVILayer(StoreLayer):
     def _quantize_keys(self, block: torch.Tensor) -> None:
         """Per-channel: one group = one channel over ``group`` tokens (``block`` ``[group, C]``)."""
         if self.bits == 16:
-            exact = block.clone()
-            self.kq.add(exact, exact.float())
+            self.kq.add(block.clone(), len(block))   # stored exactly: the store's rows are already these
             return
-        codes = quant.quantize(block.float().T.contiguous(), self.bits, block.shape[0])   # rows = channels
-        self.kq.add(codes, quant.dequantize(codes).T)
+        codes = quant.quantize(block.float().T.contiguous(), self.bits, block.shape[0],   # rows = channels
+                               check=checks.ENABLED)
+        self._dequantised.append((True, len(self.kq), quant.dequantize(codes).T))
+        self.kq.add(codes, len(block))
 
     def _quantize_values(self, rows: torch.Tensor) -> None:
         """Per-token: groups of ``min(group, head_dim)`` consecutive channels of one head."""
         if self.bits == 16:
-            exact = rows.clone()
-            self.vq.add(exact, exact.float())
+            self.vq.add(rows.clone(), len(rows))
             return
         vg = min(self.group, self.head_dim)
         if self.head_dim % vg:
             raise ValueError(f"head_dim {self.head_dim} must be a multiple of the value group {vg}")
-        codes = quant.quantize(rows.float(), self.bits, vg)
-        self.vq.add(codes, quant.dequantize(codes))
-
-    def history(self) -> KVView | None:
-        if self.k_raw is None:
-            return None
-        k = torch.cat(self.kq.rows + [self.k_raw.float()]).to(self.ctx.dtype)
-        v = torch.cat(self.vq.rows + [self.v_raw.float()]).to(self.ctx.dtype)
-        heads = lambda x: x.view(x.shape[0], self.heads, self.head_dim).transpose(0, 1).unsqueeze(0)  # noqa: E731
-        return KVView.dense(heads(k), heads(v), torch.arange(k.shape[0], device=k.device))
+        codes = quant.quantize(rows.float(), self.bits, vg, check=checks.ENABLED)
+        self._dequantised.append((False, len(self.vq), quant.dequantize(codes)))
+        self.vq.add(codes, len(rows))
 
     def packed_bytes(self) -> StoredBytes:
         """Packed codes, fp16 min/scale per group, and the raw residual keys and values at FP16."""
@@ -134,15 +159,16 @@ class KIVILayer(StoreLayer):
         return StoredBytes(layer=self.ctx.layer_idx, codes=kp + vp, scales=ks + vs, raw_window=raw)
 
     def held_tensors(self):
-        """Resident: the unpacked ``uint8`` codes and fp16 min/scale of every block, the float32 dequantised
-        rows kept for attention (decoded once, module docstring), and the raw residual in the model's dtype."""
+        """Resident: the store attention reads (dequantised and raw K/V in the model dtype, at its capacity,
+        with int64 positions), the unpacked ``uint8`` codes and fp16 min/scale of every block, and the raw
+        residual in the model's dtype."""
         yield from super().held_tensors()
         for q in (self.kq, self.vq):
             for c in q.codes:
                 yield from ((c,) if isinstance(c, torch.Tensor) else (c.q, c.zmin, c.scale))
-            yield from q.rows
         yield self.k_raw
         yield self.v_raw
+        yield from (rows for _, _, rows in self._dequantised)
 
 
 def _cat(a: torch.Tensor | None, b: torch.Tensor) -> torch.Tensor:

@@ -40,10 +40,11 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 import torch
 
+from kvbench.compress import checks
 from kvbench.compress.cache import KVView, LayerContext, PressCache, Press, StoreLayer
 
 #: OmniKVPress.keep's default: ``keep_tokens`` may be set only while ``keep`` is left at it
@@ -58,6 +59,7 @@ class Selector(Protocol):
 
     n_sink: int
     window: int
+    block: int
     audit_steps: int
     sparse_prefill: bool
     row_agg: str
@@ -85,11 +87,15 @@ def token_scores(query: torch.Tensor, keys: torch.Tensor, row_agg: str = "mean")
     Args:
         query: ``[1, H_q, t, D]`` post-RoPE queries of the chunk.
         keys: ``[1, H_kv, n, D]`` post-RoPE candidate keys (GQA: each KV head serves ``H_q / H_kv`` query
-            heads, so it is repeated).
+            heads, the group's rows multiply the head's keys once; the authors repeat the KV heads, the same
+            logits up to float rounding).
         row_agg: "mean" (the authors') or "max" over the ``t`` rows; the same at a decode step (``t`` = 1).
     """
-    keys = keys.repeat_interleave(query.shape[1] // keys.shape[1], 1)
-    logits = query.float() @ keys.float().transpose(-1, -2)                       # [1, H_q, t, n]
+    _, h_q, t, d = query.shape
+    h_kv = keys.shape[1]
+    # GQA without repeating the keys: each KV head's group of query heads are rows of one product
+    q = query.float().reshape(1, h_kv, (h_q // h_kv) * t, d)
+    logits = (q @ keys.float().transpose(-1, -2)).view(1, h_q, t, -1)            # [1, H_q, t, n]
     rows = logits.mean(dim=2) if row_agg == "mean" else logits.amax(dim=2)       # [1, H_q, n]
     return rows.amax(dim=(0, 1))
 
@@ -100,29 +106,48 @@ def filter_step(selector: Selector, layer: StoreLayer, chunk: KVView, query: tor
     With ``query`` ``[1, H_q, t, D]`` the chunk's post-RoPE queries. A multi-token chunk (``t > 1``) with
     ``selector.sparse_prefill`` False selects nothing: ``cache.step.selected`` stays None and the sparse
     layers of this forward read every token (the authors select only at ``q_len == 1``). Otherwise the
-    candidates are the positions ``p`` of the view with ``n_sink <= p < boundary``,
-    ``boundary = (tokens before the chunk) − window``; score(p) = :func:`token_scores` (raw q·k_p, rows
-    aggregated by ``selector.row_agg``, max over query heads) with the keys this layer's attention read
-    (dequantised ones for a quantised store); the top ``selector.n_keep(n_candidates)`` positions, sorted,
-    int64 ``[m]``, go to ``cache.step.selected`` and the first ``selector.audit_steps`` non-empty
-    selections to ``cache.selections``. With no candidate, ``selected`` is an empty int64 tensor. The
-    candidate index is the absolute token position, the same index the sparse layers' stores use.
+    candidates are the positions ``n_sink <= p < boundary`` (:func:`candidate_end`: the tokens before the
+    chunk minus the ``window`` latest, or with a coding ``block`` the tokens the storage has coded);
+    score(p) = :func:`token_scores` (raw q·k_p, rows aggregated by ``selector.row_agg``, max over query heads)
+    with the keys this layer's attention read (dequantised ones for a quantised store); the top
+    ``selector.n_keep(n_candidates)`` positions, sorted, int64 ``[m]``, go to ``cache.step.selected`` and the
+    first ``selector.audit_steps`` selections to ``cache.selections``. With no candidate, ``selected`` is an
+    empty int64 tensor. The candidate index is the absolute token position, the same index the sparse
+    layers' stores use.
+
+    The filter layer must be a full store (exact or KIVI-style): its view holds every token, position p at
+    index p, so the candidates are a slice and their count a host int (no read-back: docs/decisions.md, "No
+    host synchronisation in a decode step").
+
+    Raises:
+        RuntimeError: the layer's view does not hold every token written (not a full store).
     """
     if query.shape[-2] > 1 and not selector.sparse_prefill:
         return   # the authors' `chunk_prefill_accel_omnikv or q_len == 1`: None makes sparse layers read all
     view, cache = layer._view, layer.cache
-    boundary = layer.seen - len(chunk) - selector.window
-    pos = view.positions[0, 0]
-    cand = (pos >= selector.n_sink) & (pos < boundary)
-    if not cand.any():
-        cache.step.selected = torch.zeros(0, dtype=torch.long, device=pos.device)
+    if len(view) != layer.seen:
+        raise RuntimeError(f"layer {layer.ctx.layer_idx}: an OmniKV filter layer must hold every token (a full "
+                           f"store), its view holds {len(view)} of {layer.seen}")
+    if checks.ENABLED and not torch.equal(view.positions[0, 0], torch.arange(layer.seen, device=view.keys.device)):
+        raise RuntimeError(f"layer {layer.ctx.layer_idx}: the filter layer's view is not in position order")
+    lo, hi = selector.n_sink, candidate_end(selector, layer.seen - len(chunk))
+    if hi <= lo:
+        cache.step.selected = torch.zeros(0, dtype=torch.long, device=view.keys.device)
         return
-    scores = token_scores(query, view.keys[..., cand, :], selector.row_agg)   # [n_cand]
-    top = scores.topk(selector.n_keep(int(cand.sum()))).indices
-    selected = pos[cand][top].sort().values
+    scores = token_scores(query, view.keys[..., lo:hi, :], selector.row_agg)   # [n_cand]
+    selected = (scores.topk(selector.n_keep(hi - lo)).indices + lo).sort().values
     cache.step.selected = selected
-    if len(cache.selections) < selector.audit_steps:
-        cache.selections.append(selected.tolist())
+    cache.record_selection(selected, selector.audit_steps)
+
+
+def candidate_end(selector: Selector, n_before: int) -> int:
+    """End (exclusive) of the candidate positions when ``n_before`` tokens precede the chunk: the tokens
+    before the ``window`` latest, ``n_before − window``. A storage that codes in blocks (ResidualKV's
+    ``block``, set on its selector as ``selector.block``) holds ``window`` to ``window + block − 1`` raw
+    tokens, so its candidates end where its coded tokens end: ``n_sink + ⌊(n_before − n_sink − window) /
+    block⌋ · block`` (the authors' ``get_observable_compressed_length``); ``block`` 1 is the first form."""
+    coded = max(0, n_before - selector.n_sink - selector.window) // selector.block * selector.block
+    return selector.n_sink + coded
 
 
 class SparseLayer(StoreLayer):
@@ -141,9 +166,17 @@ class SparseLayer(StoreLayer):
         selected = self.cache.step.selected
         if stored is None or selected is None:
             return stored
-        pos = stored.positions[0, 0]
-        keep = (pos < self.selector.n_sink) | (pos >= self.seen - self.selector.window) | torch.isin(pos, selected)
-        return KVView(stored.keys[..., keep, :], stored.values[..., keep, :], stored.positions[..., keep])
+        # the store holds every token, position p at index p, and the filter selected only positions in
+        # [n_sink, seen - window): one gather with a host-known count (no mask to reduce)
+        n = len(stored)
+        sink = min(self.selector.n_sink, n)
+        dev = selected.device
+        idx = torch.cat([torch.arange(sink, device=dev), selected,
+                         torch.arange(max(sink, n - self.selector.window), n, device=dev)])
+        if checks.ENABLED and not (idx.diff() > 0).all():
+            raise RuntimeError(f"layer {self.ctx.layer_idx}: selected positions {selected.tolist()} overlap the "
+                               f"sinks or the window")
+        return KVView.dense(stored.keys.index_select(2, idx), stored.values.index_select(2, idx), idx)
 
 
 def layer_list(name: str, value: int | Iterable[int]) -> tuple[int, ...]:
@@ -204,6 +237,9 @@ class OmniKVPress(Press):
 
     name = "omnikv"
     exact = {"keep": 1.0}
+    #: the storage's coding block (:func:`candidate_end`); 1 for OmniKV's own exact store. Not a spec field:
+    #: ``residualkv+omnikv`` sets it on the selector it builds from the storage's ``block``.
+    block: ClassVar[int] = 1
     keep: float = KEEP_DEFAULT
     keep_tokens: int | None = None
     filter_layers: tuple[int, ...] = ()

@@ -148,6 +148,7 @@ class PaluLayer(StoreLayer):
         self.pos: list[torch.Tensor] = []
 
     def commit(self, chunk: KVView, query: torch.Tensor) -> None:
+        self.ctx.rope.reach(self.seen)   # the chunk's positions are below the tokens written
         pos = chunk.positions[0, 0]
         k_pre = self.ctx.unrotate(chunk.keys, pos)
         flat = lambda x: x[0].transpose(0, 1).reshape(x.shape[-2], -1)  # noqa: E731  [1,H,n,D] -> [n, H·D]
@@ -158,6 +159,7 @@ class PaluLayer(StoreLayer):
     def history(self) -> KVView | None:
         if not self.pos:
             return None
+        self.ctx.rope.reach(self.seen)
         pos = torch.cat(self.pos)
         join = lambda lat: [torch.cat(g) for g in zip(*lat)]  # noqa: E731  chunks -> per group
         heads = lambda x, d: x.view(x.shape[0], -1, d).transpose(0, 1).unsqueeze(0).to(self.ctx.dtype)  # noqa: E731

@@ -45,8 +45,9 @@ from pathlib import Path
 
 import torch
 
-from kvbench.compress import accounting
+from kvbench.compress import accounting, checks
 from kvbench.compress.accounting import StoredBytes
+from kvbench.compress.buffers import Growable, KVBuffer
 from kvbench.compress.cache import KVView, LayerContext, PressCache, Press, StoreLayer
 from kvbench.compress.presses.kivi import KIVILayer
 from kvbench.compress.presses.omnikv import OmniKVPress, keep_count, layer_list
@@ -54,6 +55,7 @@ from kvbench.compress.presses.snapkv import SnapKVPress
 from kvbench.compress.residualkv import quant, references
 from kvbench.compress.residualkv.codec import CodecConfig, ResidualCodec, model_kv_shape
 from kvbench.compress.residualkv.keys import codec_keys
+from kvbench.compress.residualkv.store import CodeStore, RefPool, restore_mean
 
 
 
@@ -67,83 +69,6 @@ def _load_codec(path: str) -> ResidualCodec:
 FULL_KV_GROUP = 32
 
 
-def _index_dtype(n_refs: int) -> torch.dtype:
-    # Indices are held in the narrowest integer type that addresses every reference; KR counts those bytes.
-    return torch.int16 if n_refs < 2 ** 15 else torch.int32
-
-
-class _Codes:
-    """Coded tokens of one layer: quantised residual codes, neighbour indices and positions."""
-
-    def __init__(self, device: torch.device | str = "cpu"):
-        self.device = device
-        self.chunks: list[quant.QuantizedCodes | torch.Tensor] = []
-        self.nbr: list[torch.Tensor] = []       # [c, k] indices into the layer's reference list
-        self.valid: list[torch.Tensor] = []     # [c, k] bool
-        self.pos: list[torch.Tensor] = []       # [c]
-
-    def add(self, codes, nbr, valid, pos, n_refs: int) -> None:
-        self.device = pos.device
-        self.chunks.append(codes)
-        self.nbr.append(nbr.to(_index_dtype(n_refs)))
-        self.valid.append(valid)
-        self.pos.append(pos)
-
-    def keep(self, mask: torch.Tensor) -> None:
-        """Drop coded tokens where ``mask`` (over all coded tokens, in order) is False (``+snapkv``)."""
-        out, start = _Codes(self.device), 0
-        for c, n, v, p in zip(self.chunks, self.nbr, self.valid, self.pos):
-            m = mask[start:start + len(p)]
-            start += len(p)
-            if m.any():
-                sub = c[m] if isinstance(c, torch.Tensor) else c.take(m)
-                out.add(sub, n[m], v[m], p[m], 2 ** 15 if n.dtype == torch.int32 else 1)
-        self.__dict__.update(out.__dict__)
-
-    def positions(self) -> torch.Tensor:
-        return torch.cat(self.pos) if self.pos else torch.zeros(0, dtype=torch.long, device=self.device)
-
-    def dequantized(self, selected: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(z̃ [C, d_c] float32, nbr [C, k] int64, valid [C, k], positions [C])`` of the coded tokens at
-        ``selected`` positions (all when None). Only the selected tokens' codes are dequantised: the point of
-        restoring where sparse attention reads (§IV-C)."""
-        zs, ns, vs, ps = [], [], [], []
-        for c, n, v, p in zip(self.chunks, self.nbr, self.valid, self.pos):
-            if selected is not None:
-                m = torch.isin(p, selected)
-                if not m.any():
-                    continue
-                c, n, v, p = (c[m] if isinstance(c, torch.Tensor) else c.take(m)), n[m], v[m], p[m]
-            exact = isinstance(c, torch.Tensor) and c.dtype == torch.float32  # bits 32
-            zs.append(c if exact else quant.dequantize(c))
-            ns.append(n.long()), vs.append(v), ps.append(p)
-        if not zs:
-            return None, None, None, None
-        return torch.cat(zs), torch.cat(ns), torch.cat(vs), torch.cat(ps)
-
-    def nbytes(self) -> tuple[int, int, int]:
-        """``(payload, scales, indices)`` packed bytes: the payload at ``bits`` (``ceil(numel · bits / 8)`` per
-        chunk; fp16/float32 codes at their width), two fp16 values per group, indices at the width held
-        (int16 below 2^15 references, int32 above; the paper's formula omits them)."""
-        payload = scales = 0
-        for c in self.chunks:
-            if isinstance(c, torch.Tensor):
-                payload += c.numel() * c.element_size()
-            else:
-                total = c.nbytes()
-                scales += c.zmin.numel() * 2 + c.scale.numel() * 2
-                payload += total - c.zmin.numel() * 2 - c.scale.numel() * 2
-        indices = sum(n.numel() * n.element_size() for n in self.nbr)
-        return payload, scales, indices
-
-    def tensors(self):
-        """Every tensor held, for the resident bytes: unpacked ``uint8`` codes with their fp16 min/scale (or
-        the fp16/float32 codes), the indices, the ``bool`` validity masks and the int64 positions."""
-        for c, n, v, p in zip(self.chunks, self.nbr, self.valid, self.pos):
-            yield from ((c,) if isinstance(c, torch.Tensor) else (c.q, c.zmin, c.scale))
-            yield from (n, v, p)
-
-
 class ResidualKVLayer(StoreLayer):
     """A sparse layer of the ResidualKV cache (see the module docstring)."""
 
@@ -152,20 +77,41 @@ class ResidualKVLayer(StoreLayer):
         self.press = press
         self.codec = press.codec_model.layers[ctx.layer_idx]
         self.cfg = press.schedule()
+        self.block = press.coding_block()
         self.sink: KVView | None = None
-        self.window: KVView | None = None
-        self.ref_store = torch.zeros(0, self.cfg.d_kv, dtype=torch.float8_e4m3fn if press.ref_fp8 else torch.float32)
-        self.ref_pos = torch.zeros(0, dtype=torch.long)
-        self.codes = _Codes()
-        self.n_saturated = 0
+        self.raw = KVBuffer()                          # the raw window: window .. window + block - 1 tokens
+        self.pool = RefPool(self.cfg.d_kv, press.ref_fp8)
+        self.codes = CodeStore(press.bits, self.cfg.group)
+        self.flushed = 0                               # tokens that left the raw window (coded or references)
         #: the attention's key norm (Qwen3 ``k_norm``), applied after restore; None: K is the pre-RoPE key
         self.k_norm: torch.nn.Module | None = None
         self._k_in: torch.Tensor | None = None         # this step's k_proj output [t, d_k] (key norm only)
-        #: k_proj outputs ``[n, d_k]`` of the raw-window tokens, aligned with ``window`` (key norm only): what
+        #: k_proj outputs ``[n, d_k]`` of the raw-window tokens, aligned with ``raw`` (key norm only): what
         #: the codec codes when they leave it. Not counted in KR: the authors hold the window once, pre-norm,
         #: and normalise it at read; here the window also keeps the model's own post-RoPE keys, so that its
         #: attention is exact.
-        self.window_k_in: torch.Tensor | None = None
+        self.raw_k_in = Growable(0)
+
+    @property
+    def n_saturated(self) -> int:
+        """Reference values clamped to the FP8 range so far (:func:`~kvbench.compress.residualkv.quant.cast_fp8`),
+        read back only when asked (the audit)."""
+        return int(self.pool.saturated)
+
+    @property
+    def window(self) -> KVView | None:
+        """The raw window's tokens (None while it holds none)."""
+        view = self.raw.view()
+        return None if view is None else KVView(*view)
+
+    @property
+    def ref_pos(self) -> torch.Tensor:
+        """Positions of the stored references, int64 ``[R]`` ascending."""
+        return self.pool.positions()
+
+    def refs(self) -> torch.Tensor:
+        """Stored references as read back, float32 ``[R, d_kv]``."""
+        return self.pool.all()
 
     # -- the codec's K (keys.py) ------------------------------------------------------------------------
     def attach(self, attn: torch.nn.Module) -> list:
@@ -191,7 +137,7 @@ class ResidualKVLayer(StoreLayer):
 
     def _to_view(self, kv: torch.Tensor, pos: torch.Tensor) -> KVView:
         """Dense view of the codec's ``kv`` ``[n, d_kv]`` at ``pos``: split, reshape to heads, key norm (if
-        any), rotate K."""
+        any), rotate K (the cache's cos/sin table)."""
         n, H = kv.shape[0], self.ctx_heads
         k, v = kv.to(self.ctx.dtype).split(kv.shape[-1] // 2, -1)
         k = k.reshape(n, H, -1).transpose(0, 1).unsqueeze(0)
@@ -203,13 +149,10 @@ class ResidualKVLayer(StoreLayer):
 
     @property
     def ctx_heads(self) -> int:
-        return self.sink.keys.shape[1] if self.sink is not None else self.window.keys.shape[1]
-
-    def refs(self) -> torch.Tensor:
-        """Stored references as read back, float32 ``[R, d_kv]``."""
-        return quant.from_fp8(self.ref_store) if self.press.ref_fp8 else self.ref_store
+        return self.sink.keys.shape[1] if self.sink is not None else self.raw.keys.data.shape[1]
 
     def commit(self, chunk: KVView, query: torch.Tensor) -> None:
+        self.ctx.rope.reach(self.seen)   # RoPE is inverted at positions below the tokens written
         k_in, self._k_in = self._k_in, None
         if self.k_norm is not None and (k_in is None or len(k_in) != len(chunk)):
             raise RuntimeError(f"layer {self.ctx.layer_idx}: the k_proj hook did not see this chunk's "
@@ -220,7 +163,7 @@ class ResidualKVLayer(StoreLayer):
         """``residualkv+snapkv`` (§IV-C), the ``after_commit`` hook of a sparse layer (``layer`` is ``self``):
         after the context's first chunk, keep the selector's ``keep`` share (``ceil``, at least one) of the
         coded tokens that the chunk's observation window attends most (:meth:`SnapKVPress.token_scores` over
-        the keys this step read); references stay."""
+        the keys this step read); references stay. Once per request, so it may read values back."""
         code_pos = self.codes.positions()
         first_chunk = self.seen == len(chunk) > 1   # every token written so far came in this chunk
         if not first_chunk or not len(code_pos):
@@ -233,8 +176,10 @@ class ResidualKVLayer(StoreLayer):
         self.drop_unselected(code_pos[s.topk(keep_count(self.press.selector.keep, len(code_pos))).indices])
 
     def _store(self, chunk: KVView, k_in: torch.Tensor | None = None) -> None:
-        """Hold ``chunk`` as sinks / raw window and code what leaves the window; ``k_in`` ``[len(chunk), d_k]``:
-        its k_proj outputs (key norm only), kept aligned with the window."""
+        """Hold ``chunk`` as sinks / raw window and code the oldest raw tokens in blocks: nothing until the
+        raw window holds ``window + block`` tokens, then ``⌊(raw − window) / block⌋ · block`` of them at once
+        (the authors' flush, ``cache_pipeline.py``). ``k_in`` ``[len(chunk), d_k]``: its k_proj outputs (key
+        norm only), kept aligned with the window."""
         n_sink_left = self.cfg.n_sink - (0 if self.sink is None else len(self.sink))
         if n_sink_left > 0:
             take = min(n_sink_left, len(chunk))
@@ -245,97 +190,143 @@ class ResidualKVLayer(StoreLayer):
             chunk = KVView(chunk.keys[..., take:, :], chunk.values[..., take:, :], chunk.positions[..., take:])
             k_in = None if k_in is None else k_in[take:]   # sinks stay raw: never coded
         if len(chunk):
-            self.window = KVView.cat([self.window, chunk])
+            self.raw.append(*chunk.tensors())
             if k_in is not None:
-                self.window_k_in = k_in if self.window_k_in is None else torch.cat([self.window_k_in, k_in])
-        over = 0 if self.window is None else len(self.window) - self.cfg.window
-        if over > 0:
-            w, old_k_in = self.window, None
-            old = KVView(w.keys[..., :over, :], w.values[..., :over, :], w.positions[..., :over])
-            # copies, not views: the window holds its own tokens only (a view kept the whole chunk resident)
-            self.window = KVView(w.keys[..., over:, :].clone(), w.values[..., over:, :].clone(),
-                                 w.positions[..., over:].clone())
-            if self.window_k_in is not None:
-                old_k_in, self.window_k_in = self.window_k_in[:over], self.window_k_in[over:].clone()
+                self.raw_k_in.append(k_in)
+        n_code = max(0, len(self.raw) - self.cfg.window) // self.block * self.block
+        if n_code:
+            keys, values, positions = self.raw.view()
+            old = KVView(keys[..., :n_code, :], values[..., :n_code, :], positions[..., :n_code])
+            old_k_in = self.raw_k_in.view()[:n_code] if len(self.raw_k_in) else None
             self._compress(old, old_k_in)
+            self.raw.drop_front(n_code)
+            self.raw_k_in.drop_front(n_code)
 
     def _compress(self, old: KVView, k_in: torch.Tensor | None = None) -> None:
-        """Code the tokens leaving the raw window (§IV-A); ``k_in``: their k_proj outputs (key norm only)."""
+        """Code one block of tokens leaving the raw window (§IV-A): its references join the pool (FP8), the
+        others get their ``k`` nearest earlier references (one search over the pool for the block), the
+        residual code of the codec (one encoder pass over the block's K‖V and one over their means) and are
+        quantised. ``k_in``: their k_proj outputs (key norm only). The block's positions are consecutive
+        (``n_sink + flushed`` on), so its references are known on the host."""
         kv, pos = self._kv_pre(old, k_in), old.positions[0, 0]
-        if self.ref_store.device != kv.device:  # stores live where the model's K/V do (CPU or GPU)
-            self.ref_store, self.ref_pos = self.ref_store.to(kv.device), self.ref_pos.to(kv.device)
-        is_ref = references.reference_mask(pos, n_sink=self.cfg.n_sink, stride=self.cfg.stride,
-                                           alpha=self.cfg.alpha, grid=self.cfg.grid)
-        if not self.cfg.references:
-            is_ref = torch.zeros_like(is_ref)
-        if is_ref.any():
-            if self.press.ref_fp8:
-                stored, sat = quant.to_fp8(kv[is_ref])
-                self.n_saturated += sat
-            else:
-                stored = kv[is_ref]
-            self.ref_store = torch.cat([self.ref_store, stored])
-            self.ref_pos = torch.cat([self.ref_pos, pos[is_ref]])
-        tok = ~is_ref
-        if not tok.any():
+        start, n = self.cfg.n_sink + self.flushed, len(old)
+        self.flushed += n
+        if checks.ENABLED and not torch.equal(pos, torch.arange(start, start + n, device=pos.device)):
+            raise RuntimeError(f"layer {self.ctx.layer_idx}: a coded block is not positions {start}..{start + n - 1}")
+        ref_off = self._ref_offsets(start, start + n)
+        tok_off = sorted(set(range(n)) - set(ref_off))
+        if ref_off:
+            at = torch.tensor(ref_off, device=kv.device)
+            self.pool.add(kv.index_select(0, at), pos.index_select(0, at), self.seen)
+        if not tok_off:
             return
-        refs = self.refs()
+        at = torch.tensor(tok_off, device=kv.device)
+        x, x_pos = kv.index_select(0, at), pos.index_select(0, at)
+        refs = self.pool.all()
         if self.cfg.references:
-            nbr, valid = references.nearest_references(kv[tok], pos[tok], refs, self.ref_pos, self.cfg.k)
+            nbr, valid = references.nearest_references(x, x_pos, refs, self.pool.positions(), self.cfg.k,
+                                                       check=checks.ENABLED)
+            mean = references.mean_reference(refs, nbr, valid, check=checks.ENABLED)
         else:  # no references: a zero mean, no indices stored
-            n = int(tok.sum())
-            nbr = torch.zeros(n, 0, dtype=torch.long, device=kv.device)
-            valid = torch.zeros(n, 0, dtype=torch.bool, device=kv.device)
-        mean = self._mean(refs, nbr, valid)
+            nbr = torch.zeros(len(tok_off), 0, dtype=torch.long, device=kv.device)
+            valid = torch.zeros(len(tok_off), 0, dtype=torch.bool, device=kv.device)
+            mean = torch.zeros(len(tok_off), self.cfg.d_kv, device=kv.device)
         with torch.no_grad():
             if self.press.mean_only:  # the authors' Table VIII ablation: a zero code of width d_c, stored
-                z = kv.new_zeros(int(tok.sum()), self.cfg.d_c)
+                z = kv.new_zeros(len(tok_off), self.cfg.d_c)
             elif self.press.use_codec:
-                z = self.codec.residual_code(kv[tok], mean)
+                z = self.codec.residual_code(x, mean)
             else:  # the raw residual itself, quantised at full width (the authors' "origin" codec)
-                z = kv[tok] - mean
+                z = x - mean
         # bits 32: the payload stored exactly in float32 (the identity-codec invariant; not a paper setting)
-        codes = z.float().clone() if self.press.bits == 32 else quant.quantize(z, self.press.bits, self.cfg.group)
-        self.codes.add(codes, nbr, valid, pos[tok], len(self.ref_pos))
+        codes = (z.float().clone() if self.press.bits == 32
+                 else quant.quantize(z, self.press.bits, self.cfg.group, check=checks.ENABLED))
+        self.codes.add(codes, nbr, valid, x_pos, len(self.pool), self.seen)
 
-    def _mean(self, refs: torch.Tensor, nbr: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        """Mean of each token's references ``[n, d_kv]`` (zeros without references)."""
-        if nbr.shape[-1] == 0:
-            return torch.zeros(nbr.shape[0], self.cfg.d_kv, device=nbr.device)
-        return references.mean_reference(refs, nbr, valid)
+    def _ref_offsets(self, start: int, end: int) -> list[int]:
+        """Offsets from ``start`` of the reference positions in ``[start, end)`` (the schedule is a function
+        of positions alone, computed on the host)."""
+        if not self.cfg.references:
+            return []
+        cfg = self.cfg
+        return [p - start for p in references.references_between(start, end, n_sink=cfg.n_sink, stride=cfg.stride,
+                                                                 alpha=cfg.alpha, grid=cfg.grid)]
 
     # -- reading ---------------------------------------------------------------------------------------
+    def _restore(self, z: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
+        """kv̂ ``[m, d_kv]`` of coded tokens from their dequantised codes ``z`` and reference means (§IV-B)."""
+        with torch.no_grad():
+            if self.press.mean_only:
+                return mean                      # REMOVE_COMP: the code is not read back
+            return self.codec.restore(z, mean) if self.press.use_codec else z + mean
+
+    def _restore_all(self) -> list[KVView]:
+        """Every reference and every coded token (standalone, or a chunk OmniKV does not select for)."""
+        parts = []
+        if len(self.pool):
+            parts.append(self._to_view(self.pool.all(), self.pool.positions()))
+        if len(self.codes):
+            z, nbr, valid = self.codes.rows()
+            mean = (restore_mean(self.pool, nbr, valid)[0] if nbr.shape[1]
+                    else z.new_zeros(len(z), self.cfg.d_kv))
+            parts.append(self._to_view(self._restore(z, mean), self.codes.positions()))
+        return parts
+
+    def _restore_selected(self, selected: torch.Tensor) -> KVView:
+        """The tokens at OmniKV's ``selected`` positions (int64 ``[m]``, each a reference or a coded token of
+        this layer), restored with host-known shapes: slots from the position maps, one gather of codes, one of
+        the references (the selected ones and the coded tokens' neighbours), one decoder pass; references
+        first, then coded tokens, each in position order (the order of :meth:`_restore_all`)."""
+        m = len(selected)
+        ref_slot, code_slot = self.pool.slot(selected), self.codes.slot(selected)
+        is_ref = ref_slot >= 0
+        if checks.ENABLED and not (is_ref | (code_slot >= 0)).all():
+            raise RuntimeError(f"layer {self.ctx.layer_idx}: selected positions that are neither references nor "
+                               f"coded: {selected[~(is_ref | (code_slot >= 0))].tolist()}")
+        order = torch.argsort(torch.where(is_ref, selected, selected + self.seen))
+        selected, ref_slot, code_slot, is_ref = selected[order], ref_slot[order], code_slot[order], is_ref[order]
+        if not len(self.codes):
+            return self._to_view(self.pool.rows(ref_slot), selected)
+        z, nbr, valid = self.codes.rows(code_slot.clamp(min=0))
+        if nbr.shape[1]:
+            mean, ref_rows = restore_mean(self.pool, nbr, valid, ref_slot.clamp(min=0) if len(self.pool) else None)
+        else:
+            mean, ref_rows = z.new_zeros(m, self.cfg.d_kv), None
+        kv = self._restore(z, mean)
+        if ref_rows is not None:
+            kv = torch.where(is_ref[:, None], ref_rows.to(kv.dtype), kv)
+        return self._to_view(kv, selected)
+
+    def _parts(self) -> list[KVView | None]:
+        """Sinks, the restored tokens (every one, or OmniKV's selection of this step) and the raw window."""
+        self.ctx.rope.reach(self.seen)
+        selected = self.cache.step.selected   # set only by an OmniKV filter layer of this step
+        if selected is None:
+            restored = self._restore_all()
+        else:
+            restored = [self._restore_selected(selected)] if len(selected) else []
+        return [self.sink, *restored, self.window]
+
     def history(self) -> KVView | None:
         if self.seen == 0:   # nothing written yet (not "no sink": a codec may hold n_sink = 0)
             return None
-        selected = self.cache.step.selected   # set only by an OmniKV filter layer of this step
-        parts = [self.sink]
-        if len(self.ref_pos):
-            keep = torch.ones_like(self.ref_pos, dtype=torch.bool) if selected is None else torch.isin(self.ref_pos, selected)
-            if keep.any():
-                parts.append(self._to_view(self.refs()[keep], self.ref_pos[keep]))
-        z, nbr, valid, code_pos = self.codes.dequantized(selected)
-        if z is not None:
-            mean = self._mean(self.refs(), nbr, valid)
-            with torch.no_grad():
-                if self.press.mean_only:
-                    kv = mean                      # REMOVE_COMP: the code is not read back
-                else:
-                    kv = self.codec.restore(z, mean) if self.press.use_codec else z + mean
-            parts.append(self._to_view(kv, code_pos))
-        parts.append(self.window)
-        return KVView.cat(parts)
+        return KVView.cat(self._parts())
+
+    def view_with(self, chunk: KVView) -> KVView:
+        """History and ``chunk`` in one concatenation (not history's, then a second with the chunk)."""
+        return KVView.cat([*self._parts(), chunk]) if self.seen else chunk
 
     def packed_bytes(self) -> StoredBytes:
         """Packed parts (:mod:`~kvbench.compress.accounting`): codes, scales and indices
-        (:meth:`_Codes.nbytes`), references as stored (FP8: 1 byte a value), raw window and sinks at FP16.
+        (:meth:`CodeStore.nbytes`), references as stored (FP8: 1 byte a value), raw window and sinks at FP16.
         Not counted here (resident only, :meth:`held_tensors`): unpacked code bytes, validity masks, int64
-        token and reference positions, the raw tokens' extra bytes in a float32 model, and the pre-norm
-        window keys of a key-norm model (``window_k_in``)."""
+        token and reference positions and position maps, the raw tokens' extra bytes in a float32 model, the
+        pre-norm window keys of a key-norm model (``raw_k_in``), and spare capacity."""
         payload, scales, indices = self.codes.nbytes()
         raw = lambda v: 0 if v is None else (v.keys.numel() + v.values.numel()) * 2  # noqa: E731  FP16
+        ref = self.pool.stored()
         return StoredBytes(layer=self.ctx.layer_idx, codes=payload, scales=scales,
-                           references=self.ref_store.numel() * self.ref_store.element_size(), indices=indices,
+                           references=ref.numel() * ref.element_size(), indices=indices,
                            raw_window=raw(self.window), sinks=raw(self.sink))
 
     def kept_share(self) -> float:
@@ -343,15 +334,18 @@ class ResidualKVLayer(StoreLayer):
         SnapKV selector dropped coded tokens."""
         if not self.seen:
             return 1.0
-        held = sum(0 if v is None else len(v) for v in (self.sink, self.window))
-        return (held + len(self.ref_pos) + len(self.codes.positions())) / self.seen
+        held = (0 if self.sink is None else len(self.sink)) + len(self.raw)
+        return (held + len(self.pool) + len(self.codes)) / self.seen
 
     def held_tensors(self):
+        """Every storage held, each at its allocated capacity (the doubling buffers keep up to as much
+        again spare): sinks, raw window, reference pool, code store, the step's k_proj rows."""
         yield from super().held_tensors()
-        for view in (self.sink, self.window):
-            if view is not None:
-                yield from view.tensors()
-        yield from (self.ref_store, self.ref_pos, self.window_k_in, self._k_in)
+        if self.sink is not None:
+            yield from self.sink.tensors()
+        yield from self.raw.tensors()
+        yield from self.pool.tensors()
+        yield from (self.raw_k_in.data, self._k_in)
         yield from self.codes.tensors()
 
     def drop_unselected(self, keep_positions: torch.Tensor) -> None:
@@ -401,6 +395,11 @@ class ResidualKVPress(Press):
             used. Exclusive with ``use_codec=False``.
         alpha, stride: the reference schedule at inference (None: the codec's training values). Table VI
             and Fig. 5 vary them at inference with one trained codec.
+        block: tokens coded at once (None: the codec's ``window``, the authors' 128-token flush with their
+            128-token window, ``cache_pipeline.py``): nothing is coded until the raw window holds ``window +
+            block`` tokens, then the oldest ``⌊(raw − window) / block⌋ · block`` at once, so it holds ``window``
+            to ``window + block − 1`` raw tokens. 1 codes each token as it leaves a ``window``-token window.
+            OmniKV's candidates are the coded tokens, so they end at the same block boundary.
     """
 
     name = "residualkv"
@@ -421,6 +420,7 @@ class ResidualKVPress(Press):
     codec: str = "main"
     alpha: float | None = None
     stride: int | None = None
+    block: int | None = None
 
     def __post_init__(self):
         """Check the parameters (no codec is read: that happens in :meth:`load`, when the press meets a model).
@@ -429,7 +429,8 @@ class ResidualKVPress(Press):
             ValueError: naming the bad value and what is expected: also a selector other than OmniKV or
                 SnapKV, an OmniKV selector without ``full_layers`` or with its own ``n_sink``, ``window`` or
                 ``filter_layers`` (the storage's), ``full_kv_bits`` other than 16 without ``full_layers``
-                (it would change nothing), ``stride`` not a positive int, ``alpha`` negative, a bad ``protocol``.
+                (it would change nothing), ``stride`` or ``block`` not a positive int, ``alpha`` negative, a bad
+                ``protocol``.
         """
         super().__post_init__()
         if self.selector is not None and not isinstance(self.selector, (OmniKVPress, SnapKVPress)):
@@ -461,6 +462,10 @@ class ResidualKVPress(Press):
             raise ValueError(f"stride (reference stride s_0) must be an int >= 1, got {stride!r}")
         if alpha is not None and not alpha >= 0:
             raise ValueError(f"alpha (dynamic-stride growth) must be >= 0, got {alpha!r}")
+        block = self.block
+        if block is not None and (not isinstance(block, int) or isinstance(block, bool) or block < 1):
+            raise ValueError(f"block (tokens coded at once) must be an int >= 1 or None (the codec's window), "
+                             f"got {block!r}")
 
     def load(self) -> None:
         """Read the trained codec and check this press against it (the schedule's ``alpha``/``stride``, the
@@ -501,6 +506,10 @@ class ResidualKVPress(Press):
         over = {k: v for k, v in (("alpha", self.alpha), ("stride", self.stride)) if v is not None}
         return dataclasses.replace(self.codec_model.config if codec is None else codec, **over)
 
+    def coding_block(self) -> int:
+        """Tokens coded at once: ``block``, or the codec's ``window`` (at least 1) when it is None."""
+        return self.block if self.block is not None else max(1, self.window)
+
     def kr_formula(self, n_tokens: int, n_layers: int, d_kv: int, codec: CodecConfig | None = None) -> float:
         """The paper's KR (§V-A, :func:`~kvbench.compress.accounting.keep_ratio_formula`) of this press on a
         model of ``n_layers`` layers and K‖V width ``d_kv`` at ``n_tokens`` tokens, from its own fields and
@@ -516,7 +525,9 @@ class ResidualKVPress(Press):
         Against the packed measurement: see :func:`~kvbench.compress.accounting.keep_ratio_formula` for what the
         formula omits (indices, sinks, raw window, the full layers' raw residual) and charges too much (a code for
         every reference); on the parts it models it agrees within a point (tests/test_rkv_accounting.py), where
-        the value group is 32 (head_dim >= 32; KIVI's value group is ``min(32, head_dim)``).
+        the value group is 32 (head_dim >= 32; KIVI's value group is ``min(32, head_dim)``). ``block`` changes
+        only how many tokens are raw (``window`` to ``window + block − 1``), a part the formula omits, so it
+        does not enter the formula.
         """
         cfg = self.schedule(codec)
         n = int(n_tokens)
@@ -583,8 +594,11 @@ class ResidualKVPress(Press):
 
     @functools.cached_property
     def _filter(self) -> OmniKVPress:
-        """The OmniKV selector with the storage's sinks and raw window (read from the codec)."""
-        return dataclasses.replace(self.selector, n_sink=self.n_sink, window=self.window)
+        """The OmniKV selector with the storage's sinks, raw window (read from the codec) and coding block,
+        so its candidates are the tokens the sparse layers hold coded."""
+        selector = dataclasses.replace(self.selector, n_sink=self.n_sink, window=self.window)
+        selector.block = self.coding_block()
+        return selector
 
     def compute_ratio(self, n_layers: int) -> float | None:
         """1.0 standalone (every coded token restored each step); measured only with a selector."""

@@ -68,9 +68,11 @@ def check_quant_config(d_c: int, bits: int, group: int) -> None:
         raise ValueError(f"d_c = {d_c} must be a multiple of group = {group}")
 
 
-def _check_codes(z: torch.Tensor) -> None:
+def _check_codes(z: torch.Tensor, values: bool = True) -> None:
     if z.dim() != 2 or not z.dtype.is_floating_point:
         raise ValueError(f"expected z as a float [T, d_c] tensor, got {z.dtype} {tuple(z.shape)}")
+    if not values:
+        return
     if not torch.isfinite(z).all():
         raise ValueError("z must be finite (found NaN or inf)")
     if z.numel() and float(z.abs().max()) > _FP16_MAX:
@@ -89,7 +91,7 @@ def _fp16_round(x: torch.Tensor, direction: str) -> torch.Tensor:
     return torch.where(off, torch.nextafter(h, target), h)
 
 
-def quantize(z: torch.Tensor, bits: int, group: int = 32) -> QuantizedCodes | torch.Tensor:
+def quantize(z: torch.Tensor, bits: int, group: int = 32, *, check: bool = True) -> QuantizedCodes | torch.Tensor:
     """Asymmetric min/max quantisation per group of ``group`` coordinates of one token (notes §2.4).
 
     Δ_s = (z_max − z_min)/(2^b − 1), q = round((z − z_min)/Δ_s), clamped to [0, 2^b − 1]. Levels are
@@ -104,10 +106,13 @@ def quantize(z: torch.Tensor, bits: int, group: int = 32) -> QuantizedCodes | to
     bits : 2, 4, 8 (quantised) or 16 (no quantisation: z is returned as float16).
     group : int — coordinates per group; d_c % group == 0 (paper g = 32).
 
+    check : bool — False skips the value checks (NaN/inf, |z| > 65504), which read z back to the host: a
+        cache's per-step path (:mod:`kvbench.compress.checks`); shapes and the config are always checked.
+
     Returns :class:`QuantizedCodes`, or a float16 [T, d_c] tensor for bits = 16.
     Raises ValueError for a bad config (:func:`check_quant_config`), shape, dtype, NaN/inf or |z| > 65504.
     """
-    _check_codes(z)
+    _check_codes(z, values=check)
     check_quant_config(z.shape[1], bits, group)
     if bits == 16:
         return z.to(torch.float16)
@@ -205,12 +210,21 @@ def to_fp8(x: torch.Tensor, overflow: str = "saturate") -> tuple[torch.Tensor, i
     if not torch.isfinite(x).all():
         n_bad = int((~torch.isfinite(x)).sum())
         raise ValueError(f"cannot cast to FP8: {n_bad} NaN/inf value(s) in the input")
-    over = x.abs() > FP8_MAX
-    n_sat = int(over.sum())
+    out, over = cast_fp8(x)
+    n_sat = int(over)
     if n_sat and overflow == "error":
         raise ValueError(f"{n_sat} value(s) exceed the FP8 e4m3fn range ±{FP8_MAX}: max |x| = "
                          f"{float(x.abs().max())}")
-    return x.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), n_sat
+    return out, n_sat
+
+
+def cast_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`to_fp8`'s saturating cast without its checks or host reads (a cache's per-block path).
+
+    Returns (float8_e4m3fn tensor of x's shape, int64 0-d tensor: elements with |x| > 448, clamped to ±448).
+    NaN/inf are not checked (see :mod:`kvbench.compress.checks`).
+    """
+    return x.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), (x.abs() > FP8_MAX).sum()
 
 
 def from_fp8(x: torch.Tensor) -> torch.Tensor:

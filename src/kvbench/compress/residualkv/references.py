@@ -87,6 +87,26 @@ def reference_positions(
     return torch.cat([sinks, grid_pos]) if grid == "code" else grid_pos
 
 
+def references_between(
+    start: int, end: int, *, n_sink: int, stride: int, alpha: float = 0.0, grid: str = "paper", block: int = 128
+) -> list[int]:
+    """Reference positions in ``[start, end)``, ascending, as Python ints (the schedule of :func:`reference_mask`,
+    computed on the host: a cache coding a block of consecutive positions reads no tensor back to know which of
+    them are references). A loop over references for α > 0, ranges otherwise.
+
+    Raises ValueError for a bad schedule (see :func:`reference_mask`).
+    """
+    _check_schedule(n_sink, stride, alpha, grid, block)
+    start = max(0, start)
+    sinks = list(range(start, min(n_sink, end))) if grid == "code" else []
+    if alpha > 0.0:
+        return sinks + [p for p in _dynamic_positions(end, n_sink, stride, alpha) if p >= start]
+    lo = max(start, n_sink)
+    if grid == "paper":
+        return list(range(lo + (-(lo - n_sink)) % stride, end, stride))
+    return sinks + [p for p in range(lo, end) if (p - n_sink) % block % stride == 0]
+
+
 def reference_mask(
     positions: torch.LongTensor,
     *,
@@ -95,6 +115,7 @@ def reference_mask(
     alpha: float = 0.0,
     grid: str = "paper",
     block: int = 128,
+    check: bool = True,
 ) -> torch.BoolTensor:
     """True where the absolute token position is a reference token (§IV-A, notes §2.6).
 
@@ -106,6 +127,7 @@ def reference_mask(
     alpha : float — dynamic-stride growth α >= 0 (0 = fixed stride; LongBench uses 0.001).
     grid : "paper" (default) or "code" — see the module docstring; sinks are references only in "code".
     block : int — block length of the "code" grid's per-block restart (authors' recent window, 128).
+    check : bool — False skips the negative-position check (a host read; :mod:`kvbench.compress.checks`).
 
     Returns
     -------
@@ -121,8 +143,7 @@ def reference_mask(
     if positions.numel() == 0:
         return torch.zeros(positions.shape, dtype=torch.bool, device=positions.device)
     pos = positions.to(torch.long)
-    lo = int(pos.min())
-    if lo < 0:
+    if check and (lo := int(pos.min())) < 0:
         raise ValueError(f"positions must be >= 0, got {lo}")
     if alpha == 0.0 and grid == "paper":
         return (pos >= n_sink) & ((pos - n_sink) % stride == 0)
@@ -179,6 +200,7 @@ def nearest_references(
     k: int,
     *,
     inclusive: bool = False,
+    check: bool = True,
 ) -> tuple[torch.LongTensor, torch.BoolTensor]:
     """The k_i = min(k, #visible) nearest visible references of each token by squared L2 (notes §2.2).
 
@@ -192,6 +214,8 @@ def nearest_references(
     inclusive : bool — False (paper, causal): reference j is visible to token i iff
         ref_pos[j] < kv_pos[i]. True (authors' code): ref_pos[j] <= kv_pos[i], so a reference may be
         its own nearest neighbour.
+    check : bool — False skips the checks that read values back to the host (non-finite input, a token
+        with no visible reference, a float32 overflow): a cache's per-block path, :mod:`kvbench.compress.checks`.
 
     Returns
     -------
@@ -220,13 +244,12 @@ def nearest_references(
         return idx, valid
     x_all = kv.to(torch.float32)
     refs = ref_kv.to(device=device, dtype=torch.float32)
-    if not (torch.isfinite(x_all).all() and torch.isfinite(refs).all()):
+    if check and not (torch.isfinite(x_all).all() and torch.isfinite(refs).all()):
         raise ValueError("kv and ref_kv must be finite (found NaN or inf)")
     kv_pos = kv_pos.to(device=device, dtype=torch.long)
     rpos = ref_pos.to(device=device, dtype=torch.long)
     n_visible = _count_visible(kv_pos, rpos, inclusive)
-    blind = torch.nonzero(n_visible == 0).flatten()
-    if blind.numel():
+    if check and (blind := torch.nonzero(n_visible == 0).flatten()).numel():
         raise ValueError(f"{blind.numel()} token(s) see no reference, first at position "
                          f"{int(kv_pos[blind[0]])} (visibility: ref_pos {'<=' if inclusive else '<'} token position)")
     ref_sq = (refs * refs).sum(1)
@@ -237,7 +260,7 @@ def nearest_references(
         dist = (x * x).sum(1, keepdim=True) + ref_sq[None, :] - 2.0 * (x @ refs.T)
         dist.clamp_(min=0.0)
         visible = (rpos[None, :] <= p[:, None]) if inclusive else (rpos[None, :] < p[:, None])
-        if not torch.isfinite(dist[visible]).all():
+        if check and not torch.isfinite(dist[visible]).all():
             raise ValueError("a squared distance overflowed float32; scale kv/ref_kv down")
         dist.masked_fill_(~visible, float("inf"))
         for j in range(min(k, n_ref)):
@@ -255,33 +278,48 @@ def _count_visible(kv_pos: torch.Tensor, ref_pos: torch.Tensor, inclusive: bool)
     return torch.searchsorted(sorted_pos, kv_pos, right=inclusive)
 
 
-def mean_reference(ref_kv: torch.Tensor, idx: torch.LongTensor, valid: torch.BoolTensor) -> torch.Tensor:
+def mean_reference(ref_kv: torch.Tensor, idx: torch.LongTensor, valid: torch.BoolTensor, *,
+                   check: bool = True) -> torch.Tensor:
     """Mean of each token's valid neighbours, \\bar{KV}_{ref,i} = (1/k_i) Σ_{j∈R_i} kv_j (notes §2.2).
 
     Parameters
     ----------
-    ref_kv : [R, D] float — the reference pool.
+    ref_kv : [R, D] float (any float dtype, FP8 included) — the reference pool.
     idx : [T, k] long — neighbour indices from :func:`nearest_references`.
     valid : [T, k] bool — which slots count.
+    check : bool — False skips the checks that read values back to the host (a token with no valid
+        neighbour, an index out of range): a cache's per-step path, :mod:`kvbench.compress.checks`.
 
     Returns
     -------
-    torch.Tensor [T, D] float32. Accumulates one neighbour slot at a time (memory O(T·D), not T·k·D).
+    torch.Tensor [T, D] float32. Only the T·k rows the tokens use are read and converted to float32 (never
+    the whole pool: a cache restoring a few tokens reads a few references); the sum runs one neighbour
+    slot at a time, in slot order.
 
     Raises ValueError for mismatched shapes, an index out of range, or a token with no valid neighbour.
     """
     if idx.shape != valid.shape or idx.dim() != 2 or ref_kv.dim() != 2:
         raise ValueError(f"expected ref_kv [R, D] and idx, valid [T, k], got {tuple(ref_kv.shape)}, "
                          f"{tuple(idx.shape)}, {tuple(valid.shape)}")
-    counts = valid.sum(1)
-    if (counts == 0).any():
-        raise ValueError(f"token row {int(torch.nonzero(counts == 0)[0])} has no valid neighbour")
-    used = idx[valid]
-    if used.numel() and (int(used.min()) < 0 or int(used.max()) >= ref_kv.shape[0]):
-        raise ValueError(f"neighbour index out of range [0, {ref_kv.shape[0]}): "
-                         f"{int(used.min())}..{int(used.max())}")
-    refs = ref_kv.to(torch.float32)
-    acc = torch.zeros((idx.shape[0], ref_kv.shape[1]), dtype=torch.float32, device=ref_kv.device)
-    for j in range(idx.shape[1]):
-        acc += refs[idx[:, j].clamp(0, max(0, ref_kv.shape[0] - 1))] * valid[:, j, None].to(torch.float32)
-    return acc / counts[:, None].to(torch.float32)
+    if check:
+        counts = valid.sum(1)
+        if (counts == 0).any():
+            raise ValueError(f"token row {int(torch.nonzero(counts == 0)[0])} has no valid neighbour")
+        used = idx[valid]
+        if used.numel() and (int(used.min()) < 0 or int(used.max()) >= ref_kv.shape[0]):
+            raise ValueError(f"neighbour index out of range [0, {ref_kv.shape[0]}): "
+                             f"{int(used.min())}..{int(used.max())}")
+    n_tok, k = idx.shape
+    rows = ref_kv[idx.reshape(-1).clamp(0, max(0, ref_kv.shape[0] - 1))].to(torch.float32)
+    return mean_rows(rows.view(n_tok, k, ref_kv.shape[1]), valid)
+
+
+def mean_rows(rows: torch.Tensor, valid: torch.BoolTensor) -> torch.Tensor:
+    """Mean over the valid neighbours of gathered reference rows: ``rows`` float32 ``[T, k, D]`` (row j of
+    token i = its j-th neighbour), ``valid`` ``[T, k]`` -> float32 ``[T, D]``. One slot at a time in slot order
+    (the sum's rounding is :func:`mean_reference`'s); a token with no valid slot gives NaN (callers check)."""
+    acc = torch.zeros((rows.shape[0], rows.shape[2]), dtype=torch.float32, device=rows.device)
+    weight = valid.to(torch.float32)
+    for j in range(rows.shape[1]):
+        acc.addcmul_(rows[:, j], weight[:, j, None])   # acc + row · {0, 1}: the product is exact, one rounding
+    return acc.div_(weight.sum(1)[:, None])
