@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvbench.bench import codec_cost, codec_variants, decode
-from kvbench.bench.timing_lm import build_timing_lm, full_layers_for, timing_lm_config
+from kvbench.bench.timing_lm import build_timing_lm, fixed_vocab_size, full_layers_for, full_layers_of, timing_lm_config
 from kvbench.compress.cache import Press
 from kvbench.compress.residualkv.cache import ResidualKVPress
 from kvbench.compress.residualkv.codec import CodecConfig, ResidualCodec
@@ -33,6 +33,15 @@ def test_timing_lm_shapes():
     assert 2 * cfg.num_key_value_heads * cfg.head_dim == 512            # d_kv
     assert cfg.num_hidden_layers == 12 and cfg.max_position_embeddings >= 524288 + 200
     assert full_layers_for(12) == (0, 1, 3) and full_layers_for(16) == (0, 1, 4) and full_layers_for(4) == (0, 1) and full_layers_for(2) == (0,)
+    # Llama-3.1-8B's shape (its config.json) and Table I's full layers; vocabulary fixed, head untied
+    llama = timing_lm_config("timing-llama-3.1-8b")
+    assert llama.architectures == ["LlamaForCausalLM"] and not llama.tie_word_embeddings
+    assert (llama.hidden_size, llama.num_hidden_layers, llama.num_attention_heads, llama.num_key_value_heads,
+            llama.head_dim, llama.intermediate_size, llama.vocab_size) == (4096, 32, 32, 8, 128, 14336, 128256)
+    assert full_layers_of("timing-llama-3.1-8b") == (0, 1, 2, 8, 18) and full_layers_of(TEST_LM) == (0, 1)
+    assert fixed_vocab_size("timing-llama-3.1-8b") == 128256 and fixed_vocab_size(TEST_LM) is None
+    with pytest.raises(ValueError, match="vocab_size must be >= 2, got None"):
+        timing_lm_config(TEST_LM)
     with pytest.raises(KeyError, match="timing-qwen2-lm-wide"):
         timing_lm_config("nope", 4096)
     with pytest.raises(ValueError, match="n_layers"):
