@@ -8,7 +8,7 @@ import pandas as pd
 import pytest
 import torch
 
-from kvbench.bench import codec_cost, codec_variants, decode
+from kvbench.bench import bandwidth, codec_cost, codec_variants, decode
 from kvbench.bench.timing_lm import build_timing_lm, fixed_vocab_size, full_layers_for, full_layers_of, timing_lm_config
 from kvbench.compress.cache import Press
 from kvbench.compress.residualkv.cache import ResidualKVPress
@@ -24,7 +24,7 @@ CONTEXTS = [40, 300]
 @pytest.fixture(scope="module")
 def run():
     return decode.measure_decode_throughput(TEST_LM, CONTEXTS, decode_steps=2, warmup_steps=1, repeats=2,
-                                            vocab_size=256, seed=0)
+                                            vocab_size=256, seed=0, copy_mib=4)
 
 
 def test_timing_lm_shapes():
@@ -59,10 +59,64 @@ def test_rows_columns_and_header(run, tmp_path):
     assert list(df.columns) == decode.COLUMNS
     assert len(df) == len(CONTEXTS) * len(decode.METHODS)
     assert df[["context", "method"]].values.tolist() == [[c, m] for c in CONTEXTS for m in decode.METHODS]
-    assert (df["weights"] == "random").all() and (df["decode_steps"] == 2).all()
-    assert (df["tokens_per_s"] > 0).all() and (df["q1"] <= df["tokens_per_s"]).all()
-    assert (df["tokens_per_s"] <= df["q3"]).all()
+    assert (df["weights"] == "random").all() and (df["decode_steps"] == 2).all() and (df["repeats"] == 2).all()
+    assert "2.5th/97.5th percentiles of the per-step times" in first
+    assert (df["tokens_per_s"] > 0).all() and (df["tps_lo95"] <= df["tokens_per_s"]).all()
+    assert (df["tokens_per_s"] <= df["tps_hi95"]).all()
     assert ((df["ms_per_token"] * df["tokens_per_s"] - 1000.0).abs() < 1e-6).all()
+    assert (df["prefill_s"] > 0).all() and (df["peak_mem_gib"] > 0).all()
+
+
+def test_bandwidth_columns(run):
+    rows, _ = run
+    by = {(r["context"], r["method"]): r for r in rows}
+    model = build_timing_lm(TEST_LM, 256)
+    for r in rows:
+        assert r["weight_bytes"] == bandwidth.weight_bytes(model)
+        assert r["bytes_per_step"] == r["weight_bytes"] + r["kv_read_bytes"]
+        assert r["achieved_gb_s"] == pytest.approx(r["bytes_per_step"] / (r["ms_per_token"] / 1000) / 1e9)
+        assert r["share_of_measured_bw"] == pytest.approx(r["achieved_gb_s"] / r["machine_read_gb_s"])
+        assert r["peak_gb_s"] is None and r["share_of_peak"] is None           # CPU: no datasheet peak
+        assert r["kv_read_source"] in (("tensors",) if r["method"] == "dynamic-cache-sdpa" else ("audit", "estimate"))
+    for c in CONTEXTS:
+        # our exact cache and transformers' hold the same float32 K/V of every token written (context, warm-up
+        # and timed steps): 4 layers x 2 (K, V) x 2 heads x 16 x 4 bytes per token
+        n = c + 1 + 2 * 2
+        assert by[c, "dynamic-cache-sdpa"]["kv_read_bytes"] == 4 * 2 * 2 * 16 * 4 * n
+        if by[c, "full"]["kv_read_source"] == "estimate":
+            assert by[c, "full"]["kv_read_bytes"] == by[c, "dynamic-cache-sdpa"]["kv_read_bytes"]
+    # coded and selected: ResidualKV reads less KV than the full cache, 4-bit less than 16-bit
+    assert (by[300, "residualkv-omnikv"]["kv_read_bytes"] < by[300, "residualkv-omnikv-unquantised"]["kv_read_bytes"]
+            < by[300, "full"]["kv_read_bytes"])
+
+
+def test_speed_ratios_name_their_reference(run):
+    rows, header = run
+    by = {(r["context"], r["method"]): r for r in rows}
+    for c in CONTEXTS:
+        assert by[c, "full"]["vs_full"] == 1.0 and by[c, "dynamic-cache-sdpa"]["vs_dynamic_cache"] == 1.0
+        q = by[c, "residualkv-omnikv"]
+        assert q["vs_full"] == q["tokens_per_s"] / by[c, "full"]["tokens_per_s"]
+    slow = decode.slower_than_reference(rows)
+    assert slow == [c for c in CONTEXTS if by[c, "full"]["vs_dynamic_cache"] < 1.0]
+    assert ("NOTE: our full cache is slower than transformers' DynamicCache+SDPA" in header) == bool(slow)
+    fake = [{"context": 64, "method": "full", "tokens_per_s": 1.0}, {"context": 64, "method": "dynamic-cache-sdpa",
+                                                                     "tokens_per_s": 2.0}]
+    decode.add_ratios(fake)
+    assert fake[0]["vs_dynamic_cache"] == 0.5 and fake[1]["vs_full"] == 2.0 and decode.slower_than_reference(fake) == [64]
+    assert "context(s) 64 (vs_dynamic_cache < 1)" in decode.header_line("m", "random", "RANDOM", [64], 1, 0, 1, fake)
+
+
+def test_each_context_gets_a_fresh_cache(run):
+    """A context's cache does not carry an earlier context's tokens: 300 alone measures what it measured
+    after 40 (same ids, same selections; a grown cache would hold 40 + 5 more tokens)."""
+    rows, _ = run
+    alone, _ = decode.measure_decode_throughput(TEST_LM, [300], ["residualkv-omnikv", "full"], decode_steps=2,
+                                                warmup_steps=1, repeats=2, vocab_size=256, seed=0, copy_mib=4)
+    by = {(r["context"], r["method"]): r for r in rows}
+    for r in alone:
+        for col in ("kr_measured", "cr_measured", "kv_read_bytes"):
+            assert r[col] == by[300, r["method"]][col], (r["method"], col)
 
 
 def test_full_cache_ratios_are_one_and_residualkv_compresses(run):
@@ -147,12 +201,13 @@ def test_variant_throughput_scales_widths_and_keeps_schedule(tmp_path):
     dirs = {"base": _zoo_shaped_codec(tmp_path / "a"), "dc_high": _zoo_shaped_codec(tmp_path / "b", d_c=64),
             "s_low": _zoo_shaped_codec(tmp_path / "c", stride=5, k=2)}
     rows, header = codec_variants.measure_variant_throughput(dirs, "base", TEST_LM, context=300, decode_steps=2,
-                                                             warmup_steps=1, repeats=2, vocab_size=256)
+                                                             warmup_steps=1, repeats=2, vocab_size=256, copy_mib=4)
     by = {r["variant"]: r for r in rows}
     # the test LM's d_kv is 64 = half the codecs' 128: widths halve, the schedule is kept
     assert [(by[v]["d_c"], by[v]["d_ff"], by[v]["k"], by[v]["stride"]) for v in dirs] == [
         (16, 96, 4, 10), (32, 96, 4, 10), (16, 96, 2, 5)]
     assert by["base"]["relative_throughput"] == 1.0 and by["base"]["default"]
+    assert all(r["kv_read_bytes"] > 0 and r["bytes_per_step"] > r["weight_bytes"] for r in rows)
     for r in rows:
         assert r["relative_throughput"] == r["tokens_per_s"] / by["base"]["tokens_per_s"]
         assert r["d_kv"] == 64 and r["codec_d_kv"] == 128 and r["cr_measured"] < 1.0
