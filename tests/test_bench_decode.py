@@ -175,19 +175,38 @@ def test_codec_pair_matches_parameters_within_one_percent():
 
 
 def test_codec_cost_rows(tmp_path):
-    rows, header = codec_cost.measure_codec_cost(d_kv=64, d_c=16, d_ff=96, tokens=100, decode_steps=7, repeats=2)
+    rows, header = codec_cost.measure_codec_cost(d_kv=64, d_c=16, d_ff=96, tokens=400, decode_steps=7, repeats=2)
     decode.write_csv(rows, header, codec_cost.COLUMNS, tmp_path / "fig6.csv")
     df = pd.read_csv(tmp_path / "fig6.csv", skiprows=1)
     assert list(df.columns) == codec_cost.COLUMNS and df["codec"].tolist() == ["residualkv", "reverse"]
     assert df[["encoder", "decoder"]].values.tolist() == [["swiglu", "linear"], ["linear", "swiglu"]]
     assert df["params"].tolist() == [2 * 64 * 96 + 96 * 16 + 16 * 64, 64 * 16 + 2 * 16 * 144 + 144 * 64]
-    assert (df["restore_tokens"] == 17).all()                           # ceil(0.17 * 100)
+    assert (df["restore_tokens"] == 68).all()                           # ceil(0.17 * 400)
     assert ((df["total_ms"] - df["prefill_ms"] - 7 * df["restore_ms"]).abs() < 1e-9).all()
+    assert (df["codec_restore_ms"] > 0).all()
     assert header.startswith("# kvbench ResidualKV Fig. 6") and "RANDOM weights" in header
+    assert "ResidualKVLayer.history" in header
     with pytest.raises(ValueError, match="restore_tokens = 200 exceeds tokens = 100"):
         codec_cost.measure_codec_cost(d_kv=64, d_c=16, d_ff=96, tokens=100, restore_tokens=200)
+    with pytest.raises(ValueError, match="restore_tokens = 300 exceeds the 264 candidates of a 400-token context"):
+        codec_cost.measure_codec_cost(d_kv=64, d_c=16, d_ff=96, tokens=400, restore_tokens=300)
     with pytest.raises(ValueError, match="d_c must be >= 1, got 0"):
         codec_cost.measure_codec_cost(d_kv=64, d_c=0, d_ff=96)
+    with pytest.raises(ValueError, match=r"d_kv must be a positive multiple of 4 \(.*\), got 66"):
+        codec_cost.measure_codec_cost(d_kv=66, d_c=16, d_ff=96, tokens=400)
+
+
+def test_codec_cost_restore_is_the_caches_history(tmp_path):
+    """Fig. 6's restore runs the cache's own read: the layer it times returns the selected candidates (coded ones
+    restored, references read), its sinks and its raw window, post-RoPE, as a decode step's attention reads them."""
+    codec = codec_cost.codec_pair(64, 16, 96)["residualkv"]
+    layer, cache = codec_cost.filled_layer(codec, 400, str(tmp_path), torch.device("cpu"), torch.float32)
+    selected = [20, 21, 100, 200]                      # references (every 10th) and coded tokens among them
+    cache.step = codec_cost.StepState(selected=torch.tensor(selected))
+    view = layer.history()
+    pos = view.positions[0, 0].tolist()
+    assert sorted(pos) == list(range(8)) + selected + list(range(400 - 128, 400))
+    assert view.keys.shape == (1, 1, 8 + 4 + 128, 32)
 
 
 def _zoo_shaped_codec(directory, **over):
