@@ -37,6 +37,7 @@ import tempfile
 import torch
 
 from kvbench.bench import clock
+from kvbench.bench.decode import last_logits
 from kvbench.bench.settings import CodecCostConfig
 from kvbench.compress.cache import PressCache, StepState, press_attention
 from kvbench.compress.residualkv.cache import ResidualKVLayer, ResidualKVPress
@@ -112,7 +113,7 @@ def filled_layer(codec: LayerCodec, tokens: int, codec_dir: str, device: torch.d
     cache = press.new_cache(model)
     ids = torch.randint(64, (1, tokens), generator=torch.Generator().manual_seed(seed)).to(device)
     with press_attention(model, cache):
-        model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
+        last_logits(model, cache, ids, 0)
     return cache.layers[0], cache
 
 

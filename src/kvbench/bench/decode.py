@@ -42,7 +42,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import gc
+import inspect
 import resource
 import statistics
 import tempfile
@@ -169,10 +171,21 @@ def load_lm(model_name_or_dir: str, device: torch.device, dtype: torch.dtype, se
     return model, "trained"
 
 
-def _forward(model: Any, cache: Any, ids: torch.Tensor, start: int) -> torch.Tensor:
-    """Last-position logits ``[vocab]`` of ``ids`` ``[1, t]`` at positions ``start..start+t-1``."""
+@functools.cache
+def _cache_kwarg(model_cls: type) -> str:
+    """The forward's name of the cache argument: ``cache`` (transformers >= 5.2x, the pin) or, in an older
+    transformers (a GPU image's), ``past_key_values``; an unknown keyword would be swallowed by ``**kwargs``
+    and the model would decode without its cache."""
+    return "cache" if "cache" in inspect.signature(model_cls.forward).parameters else "past_key_values"
+
+
+def last_logits(model: Any, cache: Any, ids: torch.Tensor, start: int) -> torch.Tensor:
+    """Last-position logits ``[vocab]`` of ``ids`` ``[1, t]`` (int64 token ids) at positions
+    ``start..start+t-1``, reading and writing ``cache`` (a transformers ``Cache``: a kvbench ``PressCache`` inside
+    :func:`~kvbench.compress.cache.press_attention`, or a ``DynamicCache``)."""
     pos = torch.arange(start, start + ids.shape[1], device=ids.device).view(1, -1)
-    return model(input_ids=ids, position_ids=pos, cache=cache, use_cache=True, logits_to_keep=1).logits[0, -1]
+    kw = {_cache_kwarg(type(model)): cache}
+    return model(input_ids=ids, position_ids=pos, use_cache=True, logits_to_keep=1, **kw).logits[0, -1]
 
 
 @contextlib.contextmanager
@@ -221,15 +234,17 @@ def time_decode(model: Any, press: Press | DynamicCacheSDPA, context: int, decod
     with _open_cache(model, press) as cache:
         t0 = clock.now(device)
         for start in range(0, context, prefill_chunk):
-            logits = _forward(model, cache, ids[:, start:start + prefill_chunk], start)
+            logits = last_logits(model, cache, ids[:, start:start + prefill_chunk], start)
         prefill_s, pos = clock.now(device) - t0, context
+        if cache.get_seq_length() != context:   # a cache the model never wrote would time attention over nothing
+            raise RuntimeError(f"the model wrote {cache.get_seq_length()} of {context} prefilled tokens to its cache")
         for _ in range(warmup_steps):
-            logits = _forward(model, cache, logits.argmax().view(1, 1), pos)
+            logits = last_logits(model, cache, logits.argmax().view(1, 1), pos)
             pos += 1
         first_timed, step_ms = pos, []
         for _ in range(repeats * decode_steps):
             t0 = clock.now(device)
-            logits = _forward(model, cache, logits.argmax().view(1, 1), pos)
+            logits = last_logits(model, cache, logits.argmax().view(1, 1), pos)
             step_ms.append((clock.now(device) - t0) * 1000)
             pos += 1
         if isinstance(press, DynamicCacheSDPA):
