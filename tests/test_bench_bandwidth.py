@@ -24,8 +24,8 @@ def test_step_rate_is_the_median_step_and_its_2_5_97_5_percentiles():
 
 
 def _tiny(arch: str) -> torch.nn.Module:
-    common = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=8, vocab_size=100)
+    common = {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "head_dim": 8, "vocab_size": 100}
     if arch == "llama":
         return transformers.LlamaForCausalLM(transformers.LlamaConfig(**common, tie_word_embeddings=False))
     return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common, tie_word_embeddings=True))

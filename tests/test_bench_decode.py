@@ -9,7 +9,13 @@ import pytest
 import torch
 
 from kvbench.bench import bandwidth, codec_cost, codec_variants, decode
-from kvbench.bench.timing_lm import build_timing_lm, fixed_vocab_size, full_layers_for, full_layers_of, timing_lm_config
+from kvbench.bench.timing_lm import (
+    build_timing_lm,
+    fixed_vocab_size,
+    full_layers_for,
+    full_layers_of,
+    timing_lm_config,
+)
 from kvbench.compress.cache import Press
 from kvbench.compress.residualkv.cache import ResidualKVPress
 from kvbench.compress.residualkv.codec import CodecConfig, ResidualCodec
@@ -65,6 +71,19 @@ def test_rows_columns_and_header(run, tmp_path):
     assert (df["tokens_per_s"] <= df["tps_hi95"]).all()
     assert ((df["ms_per_token"] * df["tokens_per_s"] - 1000.0).abs() < 1e-6).all()
     assert (df["prefill_s"] > 0).all() and (df["peak_mem_gib"] > 0).all()
+
+
+def test_fig8_figure_reads_the_bench_csv(run, tmp_path):
+    from kvbench.report import rkv_figures
+
+    rows, header = run
+    decode.write_csv(rows, header, decode.COLUMNS, tmp_path / "fig8.csv")
+    df = rkv_figures.fig8(tmp_path / "fig8.csv", tmp_path / "fig8.pdf")
+    assert (tmp_path / "fig8.pdf").read_bytes().startswith(b"%PDF") and len(df) == len(rows)
+    old = tmp_path / "old.csv"                          # a CSV of the former bench: quartiles, no bandwidth
+    old.write_text("# old\nmethod,context,tokens_per_s,q1,q3,device\nfull,1024,5.0,4.0,6.0,cpu\n")
+    with pytest.raises(ValueError, match=r"lacks column\(s\) \['tps_lo95', 'tps_hi95', 'achieved_gb_s'"):
+        rkv_figures.fig8(old, tmp_path / "old.pdf")
 
 
 def test_bandwidth_columns(run):
