@@ -8,8 +8,14 @@ import pandas as pd
 import pytest
 import torch
 
-from kvbench.bench import codec_cost, codec_variants, decode
-from kvbench.bench.timing_lm import build_timing_lm, full_layers_for, timing_lm_config
+from kvbench.bench import bandwidth, codec_cost, codec_variants, decode
+from kvbench.bench.timing_lm import (
+    build_timing_lm,
+    fixed_vocab_size,
+    full_layers_for,
+    full_layers_of,
+    timing_lm_config,
+)
 from kvbench.compress.cache import Press
 from kvbench.compress.residualkv.cache import ResidualKVPress
 from kvbench.compress.residualkv.codec import CodecConfig, ResidualCodec
@@ -24,7 +30,7 @@ CONTEXTS = [40, 300]
 @pytest.fixture(scope="module")
 def run():
     return decode.measure_decode_throughput(TEST_LM, CONTEXTS, decode_steps=2, warmup_steps=1, repeats=2,
-                                            vocab_size=256, seed=0)
+                                            vocab_size=256, seed=0, copy_mib=4)
 
 
 def test_timing_lm_shapes():
@@ -33,6 +39,15 @@ def test_timing_lm_shapes():
     assert 2 * cfg.num_key_value_heads * cfg.head_dim == 512            # d_kv
     assert cfg.num_hidden_layers == 12 and cfg.max_position_embeddings >= 524288 + 200
     assert full_layers_for(12) == (0, 1, 3) and full_layers_for(16) == (0, 1, 4) and full_layers_for(4) == (0, 1) and full_layers_for(2) == (0,)
+    # Llama-3.1-8B's shape (its config.json) and Table I's full layers; vocabulary fixed, head untied
+    llama = timing_lm_config("timing-llama-3.1-8b")
+    assert llama.architectures == ["LlamaForCausalLM"] and not llama.tie_word_embeddings
+    assert (llama.hidden_size, llama.num_hidden_layers, llama.num_attention_heads, llama.num_key_value_heads,
+            llama.head_dim, llama.intermediate_size, llama.vocab_size) == (4096, 32, 32, 8, 128, 14336, 128256)
+    assert full_layers_of("timing-llama-3.1-8b") == (0, 1, 2, 8, 18) and full_layers_of(TEST_LM) == (0, 1)
+    assert fixed_vocab_size("timing-llama-3.1-8b") == 128256 and fixed_vocab_size(TEST_LM) is None
+    with pytest.raises(ValueError, match="vocab_size must be >= 2, got None"):
+        timing_lm_config(TEST_LM)
     with pytest.raises(KeyError, match="timing-qwen2-lm-wide"):
         timing_lm_config("nope", 4096)
     with pytest.raises(ValueError, match="n_layers"):
@@ -50,10 +65,77 @@ def test_rows_columns_and_header(run, tmp_path):
     assert list(df.columns) == decode.COLUMNS
     assert len(df) == len(CONTEXTS) * len(decode.METHODS)
     assert df[["context", "method"]].values.tolist() == [[c, m] for c in CONTEXTS for m in decode.METHODS]
-    assert (df["weights"] == "random").all() and (df["decode_steps"] == 2).all()
-    assert (df["tokens_per_s"] > 0).all() and (df["q1"] <= df["tokens_per_s"]).all()
-    assert (df["tokens_per_s"] <= df["q3"]).all()
+    assert (df["weights"] == "random").all() and (df["decode_steps"] == 2).all() and (df["repeats"] == 2).all()
+    assert "2.5th/97.5th percentiles of the per-step times" in first
+    assert (df["tokens_per_s"] > 0).all() and (df["tps_lo95"] <= df["tokens_per_s"]).all()
+    assert (df["tokens_per_s"] <= df["tps_hi95"]).all()
     assert ((df["ms_per_token"] * df["tokens_per_s"] - 1000.0).abs() < 1e-6).all()
+    assert (df["prefill_s"] > 0).all() and (df["peak_mem_gib"] > 0).all()
+
+
+def test_fig8_figure_reads_the_bench_csv(run, tmp_path):
+    from kvbench.report import rkv_figures
+
+    rows, header = run
+    decode.write_csv(rows, header, decode.COLUMNS, tmp_path / "fig8.csv")
+    df = rkv_figures.fig8(tmp_path / "fig8.csv", tmp_path / "fig8.pdf")
+    assert (tmp_path / "fig8.pdf").read_bytes().startswith(b"%PDF") and len(df) == len(rows)
+    old = tmp_path / "old.csv"                          # a CSV of the former bench: quartiles, no bandwidth
+    old.write_text("# old\nmethod,context,tokens_per_s,q1,q3,device\nfull,1024,5.0,4.0,6.0,cpu\n")
+    with pytest.raises(ValueError, match=r"lacks column\(s\) \['tps_lo95', 'tps_hi95', 'achieved_gb_s'"):
+        rkv_figures.fig8(old, tmp_path / "old.pdf")
+
+
+def test_bandwidth_columns(run):
+    rows, _ = run
+    by = {(r["context"], r["method"]): r for r in rows}
+    model = build_timing_lm(TEST_LM, 256)
+    for r in rows:
+        assert r["weight_bytes"] == bandwidth.weight_bytes(model)
+        assert r["bytes_per_step"] == r["weight_bytes"] + r["kv_read_bytes"]
+        assert r["achieved_gb_s"] == pytest.approx(r["bytes_per_step"] / (r["ms_per_token"] / 1000) / 1e9)
+        assert r["share_of_measured_bw"] == pytest.approx(r["achieved_gb_s"] / r["machine_read_gb_s"])
+        assert r["peak_gb_s"] is None and r["share_of_peak"] is None           # CPU: no datasheet peak
+        assert r["kv_read_source"] in (("tensors",) if r["method"] == "dynamic-cache-sdpa" else ("audit", "estimate"))
+    for c in CONTEXTS:
+        # our exact cache and transformers' hold the same float32 K/V of every token written (context, warm-up
+        # and timed steps): 4 layers x 2 (K, V) x 2 heads x 16 x 4 bytes per token
+        n = c + 1 + 2 * 2
+        assert by[c, "dynamic-cache-sdpa"]["kv_read_bytes"] == 4 * 2 * 2 * 16 * 4 * n
+        if by[c, "full"]["kv_read_source"] == "estimate":
+            assert by[c, "full"]["kv_read_bytes"] == by[c, "dynamic-cache-sdpa"]["kv_read_bytes"]
+    # coded and selected: ResidualKV reads less KV than the full cache, 4-bit less than 16-bit
+    assert (by[300, "residualkv-omnikv"]["kv_read_bytes"] < by[300, "residualkv-omnikv-unquantised"]["kv_read_bytes"]
+            < by[300, "full"]["kv_read_bytes"])
+
+
+def test_speed_ratios_name_their_reference(run):
+    rows, header = run
+    by = {(r["context"], r["method"]): r for r in rows}
+    for c in CONTEXTS:
+        assert by[c, "full"]["vs_full"] == 1.0 and by[c, "dynamic-cache-sdpa"]["vs_dynamic_cache"] == 1.0
+        q = by[c, "residualkv-omnikv"]
+        assert q["vs_full"] == q["tokens_per_s"] / by[c, "full"]["tokens_per_s"]
+    slow = decode.slower_than_reference(rows)
+    assert slow == [c for c in CONTEXTS if by[c, "full"]["vs_dynamic_cache"] < 1.0]
+    assert ("NOTE: our full cache is slower than transformers' DynamicCache+SDPA" in header) == bool(slow)
+    fake = [{"context": 64, "method": "full", "tokens_per_s": 1.0}, {"context": 64, "method": "dynamic-cache-sdpa",
+                                                                     "tokens_per_s": 2.0}]
+    decode.add_ratios(fake)
+    assert fake[0]["vs_dynamic_cache"] == 0.5 and fake[1]["vs_full"] == 2.0 and decode.slower_than_reference(fake) == [64]
+    assert "context(s) 64 (vs_dynamic_cache < 1)" in decode.header_line("m", "random", "RANDOM", [64], 1, 0, 1, fake)
+
+
+def test_each_context_gets_a_fresh_cache(run):
+    """A context's cache does not carry an earlier context's tokens: 300 alone measures what it measured
+    after 40 (same ids, same selections; a grown cache would hold 40 + 5 more tokens)."""
+    rows, _ = run
+    alone, _ = decode.measure_decode_throughput(TEST_LM, [300], ["residualkv-omnikv", "full"], decode_steps=2,
+                                                warmup_steps=1, repeats=2, vocab_size=256, seed=0, copy_mib=4)
+    by = {(r["context"], r["method"]): r for r in rows}
+    for r in alone:
+        for col in ("kr_measured", "cr_measured", "kv_read_bytes"):
+            assert r[col] == by[300, r["method"]][col], (r["method"], col)
 
 
 def test_full_cache_ratios_are_one_and_residualkv_compresses(run):
@@ -112,19 +194,39 @@ def test_codec_pair_matches_parameters_within_one_percent():
 
 
 def test_codec_cost_rows(tmp_path):
-    rows, header = codec_cost.measure_codec_cost(d_kv=64, d_c=16, d_ff=96, tokens=100, decode_steps=7, repeats=2)
+    rows, header = codec_cost.measure_codec_cost(d_kv=64, d_c=16, d_ff=96, tokens=400, decode_steps=7, repeats=2)
     decode.write_csv(rows, header, codec_cost.COLUMNS, tmp_path / "fig6.csv")
     df = pd.read_csv(tmp_path / "fig6.csv", skiprows=1)
     assert list(df.columns) == codec_cost.COLUMNS and df["codec"].tolist() == ["residualkv", "reverse"]
     assert df[["encoder", "decoder"]].values.tolist() == [["swiglu", "linear"], ["linear", "swiglu"]]
     assert df["params"].tolist() == [2 * 64 * 96 + 96 * 16 + 16 * 64, 64 * 16 + 2 * 16 * 144 + 144 * 64]
-    assert (df["restore_tokens"] == 17).all()                           # ceil(0.17 * 100)
+    assert (df["restore_tokens"] == 68).all()                           # ceil(0.17 * 400)
     assert ((df["total_ms"] - df["prefill_ms"] - 7 * df["restore_ms"]).abs() < 1e-9).all()
+    assert (df["codec_restore_ms"] > 0).all()
     assert header.startswith("# kvbench ResidualKV Fig. 6") and "RANDOM weights" in header
+    assert "ResidualKVLayer.history" in header
     with pytest.raises(ValueError, match="restore_tokens = 200 exceeds tokens = 100"):
         codec_cost.measure_codec_cost(d_kv=64, d_c=16, d_ff=96, tokens=100, restore_tokens=200)
+    with pytest.raises(ValueError, match="restore_tokens = 300 exceeds the 256 candidates of a 400-token context"):
+        codec_cost.measure_codec_cost(d_kv=64, d_c=16, d_ff=96, tokens=400, restore_tokens=300)
     with pytest.raises(ValueError, match="d_c must be >= 1, got 0"):
         codec_cost.measure_codec_cost(d_kv=64, d_c=0, d_ff=96)
+    with pytest.raises(ValueError, match=r"d_kv must be a positive multiple of 4 \(.*\), got 66"):
+        codec_cost.measure_codec_cost(d_kv=66, d_c=16, d_ff=96, tokens=400)
+
+
+def test_codec_cost_restore_is_the_caches_history(tmp_path):
+    """Fig. 6's restore runs the cache's own read: the layer it times returns the selected candidates (coded ones
+    restored, references read), its sinks and its raw window, post-RoPE, as a decode step's attention reads them."""
+    codec = codec_cost.codec_pair(64, 16, 96)["residualkv"]
+    layer, cache = codec_cost.filled_layer(codec, 400, str(tmp_path), torch.device("cpu"), torch.float32)
+    selected = [20, 21, 100, 200]                      # references (every 10th) and coded tokens among them
+    cache.step = codec_cost.StepState(selected=torch.tensor(selected))
+    view = layer.history()
+    pos = view.positions[0, 0].tolist()
+    # block coding (block = window = 128): 392 tokens after the 8 sinks, the oldest 256 coded, 136 raw
+    assert sorted(pos) == list(range(8)) + selected + list(range(400 - 136, 400))
+    assert view.keys.shape == (1, 1, 8 + 4 + 136, 32)
 
 
 def _zoo_shaped_codec(directory, **over):
@@ -138,12 +240,13 @@ def test_variant_throughput_scales_widths_and_keeps_schedule(tmp_path):
     dirs = {"base": _zoo_shaped_codec(tmp_path / "a"), "dc_high": _zoo_shaped_codec(tmp_path / "b", d_c=64),
             "s_low": _zoo_shaped_codec(tmp_path / "c", stride=5, k=2)}
     rows, header = codec_variants.measure_variant_throughput(dirs, "base", TEST_LM, context=300, decode_steps=2,
-                                                             warmup_steps=1, repeats=2, vocab_size=256)
+                                                             warmup_steps=1, repeats=2, vocab_size=256, copy_mib=4)
     by = {r["variant"]: r for r in rows}
     # the test LM's d_kv is 64 = half the codecs' 128: widths halve, the schedule is kept
     assert [(by[v]["d_c"], by[v]["d_ff"], by[v]["k"], by[v]["stride"]) for v in dirs] == [
         (16, 96, 4, 10), (32, 96, 4, 10), (16, 96, 2, 5)]
     assert by["base"]["relative_throughput"] == 1.0 and by["base"]["default"]
+    assert all(r["kv_read_bytes"] > 0 and r["bytes_per_step"] > r["weight_bytes"] for r in rows)
     for r in rows:
         assert r["relative_throughput"] == r["tokens_per_s"] / by["base"]["tokens_per_s"]
         assert r["d_kv"] == 64 and r["codec_d_kv"] == 128 and r["cr_measured"] < 1.0

@@ -26,8 +26,10 @@ from kvbench.cli import main
 def test_defaults_are_the_verbs():
     assert (DecodeThroughputConfig() == DecodeThroughputConfig(
         model="timing-qwen2-lm-wide", tokenizer="tiny-qwen2-lm", contexts=CPU_CONTEXTS, methods=METHODS,
-        decode_steps=32, repeats=3, warmup=4, codec_dir=None, device="auto", dtype="auto", seed=0, threads=None))
-    assert CPU_CONTEXTS == (1024, 2048, 4096, 8192)
+        decode_steps=32, repeats=3, warmup=4, codec_dir=None, prefill_chunk=2048, device="auto", dtype="auto",
+        seed=0, threads=None))
+    assert CPU_CONTEXTS == (1024, 2048, 4096, 8192, 16384, 32768)
+    assert METHODS == ("full", "dynamic-cache-sdpa", "residualkv-omnikv", "residualkv-omnikv-unquantised")
     c = CodecCostConfig()
     assert (c.codec_shape, c.tokens, c.restore_tokens, c.decode_steps, c.repeats, c.warmup) == (
         (2048, 512, 3072), 4096, None, 512, 5, 1)
@@ -51,6 +53,7 @@ def test_lists_are_stored_as_tuples():
     (DecodeThroughputConfig, "repeats", True, "repeats must be a positive integer, got True"),
     (DecodeThroughputConfig, "repeats", 2.0, r"repeats must be a positive integer, got 2\.0"),
     (DecodeThroughputConfig, "decode_steps", -1, "decode_steps must be a positive integer, got -1"),
+    (DecodeThroughputConfig, "prefill_chunk", 0, "prefill_chunk must be a positive integer, got 0"),
     (DecodeThroughputConfig, "warmup", -1, "warmup must be an integer >= 0, got -1"),
     (DecodeThroughputConfig, "threads", 0, r"threads must be a positive integer or None \(torch's default\), got 0"),
     (DecodeThroughputConfig, "seed", "x", "seed must be an integer, got 'x'"),
@@ -106,7 +109,7 @@ def test_config_keys_outside_the_verb_or_set_by_the_rule_are_refused(cls, key):
 
 def test_config_keys():
     assert DecodeThroughputConfig.config_keys() == ["device", "dtype", "seed", "model", "contexts", "methods",
-                                                    "decode_steps", "repeats", "warmup", "codec_dir"]
+                                                    "decode_steps", "repeats", "warmup", "codec_dir", "prefill_chunk"]
     assert CodecCostConfig.config_keys() == ["device", "dtype", "seed", "codec_shape", "tokens", "restore_tokens",
                                              "decode_steps", "repeats", "warmup"]
     assert VariantThroughputConfig.config_keys() == ["device", "dtype", "seed", "model", "contexts", "decode_steps",
@@ -133,7 +136,7 @@ def test_flags_are_the_mapping_s_keys_in_order_shell_quoted(tmp_path):
 @pytest.mark.parametrize("verb, mapping, call", [
     ("rkv-throughput", {}, ("decode", "measure_decode_throughput")),
     ("rkv-throughput", {"contexts": [64, 128], "methods": ["full"], "decode_steps": 2, "repeats": 1, "warmup": 0,
-                        "device": "cpu", "dtype": "float32", "seed": 3, "codec_dir": "c d"},
+                        "device": "cpu", "dtype": "float32", "seed": 3, "codec_dir": "c d", "prefill_chunk": 512},
      ("decode", "measure_decode_throughput")),
     ("codec-cost", {}, ("codec_cost", "measure_codec_cost")),
     ("codec-cost", {"codec_shape": [64, 16, 96], "tokens": 100, "restore_tokens": 10, "decode_steps": 7},
@@ -161,8 +164,8 @@ def test_cli_measures_with_the_settings_of_its_flags(verb, mapping, call, tmp_pa
     assert {k: kw[k] for k in timing} == timing
     if verb == "rkv-throughput":
         assert seen["args"] == (cfg.model, cfg.contexts, cfg.methods)
-        assert (kw["decode_steps"], kw["warmup_steps"], kw["codec_dir"], kw["tokenizer"]) == (
-            cfg.decode_steps, cfg.warmup, cfg.codec_dir, "tiny-qwen2-lm")
+        assert (kw["decode_steps"], kw["warmup_steps"], kw["codec_dir"], kw["tokenizer"], kw["prefill_chunk"]) == (
+            cfg.decode_steps, cfg.warmup, cfg.codec_dir, "tiny-qwen2-lm", cfg.prefill_chunk)
     elif verb == "codec-cost":
         assert seen["args"] == cfg.codec_shape
         assert (kw["tokens"], kw["restore_tokens"], kw["decode_steps"], kw["warmup"]) == (

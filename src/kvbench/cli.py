@@ -205,7 +205,7 @@ def _bench_rkv(a: argparse.Namespace) -> None:
     else:
         rows, header = decode.measure_decode_throughput(
             s.model, s.contexts, s.methods, decode_steps=s.decode_steps, warmup_steps=s.warmup,
-            codec_dir=s.codec_dir, tokenizer=s.tokenizer, log=print, **timing)
+            codec_dir=s.codec_dir, tokenizer=s.tokenizer, prefill_chunk=s.prefill_chunk, log=print, **timing)
         columns = decode.COLUMNS
     decode.write_csv(rows, header, columns, a.out)
     print(header)
@@ -405,6 +405,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"rkv-throughput: timed greedy steps per run (default {fig8.decode_steps}); codec-cost: "
                         f"restores in the total (default {fig6.decode_steps})")
     s.add_argument("--codec-dir", default=None, help="rkv-throughput: a trained codec (default: a random one)")
+    s.add_argument("--prefill-chunk", type=_positive_int, default=None,
+                   help=f"rkv-throughput: tokens per untimed prefill forward (default {fig8.prefill_chunk}; "
+                        "smaller bounds the memory of long contexts)")
     s.add_argument("--codecs", nargs="+", default=None, metavar="LABEL=DIR",
                    help="rkv-variants: trained codec directories whose shapes are timed (scaled to the timing LM)")
     s.add_argument("--default", default=None, help="rkv-variants: the label whose throughput is 1.0")

@@ -166,7 +166,9 @@ rule residualkv:
 
 
 rule rkv_throughput:
-    """Fig. 8's measurements: decode tokens/s vs context on a random-weight timing LM (CPU here; GPU when lent)."""
+    """Fig. 8's measurements: decode tokens/s (95% interval) and achieved bandwidth vs context on a random-weight
+    timing LM, a fresh cache per (context, method), transformers' DynamicCache+SDPA as the full-attention
+    reference (CPU here; scripts/gpu_fig8.sh on a lent GPU)."""
     input:
         tokenizer=f"{TOKENIZER_DIR}/tokenizer.json",
     output:
@@ -186,7 +188,7 @@ rule rkv_throughput:
     threads: 2
     resources:
         mem_mb=16000,
-        runtime=60,
+        runtime=120,
         gpu=rkv_bench_gpus("fig8"),
     conda:
         "../../envs/kvbench.yaml"
@@ -196,7 +198,8 @@ rule rkv_throughput:
 
 
 rule rkv_codec_cost:
-    """Fig. 6's measurements: codec cost, SwiGLU encoder + linear decoder vs the reverse, matched parameters."""
+    """Fig. 6's measurements: codec cost, SwiGLU encoder + linear decoder vs the reverse, matched parameters
+    (the per-step restore through the cache's own read)."""
     output:
         report(
             "results/residualkv/fig6.csv",

@@ -15,8 +15,10 @@ and on how many references each restored token averages, not on the weights.
 
 The paper measures at 128K tokens and batch 16; the compressed caches here run batch 1. Each variant runs
 ResidualKV+OmniKV with 4-bit codes, 4-bit KIVI-style full layers and FP8 references (the ``residualkv-omnikv``
-method of :mod:`kvbench.bench.decode`) at one context, timed with :func:`kvbench.bench.decode.time_decode`;
-``relative_throughput`` is its tokens/s over the ``default`` variant's.
+method of :mod:`kvbench.bench.decode`) at one context, timed with :func:`kvbench.bench.decode.time_decode`
+(fresh cache, per-step times: median tokens/s and the 95% interval of :data:`kvbench.bench.clock.STEP_INTERVAL`);
+``relative_throughput`` is its tokens/s over the ``default`` variant's. Each row carries Fig. 8's bandwidth
+columns (:mod:`kvbench.bench.bandwidth`).
 """
 from __future__ import annotations
 
@@ -26,13 +28,13 @@ from pathlib import Path
 
 import torch
 
-from kvbench.bench import decode
+from kvbench.bench import bandwidth, clock, decode
 from kvbench.bench.settings import VariantThroughputConfig
-from kvbench.bench.timing_lm import ZOO_TOKENIZER, full_layers_for
+from kvbench.bench.timing_lm import TIMING_LMS, ZOO_TOKENIZER, full_layers_for, full_layers_of
 from kvbench.compress.residualkv.codec import CodecConfig, ResidualCodec, codec_config_for_shape, model_kv_shape
 
 COLUMNS = ["variant", "default", "context", "codec_d_kv", "d_kv", "d_c", "d_ff", "k", "stride", "alpha",
-           "tokens_per_s", "q1", "q3", "relative_throughput", "kr_measured", "cr_measured", "model", "weights",
+           *decode.TIMING_COLUMNS[:4], "relative_throughput", *decode.TIMING_COLUMNS[4:], "model", "weights",
            "device", "dtype", "threads"]
 #: Shape fields carried unchanged from the trained codec (widths are scaled, see the module docstring).
 KEPT_FIELDS = ("k", "n_sink", "stride", "alpha", "grid", "window", "bias", "joint", "encoder", "decoder",
@@ -76,6 +78,7 @@ def measure_variant_throughput(codec_dirs: Mapping[str, str | Path], default: st
                                seed: int = 0, *, tokenizer: str = ZOO_TOKENIZER, vocab_size: int | None = None,
                                keep: float = decode.OMNIKV_KEEP,
                                full_layers: Sequence[int] | None = None,
+                               copy_mib: int = 256,
                                log: Callable[[str], None] | None = None) -> tuple[list[dict], str]:
     """One row per variant (:data:`COLUMNS`) and the CSV header line.
 
@@ -85,7 +88,7 @@ def measure_variant_throughput(codec_dirs: Mapping[str, str | Path], default: st
         model_name: a timing LM (:data:`~kvbench.bench.timing_lm.TIMING_LMS`) or a checkpoint directory.
         context: context length in tokens (random ids, prefill untimed).
         decode_steps, warmup_steps, repeats, threads, device, dtype, seed, tokenizer, vocab_size, keep,
-            full_layers: as :func:`kvbench.bench.decode.measure_decode_throughput`.
+            full_layers, copy_mib: as :func:`kvbench.bench.decode.measure_decode_throughput`.
 
     Raises:
         ValueError: ``default`` not among the labels; a variant whose scaled shape is invalid (checked for
@@ -104,7 +107,9 @@ def measure_variant_throughput(codec_dirs: Mapping[str, str | Path], default: st
     dev, dt = resolve_device(device, dtype)
     model, weights = decode.load_lm(model_name, dev, dt, seed, vocab_size, tokenizer)
     n_layers, d_kv = model_kv_shape(model)
-    layers = tuple(full_layers) if full_layers is not None else full_layers_for(n_layers)
+    if full_layers is None:
+        full_layers = full_layers_of(model_name) if model_name in TIMING_LMS else full_layers_for(n_layers)
+    layers = tuple(full_layers)
     scaled = {}
     for label, cfg in configs.items():  # every shape first: a misfit must not cost the others' timings
         scaled[label] = scaled_overrides(cfg, d_kv)
@@ -114,18 +119,21 @@ def measure_variant_throughput(codec_dirs: Mapping[str, str | Path], default: st
             raise ValueError(f"codec variant {label!r} (trained d_c {cfg.d_c}, d_ff {cfg.d_ff} at d_kv {cfg.d_kv}) "
                              f"scaled to {model_name}'s d_kv {d_kv} gives d_c {scaled[label]['d_c']}, d_ff "
                              f"{scaled[label]['d_ff']}: {e}") from None
+    machine = bandwidth.copy_gb_s(dev, mib=copy_mib)
+    wbytes, peak = bandwidth.weight_bytes(model), bandwidth.peak_gb_s(dev)
     rows = []
     for label, cfg in configs.items():
         over = scaled[label]
         with tempfile.TemporaryDirectory(prefix="kvbench-codec-") as tmp:
             ResidualCodec.for_model(model, seed=seed, **over).save(tmp)
             press = decode.make_press("residualkv-omnikv", tmp, layers, keep)
-            r = decode.time_decode(model, press, [context], decode_steps, warmup_steps, repeats, seed)[context]
+            r = decode.time_decode(model, press, context, decode_steps, warmup_steps, repeats, seed)
+            decode.release(dev)
+        r.update(bandwidth.step_columns(wbytes, r["kv_read_bytes"], r["kv_read_source"], r["ms_per_token"], machine,
+                                        peak))
         rows.append({"variant": label, "default": label == default, "context": context, "codec_d_kv": cfg.d_kv,
                      "d_kv": d_kv, "d_c": over["d_c"], "d_ff": over["d_ff"], "k": cfg.k, "stride": cfg.stride,
-                     "alpha": cfg.alpha, **{k: r[k] for k in ("tokens_per_s", "q1", "q3", "kr_measured",
-                                                               "cr_measured")},
-                     "model": model_name, "weights": weights, "device": str(dev),
+                     "alpha": cfg.alpha, **r, "model": model_name, "weights": weights, "device": str(dev),
                      "dtype": str(dt).removeprefix("torch."), "threads": torch.get_num_threads()})
         if log:
             log(f"{label:<12} d_c {over['d_c']:>4} d_ff {over['d_ff']:>5} k {cfg.k} s {cfg.stride}: "
@@ -136,9 +144,10 @@ def measure_variant_throughput(codec_dirs: Mapping[str, str | Path], default: st
     head = (f"# kvbench ResidualKV Fig. 11 throughput: decode tokens/s of ResidualKV+OmniKV (4-bit codes, 4-bit full layers, FP8 "
             f"references, keep {keep}) per codec setting, on a timing model with {weights.upper()} weights "
             f"({model_name}) and RANDOM codecs of each trained variant's shape scaled to d_kv {d_kv} (same d_c/d_kv, "
-            f"d_ff/d_kv; k and stride as trained); context {context} random ids; median (q1, q3) of {repeats} runs "
-            f"of {decode_steps} steps after {warmup_steps} warm-up; batch 1; relative to {default!r}; not the paper's "
-            f"numbers (128K tokens, batch 16, H100)")
+            f"d_ff/d_kv; k and stride as trained); context {context} random ids, a fresh cache per variant; tokens/s = "
+            f"1000 / median step time over {repeats} runs of {decode_steps} steps after {warmup_steps} warm-up; "
+            f"{clock.STEP_INTERVAL}; bytes per step and GB/s as Fig. 8; batch 1; relative to {default!r}; not the "
+            f"paper's numbers (128K tokens, batch 16, H100)")
     return rows, head
 
 

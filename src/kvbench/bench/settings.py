@@ -26,10 +26,10 @@ from typing import Any, ClassVar
 from kvbench.bench import DTYPES
 from kvbench.bench.timing_lm import TIMING_LMS, ZOO_TOKENIZER
 
-#: Decode-throughput methods (:mod:`kvbench.bench.decode` describes each one's press).
-METHODS = ("full", "residualkv-omnikv", "residualkv-omnikv-unquantised")
-#: Contexts (tokens) of the default CPU run of Fig. 8 (about 4-5 minutes on 2 cores, see ``docs/decisions.md``).
-CPU_CONTEXTS = (1024, 2048, 4096, 8192)
+#: Decode-throughput methods (:mod:`kvbench.bench.decode` describes each one's cache).
+METHODS = ("full", "dynamic-cache-sdpa", "residualkv-omnikv", "residualkv-omnikv-unquantised")
+#: Contexts (tokens) of the default CPU run of Fig. 8, out to 32K (cost: ``docs/decisions.md``, "benchmarks").
+CPU_CONTEXTS = (1024, 2048, 4096, 8192, 16384, 32768)
 #: The paper's range (Fig. 8: 64K-900K tokens), for a GPU.
 PAPER_CONTEXTS = (65536, 131072, 262144, 524288)
 #: The random-weight LM the decode timings run on (:data:`kvbench.bench.timing_lm.TIMING_LMS`).
@@ -150,6 +150,7 @@ _CHECKS: dict[str, Callable[[str, Any], Any]] = {
     "codec_dir": _text(optional=True),
     "codec_shape": _check_codec_shape,
     "tokens": _positive,
+    "prefill_chunk": _positive,
     "restore_tokens": _int_at_least(1, "a positive integer or None (ceil(0.17 tokens))", optional=True),
 }
 
@@ -247,6 +248,8 @@ class DecodeThroughputConfig(BenchConfig):
         repeats : int, default 3 — timed runs per (context, method).
         warmup : int, default 4 — untimed greedy steps first.
         codec_dir : str or None, default None — a trained codec for the model (None: a random one).
+        prefill_chunk : int, default 2048 — tokens per untimed prefill forward (memory: a chunk's attention
+            holds ``chunk x context`` scores per head).
 
     Raises:
         ValueError: see :class:`BenchConfig`; a context shorter than the codec's sink tokens is refused only
@@ -265,6 +268,7 @@ class DecodeThroughputConfig(BenchConfig):
     repeats: int = 3
     warmup: int = 4
     codec_dir: str | None = None
+    prefill_chunk: int = 2048
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,12 @@ weights, while the tokens it generates are meaningless. CSVs that use it say so 
 This mirrors :mod:`kvbench.bench.timing_model`, which does the same for the CONDUIT VLM.
 
 :func:`full_layers_for` picks ResidualKV+OmniKV's full-attention layers in the pattern of the paper's
-Table I (the first layers plus a few spread ones; Llama-3.1-8B: 0, 1, 2, 8, 18 of 32, 15.6%).
+Table I (the first layers plus a few spread ones; Llama-3.1-8B: 0, 1, 2, 8, 18 of 32, 15.6%);
+:func:`full_layers_of` gives a timing LM's own (the Llama-shaped one takes Table I's exactly).
+
+``timing-llama-3.1-8b`` is Llama-3.1-8B's shape (``LlamaForCausalLM``, untied head, its 128,256-token
+vocabulary) for a GPU (``scripts/gpu_fig8.sh``): 8.0B random parameters, 16 GB in bfloat16, too large for
+the CPU runs.
 
 torch and transformers are imported by the functions that build, not by the module, so the settings of the
 profiling verbs (:mod:`kvbench.bench.settings`) can check a timing LM's name without them.
@@ -23,7 +28,8 @@ if TYPE_CHECKING:
     import transformers
 
 #: Shapes of the timing LMs (Llama-3.1-8B for comparison: d=4096, 32 layers, 32 query / 8 KV heads of
-#: 128, MLP 14336, d_kv 2048).
+#: 128, MLP 14336, d_kv 2048). Keys besides the config's: ``arch`` (``qwen2``, the default, or ``llama``),
+#: ``vocab_size`` (fixed; else the zoo tokenizer's) and ``full_layers`` (else :func:`full_layers_for`).
 TIMING_LMS: dict[str, dict[str, Any]] = {
     # KV-bound by design: d_kv = 2 * 2 * 128 = 512 per layer (Qwen2.5-7B: 1,024) on small weights
     # (2.9M per layer), so that CPU contexts of 1K-8K tokens hold 0.2-1.4x the weights in KV, the regime
@@ -40,7 +46,18 @@ TIMING_LMS: dict[str, dict[str, Any]] = {
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
         "max_position_embeddings": 1 << 16, "initializer_range": 0.02,
     },
+    # Llama-3.1-8B's shapes (its config.json): untied head, no biases, rope_theta 5e5 (no llama3 rope scaling:
+    # it changes no shape); full layers of Table I; positions to 1M for the paper's contexts.
+    "timing-llama-3.1-8b": {
+        "arch": "llama", "vocab_size": 128256, "full_layers": (0, 1, 2, 8, 18),
+        "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+        "max_position_embeddings": 1 << 20, "initializer_range": 0.02, "rope_theta": 500000.0,
+        "rms_norm_eps": 1e-5,
+    },
 }
+#: Keys of a :data:`TIMING_LMS` entry that are not config fields.
+_META = ("arch", "vocab_size", "full_layers")
 
 #: The zoo tokenizer whose vocabulary the timing LMs use (only its size matters: the LM head's width).
 ZOO_TOKENIZER = "tiny-qwen2-lm"
@@ -76,40 +93,79 @@ def full_layers_for(n_layers: int) -> tuple[int, ...]:
     return (0,) if n_layers == 2 else tuple(sorted({0, 1, n_layers // 4}))
 
 
-def timing_lm_config(name: str, vocab_size: int) -> transformers.Qwen2Config:
-    """The ``Qwen2Config`` of timing LM ``name`` with a ``vocab_size``-token head (sdpa attention).
+def full_layers_of(name: str) -> tuple[int, ...]:
+    """Full-attention layers of timing LM ``name``: its own (``timing-llama-3.1-8b``: Table I's 0, 1, 2, 8, 18)
+    or :func:`full_layers_for` its depth.
+
+    Raises:
+        KeyError: unknown name.
+    """
+    spec = _spec(name)
+    return tuple(spec.get("full_layers") or full_layers_for(spec["num_hidden_layers"]))
+
+
+def fixed_vocab_size(name: str) -> int | None:
+    """The vocabulary size timing LM ``name`` fixes (``timing-llama-3.1-8b``: 128,256), or None (it takes the
+    zoo tokenizer's, :func:`zoo_vocab_size`).
+
+    Raises:
+        KeyError: unknown name.
+    """
+    return _spec(name).get("vocab_size")
+
+
+def timing_lm_config(name: str, vocab_size: int | None = None) -> transformers.PreTrainedConfig:
+    """The config of timing LM ``name`` (``Qwen2Config``, tied head; or ``LlamaConfig``, untied) with sdpa
+    attention and a ``vocab_size``-token head (None: the LM's fixed size).
 
     Raises:
         KeyError: unknown name (the message lists :data:`TIMING_LMS`).
-        ValueError: ``vocab_size < 2``.
+        ValueError: ``vocab_size < 2``, or None for an LM without a fixed size.
     """
     import transformers
 
-    if vocab_size < 2:
-        raise ValueError(f"vocab_size must be >= 2, got {vocab_size}")
     spec = _spec(name)
-    cfg = transformers.Qwen2Config(**spec, vocab_size=vocab_size, tie_word_embeddings=True,
-                                   rope_theta=10000.0, attn_implementation="sdpa")
-    cfg.architectures = ["Qwen2ForCausalLM"]
+    vocab_size = spec.get("vocab_size") if vocab_size is None else vocab_size
+    if vocab_size is None or vocab_size < 2:
+        raise ValueError(f"vocab_size must be >= 2, got {vocab_size} (timing LM {name!r} fixes none)")
+    fields = {k: v for k, v in spec.items() if k not in _META}
+    if spec.get("arch") == "llama":
+        cfg = transformers.LlamaConfig(**fields, vocab_size=vocab_size, tie_word_embeddings=False,
+                                       attn_implementation="sdpa")
+        cfg.architectures = ["LlamaForCausalLM"]
+    else:
+        cfg = transformers.Qwen2Config(**fields, vocab_size=vocab_size, tie_word_embeddings=True,
+                                       rope_theta=10000.0, attn_implementation="sdpa")
+        cfg.architectures = ["Qwen2ForCausalLM"]
     return cfg
 
 
-def build_timing_lm(name: str, vocab_size: int, device: str | torch.device = "cpu",
+def build_timing_lm(name: str, vocab_size: int | None = None, device: str | torch.device = "cpu",
                     dtype: torch.dtype | None = None, seed: int = 0) -> Any:
-    """Timing LM ``name`` (``Qwen2ForCausalLM``) with random weights (seeded), in eval mode on ``device``,
-    in ``dtype`` (None: float32).
+    """Timing LM ``name`` with random weights (seeded), in eval mode on ``device``, in ``dtype`` (None:
+    float32); ``vocab_size`` None: the LM's fixed size.
+
+    The weights are drawn on ``device`` in ``dtype`` (an 8B model is never materialised in float32 on the
+    host); on the CPU in float32 that is the same draw as building on the CPU and casting.
 
     Raises:
-        KeyError: unknown name; ValueError: ``vocab_size < 2``.
+        KeyError: unknown name; ValueError: see :func:`timing_lm_config`.
     """
     import torch
     import transformers
 
     cfg = timing_lm_config(name, vocab_size)
-    with torch.random.fork_rng(devices=[]):
+    cls = transformers.LlamaForCausalLM if _spec(name).get("arch") == "llama" else transformers.Qwen2ForCausalLM
+    dev, dt = torch.device(device), dtype or torch.float32
+    old = torch.get_default_dtype()
+    with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []), dev:
         torch.manual_seed(seed)
-        model = transformers.Qwen2ForCausalLM(cfg)
-    return model.to(device=device, dtype=dtype or torch.float32).eval()
+        torch.set_default_dtype(dt)
+        try:
+            model = cls(cfg)
+        finally:
+            torch.set_default_dtype(old)
+    return model.to(device=dev, dtype=dt).eval()
 
 
 def _spec(name: str) -> dict[str, Any]:

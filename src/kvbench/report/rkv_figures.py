@@ -5,7 +5,8 @@
 - Fig. 11: codec hyper-parameters (d_c, d_ff, k, s) vs final validation NTP loss (equal training steps) and
   relative decode throughput (``kvbench bench rkv-variants``);
 - Fig. 12: training objective (NTP-only, MSE-only, joint): validation NTP and reconstruction vs step;
-- Fig. 8: decode tokens/s vs context (from ``kvbench bench rkv-throughput``'s CSV);
+- Fig. 8: decode tokens/s vs context with 95% intervals, and the achieved bandwidth (from
+  ``kvbench bench rkv-throughput``'s CSV);
 - Fig. 6: codec cost, SwiGLU encoder + linear decoder vs the reverse (from ``kvbench bench codec-cost``).
 """
 from __future__ import annotations
@@ -201,23 +202,34 @@ def read_bench_csv(path: str | Path, columns: list[str], writer: str) -> pd.Data
 
 
 def fig8(raw_csv: str | Path, out: str | Path) -> pd.DataFrame:
-    """Decode tokens/s vs context length per method, from the profiling CSV (its header lines kept as title).
+    """Fig. 8 from ``kvbench bench rkv-throughput``'s CSV: decode tokens/s vs context per method with its 95%
+    interval (``tps_lo95``/``tps_hi95``, the CSV header defines it), and beside it the achieved bandwidth
+    (GB/s) against the machine's measured copy bandwidth (dashed). Returns the CSV's rows.
 
     Raises:
-        ValueError: ``raw_csv`` is not ``kvbench bench rkv-throughput``'s CSV (see :func:`read_bench_csv`).
+        ValueError: ``raw_csv`` is not ``kvbench bench rkv-throughput``'s CSV (see :func:`read_bench_csv`; an
+            older CSV without the interval or bandwidth columns is refused, naming them).
     """
-    df = read_bench_csv(raw_csv, ["method", "context", "tokens_per_s", "q1", "q3", "device"], "kvbench bench rkv-throughput")
-    fig, ax = plt.subplots(figsize=(5, 3.4))
-    for method, d in df.groupby("method"):
+    df = read_bench_csv(raw_csv, ["method", "context", "tokens_per_s", "tps_lo95", "tps_hi95", "achieved_gb_s",
+                                  "machine_read_gb_s", "device"], "kvbench bench rkv-throughput")
+    fig, (ax, bw) = plt.subplots(1, 2, figsize=(9, 3.4))
+    for method, d in df.groupby("method", sort=False):
         d = d.sort_values("context")
-        ax.errorbar(d["context"], d["tokens_per_s"], yerr=[d["tokens_per_s"] - d["q1"], d["q3"] - d["tokens_per_s"]],
-                    fmt="o-", capsize=2, label=method)
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("context length (tokens)")
-    ax.set_ylabel("decode tokens/s (batch 1)")
+        ax.errorbar(d["context"], d["tokens_per_s"], yerr=[d["tokens_per_s"] - d["tps_lo95"],
+                                                           d["tps_hi95"] - d["tokens_per_s"]],
+                    fmt="o--" if method == "dynamic-cache-sdpa" else "o-", capsize=2, label=method)
+        bw.plot(d["context"], d["achieved_gb_s"], "o-", label=method)
+    bw.axhline(df["machine_read_gb_s"].median(), color="gray", linestyle=":", label="copy benchmark (read + written)")
+    for a in (ax, bw):
+        a.set_xscale("log", base=2)
+        a.set_xlabel("context length (tokens)")
+    ax.set_ylabel("decode tokens/s (batch 1), 95% interval")
+    bw.set_ylabel("achieved GB/s (weights + KV read)")
+    bw.set_yscale("log")
     dev = ", ".join(sorted(set(df["device"].astype(str))))
-    ax.set_title(f"Fig. 8 (timing LM, random weights, {dev}); not the paper's numbers", fontsize=7)
-    ax.legend(fontsize=7)
+    fig.suptitle(f"Fig. 8 (timing LM, random weights, {dev}); not the paper's numbers", fontsize=8)
+    ax.legend(fontsize=6)
+    bw.legend(fontsize=6)
     _save(fig, out)
     return df
 
