@@ -172,6 +172,7 @@ class StoreLayer(CacheLayerMixin):
         self._view: KVView | None = None
         self._query_pos: torch.Tensor | None = None
         self._staged: KVView | None = None  # this step's chunk, written in the buffer but not yet counted
+        self._read_bytes = 0                # K/V bytes the latest step read (read_bytes)
         #: called as ``after_commit(layer, chunk, query)`` once :meth:`commit` stored ``chunk`` (``_view``
         #: still the keys this step's attention read): a selector composed with this store
         self.after_commit: Callable[[StoreLayer, KVView, torch.Tensor], None] | None = None
@@ -249,6 +250,13 @@ class StoreLayer(CacheLayerMixin):
                 yield from view.tensors()
         yield self._query_pos
 
+    def read_bytes(self) -> int:
+        """Bytes of K/V the latest step's attention read from this layer, in the form it holds them (int; 0
+        before any step): for this exact store, every key and value of the step's view at the model's
+        width (what SDPA reads; positions are not counted). A store whose step reads a packed form overrides
+        it (KIVI, ResidualKV); Fig. 8's bandwidth columns sum it over layers (:mod:`kvbench.bench.bandwidth`)."""
+        return self._read_bytes
+
     def kept_share(self) -> float:
         """Share of the tokens written to this layer (``seen``) whose K/V it still holds in some form (exact,
         quantised, coded), mean over KV heads; default 1.0 (a store that drops nothing). Eviction overrides it."""
@@ -273,6 +281,8 @@ class StoreLayer(CacheLayerMixin):
         self._pending = KVView.dense(key_states, value_states, pos)
         self._query_pos = pos
         self._view = self.view_with(self._pending)
+        # host ints from shapes: the audit of read_bytes() reads nothing back
+        self._read_bytes = 2 * self._view.keys.numel() * self._view.keys.element_size()
         self.seen += t
         return self._view.keys, self._view.values
 

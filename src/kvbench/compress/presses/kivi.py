@@ -158,6 +158,20 @@ class KIVILayer(StoreLayer):
         raw = sum(0 if x is None else x.numel() * FP16_BYTES for x in (self.k_raw, self.v_raw))
         return StoredBytes(layer=self.ctx.layer_idx, codes=kp + vp, scales=ks + vs, raw_window=raw)
 
+    def read_bytes(self) -> int:
+        """Bytes a decode step must read from this layer in its packed form (int): the packed codes and fp16
+        min/scale of every quantised key and value, and the raw residual keys and values at the width held,
+        as a dequantising attention kernel (``kernels.kivi_attend``) reads them; after the latest commit.
+        The torch path here reads the dequantised store instead (:meth:`StoreLayer.read_bytes`'s view), which
+        the bench's achieved bandwidth therefore understates. At bits 16 nothing is packed: the view, as the
+        full cache."""
+        if self.bits == 16:
+            return super().read_bytes()
+        kp, ks = self.kq.bytes()
+        vp, vs = self.vq.bytes()
+        raw = sum(0 if x is None else x.numel() * x.element_size() for x in (self.k_raw, self.v_raw))
+        return kp + ks + vp + vs + raw
+
     def held_tensors(self):
         """Resident: the store attention reads (dequantised and raw K/V in the model dtype, at its capacity,
         with int64 positions), the unpacked ``uint8`` codes and fp16 min/scale of every block, and the raw

@@ -55,7 +55,7 @@ from kvbench.compress.presses.snapkv import SnapKVPress
 from kvbench.compress.residualkv import quant, references
 from kvbench.compress.residualkv.codec import CodecConfig, ResidualCodec, model_kv_shape
 from kvbench.compress.residualkv.keys import codec_keys
-from kvbench.compress.residualkv.store import CodeStore, RefPool, restore_mean
+from kvbench.compress.residualkv.store import CodeStore, RefPool, index_dtype, restore_mean
 
 
 
@@ -83,6 +83,10 @@ class ResidualKVLayer(StoreLayer):
         self.pool = RefPool(self.cfg.d_kv, press.ref_fp8)
         self.codes = CodeStore(press.bits, self.cfg.group)
         self.flushed = 0                               # tokens that left the raw window (coded or references)
+        #: what the latest step read (:meth:`read_bytes`): (selection or None, pool size, coded tokens) and the
+        #: raw bytes (sinks, window, the step's chunk); None before a step read any stored token
+        self._read: tuple[torch.Tensor | None, int, int] | None = None
+        self._read_raw = 0
         #: the attention's key norm (Qwen3 ``k_norm``), applied after restore; None: K is the pre-RoPE key
         self.k_norm: torch.nn.Module | None = None
         self._k_in: torch.Tensor | None = None         # this step's k_proj output [t, d_k] (key norm only)
@@ -305,6 +309,7 @@ class ResidualKVLayer(StoreLayer):
             restored = self._restore_all()
         else:
             restored = [self._restore_selected(selected)] if len(selected) else []
+        self._read = (selected, len(self.pool), len(self.codes))   # for read_bytes(), host ints and a tensor
         return [self.sink, *restored, self.window]
 
     def history(self) -> KVView | None:
@@ -314,7 +319,41 @@ class ResidualKVLayer(StoreLayer):
 
     def view_with(self, chunk: KVView) -> KVView:
         """History and ``chunk`` in one concatenation (not history's, then a second with the chunk)."""
-        return KVView.cat([*self._parts(), chunk]) if self.seen else chunk
+        if not self.seen:
+            self._read = None
+            return chunk
+        parts = self._parts()
+        self._read_raw = sum(2 * v.keys.numel() * v.keys.element_size()
+                             for v in (self.sink, self.window, chunk) if v is not None)
+        return KVView.cat([*parts, chunk])
+
+    def read_bytes(self) -> int:
+        """Bytes the latest step must read from this layer in its stored form (int; 0 when it read no stored
+        token), as a fused restore kernel reads them (``kernels.restore_attend_bytes`` counts the same parts):
+        the selected coded tokens' packed codes with their fp16 min/scale, their ``k`` reference indices and
+        validity flags, the reference rows gathered (each coded token's ``k`` neighbours, invalid slots
+        included, plus the selected references themselves) at the pool's stored width (FP8: 1 byte), f_d's
+        weights once when a code is decoded, and the sinks, raw window and the step's own K/V at the model's
+        width. Which selected tokens are references is read back here, after the step, not during it."""
+        if self._read is None:
+            return 0
+        selected, n_pool, n_codes = self._read
+        if selected is None:
+            n_ref, n_coded = n_pool, n_codes
+        else:
+            n_ref = int((self.pool.slot(selected) >= 0).sum()) if n_pool else 0
+            n_coded = len(selected) - n_ref
+        k = self.cfg.k if self.cfg.references else 0
+        bits, d_c = self.press.bits, self.cfg.d_c
+        code_row = (math.ceil(d_c * bits / 8) + 2 * 2 * math.ceil(d_c / self.cfg.group) if bits < 16
+                    else d_c * bits // 8)
+        idx = torch.empty(0, dtype=index_dtype(n_pool)).element_size()
+        ref_width = self.cfg.d_kv * (1 if self.press.ref_fp8 else self.pool.stored().element_size())
+        decoder = 0
+        if n_coded and not self.press.mean_only and self.press.use_codec:
+            decoder = sum(p.numel() * p.element_size() for b in self.codec.branches for p in b.decoder.parameters())
+        return (n_coded * (code_row + k * (idx + 1)) + (n_coded * k + n_ref) * ref_width + decoder
+                + self._read_raw)
 
     def packed_bytes(self) -> StoredBytes:
         """Packed parts (:mod:`~kvbench.compress.accounting`): codes, scales and indices
