@@ -29,7 +29,8 @@ def test_defaults_are_the_verbs():
         decode_steps=32, repeats=3, warmup=4, codec_dir=None, prefill_chunk=2048, device="auto", dtype="auto",
         seed=0, threads=None))
     assert CPU_CONTEXTS == (1024, 2048, 4096, 8192, 16384, 32768)
-    assert METHODS == ("full", "dynamic-cache-sdpa", "residualkv-omnikv", "residualkv-omnikv-unquantised")
+    assert METHODS == ("full", "dynamic-cache-sdpa", "residualkv-omnikv", "residualkv-omnikv-unquantised",
+                       "residualkv-omnikv-latent-v")
     c = CodecCostConfig()
     assert (c.codec_shape, c.tokens, c.restore_tokens, c.decode_steps, c.repeats, c.warmup) == (
         (2048, 512, 3072), 4096, None, 512, 5, 1)

@@ -13,7 +13,7 @@ from kvbench.compress.registry import PRESS
 from kvbench.compress.residualkv import quant, references
 from kvbench.compress.residualkv.cache import ResidualKVLayer, ResidualKVPress
 from kvbench.compress.residualkv.codec import ResidualCodec
-from kvbench.compress.residualkv.store import CodeStore, PositionMap, RefPool
+from kvbench.compress.residualkv.store import CodeStore, PositionMap, RefPool, restore_mean
 from kvbench.utils.spec import parse
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -156,14 +156,14 @@ def test_position_map_grows_and_answers_minus_one():
     assert m(torch.tensor([4, 2, 3, 9, 11])).tolist() == [1, 0, -1, 2, -1]
 
 
-def test_a_cpu_fp8_pool_reads_an_exact_fp16_copy():
-    """FP8 is what is stored (and counted packed); on CPU the rows are read from an fp16 copy, value for value the
+def test_a_cpu_fp8_pool_reads_an_exact_float32_copy():
+    """FP8 is what is stored (and counted packed); on CPU the rows are read from a float32 copy, value for value the
     FP8 ones, since torch converts FP8 one value at a time there."""
     kv = torch.randn(5, 4, generator=torch.Generator().manual_seed(0)) * 400
     pool = RefPool(4, fp8=True)
     pool.add(kv, torch.arange(3, 8), end=8)
     want = quant.to_fp8(kv)[0].float()
-    assert pool.stored().dtype == torch.float8_e4m3fn and pool.kv16.view().dtype == torch.float16
+    assert pool.stored().dtype == torch.float8_e4m3fn and pool.kv32.view().dtype == torch.float32
     assert torch.equal(pool.all(), want) and torch.equal(pool.rows(torch.tensor([[4, 0]])), want[[4, 0]].view(1, 2, 4))
     assert int(pool.saturated) == int((kv.abs() > 448).sum()) > 0
     assert pool.slot(torch.tensor([2, 3, 7])).tolist() == [-1, 0, 4]
@@ -224,3 +224,22 @@ def test_a_quantised_filter_layer_scores_the_keys_its_attention_read(tiny_lm, co
             tiny_lm(input_ids=ids[:, start:end], position_ids=torch.arange(start, end).view(1, -1), cache=cache,
                     use_cache=True)
     assert len(same) == 41 and all(same) and len(layer.kq) == 64
+
+
+@pytest.mark.parametrize("fp8", [True, False])
+def test_restore_mean_is_bitwise_mean_rows(fp8):
+    """The fused k-reference mean (embedding_bag over the float32 rows) equals gathering the rows and summing them
+    slot by slot (``mean_rows``), bit for bit, with invalid slots and counts 1..4 (3: not a power of two)."""
+    g = torch.Generator().manual_seed(0)
+    pool = RefPool(16, fp8=fp8)
+    pool.add(torch.randn(40, 16, generator=g) * 3, torch.arange(40), end=40)
+    nbr = torch.randint(0, 40, (200, 4), generator=g)
+    valid = torch.rand(200, 4, generator=g) > 0.4
+    valid[:, 0] = True
+    extra = torch.tensor([3, 0, 39])
+    mean, rows = restore_mean(pool, nbr, valid, extra)
+    table = pool.all()
+    want = references.mean_rows(table[nbr], valid)
+    assert torch.equal(mean, want) and torch.equal(rows, table[extra])
+    assert set(valid.sum(1).tolist()) == {1, 2, 3, 4}
+

@@ -27,7 +27,10 @@ Methods (:data:`METHODS`):
   the contexts where ``full`` is slower than it;
 - ``residualkv-omnikv``: :class:`ResidualKVPress` (``residualkv+omnikv``, 4-bit residual codes, FP8
   references, ``keep`` 0.17, the authors' OmniKV config);
-- ``residualkv-omnikv-unquantised``: the same with 16-bit codes and float32 references.
+- ``residualkv-omnikv-unquantised``: the same with 16-bit codes and float32 references;
+- ``residualkv-omnikv-latent-v``: ``residualkv-omnikv`` with ``latent_v``: at decode steps W_V is applied to the
+  attention-weighted codes instead of decoding V per restored token (beyond the paper; same result up to
+  rounding, :meth:`ResidualKVLayer.attend <kvbench.compress.residualkv.cache.ResidualKVLayer.attend>`).
 
 As in the paper's quantised curve, ``residualkv-omnikv`` also stores its full-attention layers KIVI-style
 in 4 bits (``ResidualKVPress.full_kv_bits = 4``); the unquantised one keeps them exact (16). The
@@ -130,9 +133,10 @@ def make_press(method: str, codec_dir: str | Path, full_layers: Sequence[int],
         return DynamicCacheSDPA()
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; expected one of {list(METHODS)}")
-    quantised = method == "residualkv-omnikv"
+    quantised = method != "residualkv-omnikv-unquantised"
     return ResidualKVPress(codec_dir=str(codec_dir), selector=OmniKVPress(keep=keep), full_layers=tuple(full_layers),
-                           bits=4 if quantised else 16, ref_fp8=quantised, full_kv_bits=4 if quantised else 16)
+                           bits=4 if quantised else 16, ref_fp8=quantised, full_kv_bits=4 if quantised else 16,
+                           latent_v=method == "residualkv-omnikv-latent-v")
 
 
 def slower_than_reference(rows: Sequence[dict]) -> list[int]:

@@ -47,7 +47,7 @@ class Plan:
     vocab_size: int | None = None
 
 
-METHODS = ("dynamic-cache-sdpa", "full", "residualkv-omnikv")
+METHODS = ("dynamic-cache-sdpa", "full", "residualkv-omnikv", "residualkv-omnikv-latent-v")
 PLANS = {
     # bf16 on an H200: 16 GB of weights, 128 KiB of KV per token (256K tokens: 32 GiB); prefill chunks of 1024
     # keep the press attention's boolean mask (32 heads x chunk x context) at 8 GiB at 256K tokens

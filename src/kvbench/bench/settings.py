@@ -27,7 +27,8 @@ from kvbench.bench import DTYPES
 from kvbench.bench.timing_lm import TIMING_LMS, ZOO_TOKENIZER
 
 #: Decode-throughput methods (:mod:`kvbench.bench.decode` describes each one's cache).
-METHODS = ("full", "dynamic-cache-sdpa", "residualkv-omnikv", "residualkv-omnikv-unquantised")
+METHODS = ("full", "dynamic-cache-sdpa", "residualkv-omnikv", "residualkv-omnikv-unquantised",
+           "residualkv-omnikv-latent-v")
 #: Contexts (tokens) of the default CPU run of Fig. 8, out to 32K (cost: ``docs/decisions.md``, "benchmarks").
 CPU_CONTEXTS = (1024, 2048, 4096, 8192, 16384, 32768)
 #: The paper's range (Fig. 8: 64K-900K tokens), for a GPU.

@@ -79,13 +79,10 @@ def linear_decoder(codec_layer) -> tuple[torch.Tensor, torch.Tensor | None]:
 
     Raises ValueError when a branch's decoder is not an ``nn.Linear`` (the reversed codec of Fig. 6).
     """
-    decoders = [b.decoder for b in codec_layer.branches]
-    if not all(isinstance(d, torch.nn.Linear) for d in decoders):
-        kinds = [type(d).__name__ for d in decoders]
-        raise ValueError(f"restore_attend needs a linear decoder f_d (W_d z + b), got {kinds}")
-    w = torch.block_diag(*[d.weight.detach() for d in decoders])
-    biases = [d.bias for d in decoders]
-    return w, None if biases[0] is None else torch.cat([b.detach() for b in biases])
+    try:
+        return codec_layer.linear_decoder()
+    except ValueError as e:
+        raise ValueError(f"restore_attend needs a linear decoder f_d: {e}") from None
 
 
 def _check(q, k_raw, v_raw, layer: CodedLayer, ref_sel, code_sel, key_norm, softmax_scale) -> tuple[int, int, int]:

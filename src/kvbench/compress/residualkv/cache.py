@@ -87,6 +87,12 @@ class ResidualKVLayer(StoreLayer):
         #: raw bytes (sinks, window, the step's chunk); None before a step read any stored token
         self._read: tuple[torch.Tensor | None, int, int] | None = None
         self._read_raw = 0
+        #: latent V (``ResidualKVPress.latent_v``): f_d's (W_K, b_K, W_V [H_kv, D, d_c], b_V) in float32, built
+        #: at the first latent step; and this step's (codes z̃ [m, d_c] of the restored rows, zero for references,
+        #: their first row in the view), set by a decode step's restore and consumed by :meth:`attend`
+        self._f_d: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None] | None = None
+        self._latent_now = False
+        self._latent: tuple[torch.Tensor, int] | None = None
         #: the attention's key norm (Qwen3 ``k_norm``), applied after restore; None: K is the pre-RoPE key
         self.k_norm: torch.nn.Module | None = None
         self._k_in: torch.Tensor | None = None         # this step's k_proj output [t, d_k] (key norm only)
@@ -258,22 +264,46 @@ class ResidualKVLayer(StoreLayer):
 
     # -- reading ---------------------------------------------------------------------------------------
     def _restore(self, z: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
-        """kv̂ ``[m, d_kv]`` of coded tokens from their dequantised codes ``z`` and reference means (§IV-B)."""
+        """kv̂ ``[m, d_kv]`` of coded tokens from their dequantised codes ``z`` and reference means (§IV-B). At a
+        latent-V step, K is restored and the V half holds only ``mean_V + b_V``: :meth:`attend` adds W_V's
+        share from the attention-weighted codes."""
         with torch.no_grad():
             if self.press.mean_only:
                 return mean                      # REMOVE_COMP: the code is not read back
+            if self._latent_now:
+                w_k, b_k, _, b_v = self._decoder()
+                d_k = w_k.shape[0]
+                out = mean   # the caller's fresh mean, restored in place
+                out[:, :d_k] += torch.nn.functional.linear(z, w_k, b_k)
+                if b_v is not None:
+                    out[:, d_k:] += b_v.reshape(-1)
+                return out
             return self.codec.restore(z, mean) if self.press.use_codec else z + mean
+
+    def _decoder(self):
+        """f_d split for latent V, float32: ``(W_K [d_k, d_c], b_K or None, W_V [H_kv, D, d_c], b_V or None)``."""
+        if self._f_d is None:
+            w, b = self.codec.linear_decoder()
+            w, b = w.float(), None if b is None else b.float()
+            d_k, h = self.cfg.d_kv // 2, self.ctx_heads
+            self._f_d = (w[:d_k].contiguous(), None if b is None else b[:d_k],
+                         w[d_k:].reshape(h, d_k // h, -1).contiguous(), None if b is None else b[d_k:])
+        return self._f_d
 
     def _restore_all(self) -> list[KVView]:
         """Every reference and every coded token (standalone, or a chunk OmniKV does not select for)."""
-        parts = []
+        parts, latent = [], []
         if len(self.pool):
             parts.append(self._to_view(self.pool.all(), self.pool.positions()))
+            latent.append(torch.zeros(len(self.pool), self.cfg.d_c, device=parts[0].keys.device))
         if len(self.codes):
             z, nbr, valid = self.codes.rows()
             mean = (restore_mean(self.pool, nbr, valid)[0] if nbr.shape[1]
                     else z.new_zeros(len(z), self.cfg.d_kv))
             parts.append(self._to_view(self._restore(z, mean), self.codes.positions()))
+            latent.append(z)
+        if self._latent_now and latent:
+            self._latent = (torch.cat(latent), self._n_sink())
         return parts
 
     def _restore_selected(self, selected: torch.Tensor) -> KVView:
@@ -292,14 +322,29 @@ class ResidualKVLayer(StoreLayer):
         if not len(self.codes):
             return self._to_view(self.pool.rows(ref_slot), selected)
         z, nbr, valid = self.codes.rows(code_slot.clamp(min=0))
-        if nbr.shape[1]:
+        ref_rows = None
+        if not nbr.shape[1]:
+            mean = z.new_zeros(m, self.cfg.d_kv)
+        elif self.cfg.bias:
             mean, ref_rows = restore_mean(self.pool, nbr, valid, ref_slot.clamp(min=0) if len(self.pool) else None)
         else:
-            mean, ref_rows = z.new_zeros(m, self.cfg.d_kv), None
+            # a selected reference restores as a coded token whose one valid neighbour is itself and whose code is
+            # zero: its mean is its row exactly (one slot of weight 1), and f_d(0) = 0 exactly without a bias, so
+            # kv̂ is the stored row bit for bit, from the same gather and decoder pass as the coded tokens
+            ref_nbr = ref_slot.clamp(min=0)[:, None]
+            nbr = torch.where(is_ref[:, None], ref_nbr, nbr)
+            valid = torch.where(is_ref[:, None], torch.arange(nbr.shape[1], device=nbr.device) == 0, valid)
+            z = torch.where(is_ref[:, None], 0.0, z)
+            mean = restore_mean(self.pool, nbr, valid)[0]
         kv = self._restore(z, mean)
         if ref_rows is not None:
             kv = torch.where(is_ref[:, None], ref_rows.to(kv.dtype), kv)
+        if self._latent_now:   # a selected reference is stored exact: no code, no W_V share
+            self._latent = (z if ref_rows is None else torch.where(is_ref[:, None], 0.0, z), self._n_sink())
         return self._to_view(kv, selected)
+
+    def _n_sink(self) -> int:
+        return 0 if self.sink is None else len(self.sink)
 
     def _parts(self) -> list[KVView | None]:
         """Sinks, the restored tokens (every one, or OmniKV's selection of this step) and the raw window."""
@@ -322,10 +367,38 @@ class ResidualKVLayer(StoreLayer):
         if not self.seen:
             self._read = None
             return chunk
-        parts = self._parts()
+        # latent V at a decode step without a key norm between restore and attention (Qwen3's k_norm acts on K only,
+        # but the flag stays off there: untested)
+        self._latent_now = self.press.latent_v and len(chunk) == 1 and self.k_norm is None
+        self._latent = None
+        try:
+            parts = self._parts()
+        finally:
+            self._latent_now = False
         self._read_raw = sum(2 * v.keys.numel() * v.keys.element_size()
                              for v in (self.sink, self.window, chunk) if v is not None)
         return KVView.cat([*parts, chunk])
+
+    def attend(self, query, key, value, mask, scaling):
+        """Latent V (``ResidualKVPress.latent_v``, beyond the paper) at a decode step: f_d is linear, so the
+        restored rows' share of the output Σ_i a_i (W_V z̃_i + b_V + m_i) is computed as W_V (Σ_i a_i z̃_i) +
+        Σ_i a_i (b_V + m_i): ``value`` holds b_V + m_i on those rows (:meth:`_restore`), the attention weights
+        are applied to the codes [m, d_c] and W_V once per KV head, instead of decoding V for every restored
+        token (m·d_c·d_v multiply-adds saved). Scores and softmax in float32; same result as SDPA over the
+        decoded V up to rounding (tested). Any other step: :meth:`StoreLayer.attend`."""
+        latent, self._latent = self._latent, None
+        if latent is None or mask is not None or query.shape[2] != 1:
+            return super().attend(query, key, value, mask, scaling)
+        z, start = latent
+        _, h_q, _, d = query.shape
+        h_kv = key.shape[1]
+        q = query.view(h_kv, h_q // h_kv, d).float()
+        scale = d ** -0.5 if scaling is None else scaling
+        a = torch.softmax(torch.matmul(q, key[0].float().transpose(1, 2)) * scale, dim=-1)   # [H_kv, g, n]
+        out = torch.matmul(a, value[0].float())                                               # [H_kv, g, D]
+        lat = torch.matmul(a[:, :, start:start + len(z)], z)                                  # [H_kv, g, d_c]
+        out += torch.matmul(lat, self._decoder()[2].transpose(1, 2))                          # W_V per KV head
+        return out.to(query.dtype).view(1, h_q, 1, d)
 
     def read_bytes(self) -> int:
         """Bytes the latest step must read from this layer in its stored form (int; 0 when it read no stored
@@ -439,6 +512,11 @@ class ResidualKVPress(Press):
             block`` tokens, then the oldest ``⌊(raw − window) / block⌋ · block`` at once, so it holds ``window``
             to ``window + block − 1`` raw tokens. 1 codes each token as it leaves a ``window``-token window.
             OmniKV's candidates are the coded tokens, so they end at the same block boundary.
+        latent_v: at decode steps, apply f_d's V part after the attention sum (W_V Σ a_i z̃_i, f_d being
+            linear) instead of decoding V for every restored token (:meth:`ResidualKVLayer.attend`). Beyond the
+            paper, which restores K and V per token; the same result up to float rounding, a separate row of
+            Fig. 8 (``residualkv-omnikv-latent-v``). Needs the codec (``use_codec``, not ``mean_only``) and a
+            linear f_d (checked in :meth:`load`).
     """
 
     name = "residualkv"
@@ -460,6 +538,7 @@ class ResidualKVPress(Press):
     alpha: float | None = None
     stride: int | None = None
     block: int | None = None
+    latent_v: bool = False
 
     def __post_init__(self):
         """Check the parameters (no codec is read: that happens in :meth:`load`, when the press meets a model).
@@ -501,6 +580,9 @@ class ResidualKVPress(Press):
             raise ValueError(f"stride (reference stride s_0) must be an int >= 1, got {stride!r}")
         if alpha is not None and not alpha >= 0:
             raise ValueError(f"alpha (dynamic-stride growth) must be >= 0, got {alpha!r}")
+        if self.latent_v and (self.mean_only or not self.use_codec):
+            raise ValueError("latent_v applies f_d's V part after attention; it needs the codec (use_codec=true, "
+                             "mean_only=false)")
         block = self.block
         if block is not None and (not isinstance(block, int) or isinstance(block, bool) or block < 1):
             raise ValueError(f"block (tokens coded at once) must be an int >= 1 or None (the codec's window), "
@@ -516,6 +598,9 @@ class ResidualKVPress(Press):
         self.schedule()
         if self.bits != 32:
             quant.check_quant_config(self.codec_model.config.d_c, self.bits, self.codec_model.config.group)
+        if self.latent_v and self.codec_model.config.decoder != "linear":
+            raise ValueError(f"latent_v needs a linear f_d; codec {self.codec_dir!r} has decoder "
+                             f"{self.codec_model.config.decoder!r}")
 
     def check_layers(self, n_layers: int) -> None:
         """Check ``full_layers`` against a model with ``n_layers`` decoder layers (also at DAG time).

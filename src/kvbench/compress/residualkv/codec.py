@@ -256,6 +256,21 @@ class LayerCodec(nn.Module):
         """``kv_hat = f_d(z) + mean_ref``: ``[..., d_c]``, ``[..., d_kv]`` -> ``[..., d_kv]`` (paper §IV-B)."""
         return self.decode(z) + mean_ref.to(self.dtype)
 
+    def linear_decoder(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """f_d as a matrix: ``(W_d [d_kv, d_c], b_d [d_kv] or None)`` in the codec's dtype, ``f_d(z) = z W_dᵀ +
+        b_d`` (the paper's linear f_d): one branch's ``nn.Linear`` weight, or for a ``joint=False`` codec the
+        block-diagonal matrix of its K and V branches (K codes the first d_c/2 latent values). Detached.
+
+        Raises:
+            ValueError: a branch's decoder is not an ``nn.Linear`` (the reversed codec of Fig. 6).
+        """
+        decoders = [b.decoder for b in self.branches]
+        if not all(isinstance(d, nn.Linear) for d in decoders):
+            raise ValueError(f"a linear decoder f_d (z W_d^T + b) is needed, got {[type(d).__name__ for d in decoders]}")
+        w = torch.block_diag(*[d.weight.detach() for d in decoders])
+        biases = [d.bias for d in decoders]
+        return w, None if biases[0] is None else torch.cat([b.detach() for b in biases])
+
 
 def _text_config(model_or_config: Any) -> Any:
     """The language-model config of a model or config (``text_config`` for VLMs)."""

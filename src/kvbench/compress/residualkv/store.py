@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 
 from kvbench.compress.buffers import Growable
 from kvbench.compress.residualkv import quant, references
@@ -57,9 +58,11 @@ class RefPool:
 
     On CPU, torch converts FP8 one value at a time (measured ~7 ns a value, against ~0.2 ns from fp16), which
     made reading the rows a step restores cost more than the restore; a CPU pool of FP8 references therefore
-    also holds them as fp16 (exact: every e4m3 value is an fp16 value) and reads that copy. It is counted in the
-    resident bytes, not in the packed ones (the stored form is FP8). Elsewhere the FP8 rows are gathered and
-    converted.
+    also holds them as float32 (exact: every e4m3 value is a float32 value) and reads that copy, which the
+    k-reference mean then sums in one fused gather (:func:`restore_mean`, ``F.embedding_bag``; a float16 copy,
+    half the bytes, would need a conversion per gathered row and embedding_bag sums fp16 in fp16). It is
+    counted in the resident bytes, not in the packed ones (the stored form is FP8). Elsewhere the FP8 rows are
+    gathered and converted.
 
     Parameters:
         d_kv: K‖V width. fp8: store FP8 (saturating cast, :func:`~kvbench.compress.residualkv.quant.cast_fp8`).
@@ -68,7 +71,7 @@ class RefPool:
     def __init__(self, d_kv: int, fp8: bool):
         self.d_kv, self.fp8 = d_kv, fp8
         self.kv, self.pos, self.slot = Growable(0), Growable(0), PositionMap()
-        self.kv16 = Growable(0)                  # the fp16 reading copy of a CPU FP8 pool (class docstring)
+        self.kv32 = Growable(0)                  # the float32 reading copy of a CPU FP8 pool (class docstring)
         self.saturated: int | torch.Tensor = 0   # values clamped to ±448, a device count read when asked
 
     def __len__(self) -> int:
@@ -80,7 +83,7 @@ class RefPool:
             kv, sat = quant.cast_fp8(kv)
             self.saturated = self.saturated + sat
             if kv.device.type == "cpu":
-                self.kv16.append(kv.to(torch.float16))
+                self.kv32.append(kv.to(torch.float32))
         first = len(self)
         self.kv.append(kv)
         self.pos.append(pos)
@@ -94,23 +97,24 @@ class RefPool:
         """The references as stored ``[R, d_kv]`` (FP8 or float32)."""
         return self.kv.view() if len(self) else torch.zeros(0, self.d_kv)
 
-    def _readable(self) -> torch.Tensor:
-        return self.kv16.view() if len(self.kv16) else self.stored()
+    def readable(self) -> torch.Tensor:
+        """The rows a step reads ``[R, d_kv]``: the float32 reading copy of a CPU FP8 pool, else as stored."""
+        return self.kv32.view() if len(self.kv32) else self.stored()
 
     def all(self) -> torch.Tensor:
-        """Every reference as read back, float32 ``[R, d_kv]`` (a conversion of the whole pool: for coding a
-        block, or a step that restores every token)."""
-        return self._readable().to(torch.float32)
+        """Every reference as read back, float32 ``[R, d_kv]`` (a view where the pool is read in float32, else a
+        conversion of the whole pool: for coding a block, or a step that restores every token)."""
+        return self.readable().to(torch.float32)
 
     def rows(self, idx: torch.Tensor) -> torch.Tensor:
         """The references at indices ``idx`` (any shape, int64) as read back, float32 ``[*idx.shape, d_kv]``:
         gathered first, so only those rows are converted."""
-        return self._readable().index_select(0, idx.reshape(-1)).to(torch.float32).view(*idx.shape, self.d_kv)
+        return self.readable().index_select(0, idx.reshape(-1)).to(torch.float32).view(*idx.shape, self.d_kv)
 
     def tensors(self):
-        """Storages held (resident bytes): the stored K‖V, its fp16 reading copy (CPU FP8 pools), the int64
+        """Storages held (resident bytes): the stored K‖V, its float32 reading copy (CPU FP8 pools), the int64
         positions and the position map."""
-        return self.kv.data, self.kv16.data, self.pos.data, self.slot.table.data
+        return self.kv.data, self.kv32.data, self.pos.data, self.slot.table.data
 
 
 class CodeStore:
@@ -218,10 +222,21 @@ class CodeStore:
 
 
 def restore_mean(pool: RefPool, nbr: torch.Tensor, valid: torch.Tensor, extra: torch.Tensor | None = None):
-    """Mean of each token's valid neighbours (:func:`~kvbench.compress.residualkv.references.mean_rows`) from
-    one gather of the pool: ``nbr``/``valid`` ``[m, k]``; ``extra`` (int64 ``[e]``, optional) more pool rows
-    read in the same gather. Returns ``(mean [m, d_kv] float32, extra rows [e, d_kv] float32 or None)``."""
+    """Mean of each token's valid neighbours (as :func:`~kvbench.compress.residualkv.references.mean_rows`):
+    ``nbr``/``valid`` ``[m, k]``; ``extra`` (int64 ``[e]``, optional) more pool rows to read. Returns ``(mean
+    [m, d_kv] float32, extra rows [e, d_kv] float32 or None)``.
+
+    Where the pool is read in float32 the sum is one ``F.embedding_bag`` (gather and weighted sum fused, no
+    ``[m, k, d_kv]`` copy): weights 0/1 make each product exact, so adding the k slots in order from zero and
+    dividing by the count rounds as ``mean_rows`` does (bitwise equal, tested). Otherwise (an FP8 pool off the
+    CPU) the rows are gathered, converted and summed by ``mean_rows``."""
     m, k = nbr.shape
+    table = pool.readable()
+    if table.dtype == torch.float32:
+        weight = valid.to(torch.float32)
+        total = F.embedding_bag(nbr, table, mode="sum", per_sample_weights=weight)
+        mean = total.div_(weight.sum(1, keepdim=True))
+        return mean, (None if extra is None else table.index_select(0, extra))
     idx = nbr.reshape(-1) if extra is None else torch.cat([nbr.reshape(-1), extra])
     rows = pool.rows(idx)
     mean = references.mean_rows(rows[:m * k].view(m, k, -1), valid)
