@@ -238,6 +238,11 @@ class StoreLayer(CacheLayerMixin):
         of the output another way overrides it (ResidualKV's latent V)."""
         return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=True)
 
+    def visible(self, view: KVView) -> int:
+        """Keys a one-token step's query may attend, for the CR record: every key of the step's view (default);
+        a store that attends tokens it did not put in the view (a fused restore kernel) adds them."""
+        return len(view)
+
     def hides_keys(self) -> bool:
         """True when :meth:`history` may return keys that no query may read (eviction's padding slots), so
         even a one-token step needs the position mask. Default False: a decode step then builds no mask."""
@@ -416,7 +421,7 @@ def _press_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value:
     extra = layer.narrow(query, view)
     if extra is None and query.shape[2] == 1 and not layer.hides_keys():
         # a decode step whose store holds no padding: every key is visible to the one query row
-        allowed, attended = None, len(view)
+        allowed, attended = None, layer.visible(view)
     else:
         allowed = _visible(view.positions, layer._query_pos, query.shape[1])     # [1, 1 or H_q, t, n]
         if extra is not None:

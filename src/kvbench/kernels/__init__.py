@@ -19,7 +19,11 @@ Choosing the implementation: the functions below dispatch on the environment var
 - ``torch``: always the torch reference;
 - ``triton``: always the kernel; it fails where none can run (:func:`available`).
 
-Nothing calls them yet: the caches still restore and attend in torch (the decode refactor wires them in).
+Wired: a ResidualKV sparse layer's one-token decode step calls :func:`restore_attend` over its stores when
+``use_triton`` says so for the device (``ResidualKVLayer._kernel_step``); ``KVBENCH_KERNELS=torch`` keeps the
+cache's own torch path for comparison. Not wired: :func:`kivi_attend` (the KIVI-style full layers keep their
+codes per block, not in the one packed layout it reads) and :func:`group_dequant` (the torch path dequantises
+only the selected rows).
 """
 import os
 

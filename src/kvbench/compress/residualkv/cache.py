@@ -93,6 +93,8 @@ class ResidualKVLayer(StoreLayer):
         self._f_d: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None] | None = None
         self._latent_now = False
         self._latent: tuple[torch.Tensor, int] | None = None
+        #: this step's restore-kernel inputs (:meth:`_kernel_step`): the raw view and the selection (None: all)
+        self._fused: tuple[KVView, torch.Tensor | None] | None = None
         #: the attention's key norm (Qwen3 ``k_norm``), applied after restore; None: K is the pre-RoPE key
         self.k_norm: torch.nn.Module | None = None
         self._k_in: torch.Tensor | None = None         # this step's k_proj output [t, d_k] (key norm only)
@@ -364,9 +366,18 @@ class ResidualKVLayer(StoreLayer):
 
     def view_with(self, chunk: KVView) -> KVView:
         """History and ``chunk`` in one concatenation (not history's, then a second with the chunk)."""
+        self._fused = None
         if not self.seen:
             self._read = None
             return chunk
+        if self._kernel_step(chunk):
+            # the kernel reads the stores and restores in registers: the view is the raw tokens only
+            selected = self.cache.step.selected
+            raw = KVView.cat([self.sink, self.window, chunk])
+            self._fused = (raw, selected)
+            self._read = (selected, len(self.pool), len(self.codes))
+            self._read_raw = 2 * raw.keys.numel() * raw.keys.element_size()
+            return raw
         # latent V at a decode step without a key norm between restore and attention (Qwen3's k_norm acts on K only,
         # but the flag stays off there: untested)
         self._latent_now = self.press.latent_v and len(chunk) == 1 and self.k_norm is None
@@ -379,13 +390,58 @@ class ResidualKVLayer(StoreLayer):
                              for v in (self.sink, self.window, chunk) if v is not None)
         return KVView.cat([*parts, chunk])
 
+    def _kernel_step(self, chunk: KVView) -> bool:
+        """Whether this step runs the Triton restore kernel (:func:`kvbench.kernels.restore_attend`): a one-token
+        step, Triton chosen for the device by ``KVBENCH_KERNELS`` (``auto``: CUDA tensors; ``torch`` keeps this
+        module's path for comparison; ``triton`` also runs it on the CPU under ``TRITON_INTERPRET=1``), codes at
+        2/4/8/16 bits, the codec's linear f_d (not ``use_codec=false`` / ``mean_only``) and no key norm."""
+        if len(chunk) != 1 or self.press.bits == 32 or not self.press.use_codec or self.press.mean_only:
+            return False
+        if self.k_norm is not None or self.codec.config.decoder != "linear":
+            return False
+        from kvbench import kernels   # kernels import compress.residualkv modules; imported when first needed
+        return kernels.use_triton(chunk.keys.device)
+
+    def visible(self, view: KVView) -> int:
+        """The raw view, plus the tokens the restore kernel attends from the stores at a kernel step."""
+        if self._fused is None:
+            return len(view)
+        selected = self._fused[1]
+        return len(view) + (len(self.pool) + len(self.codes) if selected is None else len(selected))
+
+    def _attend_kernel(self, query: torch.Tensor, scaling: float | None) -> torch.Tensor:
+        """One decode step through :func:`kvbench.kernels.restore_attend` over the stores as held (FP8 references,
+        packed codes, indices) and the raw tokens, with OmniKV's selection as row indices of each store
+        (selected positions split by the position maps: one host read of their count per layer)."""
+        from kvbench import kernels
+
+        raw, selected = self._fused
+        self._fused = None
+        self.ctx.rope.reach(self.seen)
+        self.ctx.rope(raw.positions[0, 0, -1:])   # grow the cos/sin table to every stored position
+        w, b = self.codec.linear_decoder()
+        layer = kernels.CodedLayer(self.pool.stored(), self.pool.positions(), self.codes.packed_codes(),
+                                   self.codes.nbr.view(), self.codes.valid.view(), self.codes.positions(),
+                                   w, b, self.ctx.rope.cos, self.ctx.rope.sin)
+        ref_sel = code_sel = None
+        if selected is not None:
+            ref_slot, code_slot = self.pool.slot(selected), self.codes.slot(selected)
+            ref_sel, code_sel = ref_slot[ref_slot >= 0], code_slot[code_slot >= 0]
+        _, h_q, _, d = query.shape
+        out = kernels.restore_attend(query[0, :, 0], raw.keys[0], raw.values[0], layer, ref_sel, code_sel,
+                                     softmax_scale=scaling, latent_v=self.press.latent_v)
+        return out.view(1, h_q, 1, d)
+
     def attend(self, query, key, value, mask, scaling):
         """Latent V (``ResidualKVPress.latent_v``, beyond the paper) at a decode step: f_d is linear, so the
         restored rows' share of the output Σ_i a_i (W_V z̃_i + b_V + m_i) is computed as W_V (Σ_i a_i z̃_i) +
         Σ_i a_i (b_V + m_i): ``value`` holds b_V + m_i on those rows (:meth:`_restore`), the attention weights
         are applied to the codes [m, d_c] and W_V once per KV head, instead of decoding V for every restored
         token (m·d_c·d_v multiply-adds saved). Scores and softmax in float32; same result as SDPA over the
-        decoded V up to rounding (tested). Any other step: :meth:`StoreLayer.attend`."""
+        decoded V up to rounding (tested). A kernel step (:meth:`_kernel_step`) runs the restore kernel, whose
+        ``latent_v`` does the same in registers. Any other step: :meth:`StoreLayer.attend`."""
+        if self._fused is not None:
+            return self._attend_kernel(query, scaling)
         latent, self._latent = self._latent, None
         if latent is None or mask is not None or query.shape[2] != 1:
             return super().attend(query, key, value, mask, scaling)

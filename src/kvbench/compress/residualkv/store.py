@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from kvbench.compress.buffers import Growable
 from kvbench.compress.residualkv import quant, references
+from kvbench.kernels.group_quant import PackedCodes, pack_levels
 
 
 def index_dtype(n_refs: int) -> torch.dtype:
@@ -132,9 +133,25 @@ class CodeStore:
         self.q, self.zmin, self.scale = Growable(0), Growable(0), Growable(0)
         self.nbr, self.valid, self.pos = Growable(0), Growable(0), Growable(0)
         self.slot = PositionMap()
+        self._packed = Growable(0)   # bits-packed mirror of ``q`` for the restore kernel, made once asked for
 
     def __len__(self) -> int:
         return len(self.pos)
+
+    def packed_codes(self) -> PackedCodes:
+        """The codes as :func:`kvbench.kernels.restore_attend` reads them: levels packed 8/bits per byte
+        (``kernels.group_quant`` layout) with their fp16 min/scale at bits 2/4/8, the fp16 codes at 16. The
+        packed levels are a mirror of the unpacked store, kept from the first call on and extended with the
+        rows added since (resident bytes count it). Raises ValueError at bits 32 (float32 codes, no kernel)."""
+        if self.bits == 32:
+            raise ValueError("bits 32 (float32 codes) has no packed form; the restore kernel reads 2/4/8/16-bit codes")
+        q = self.q.view()
+        if self.bits == 16:
+            empty = q.new_zeros(len(q), 0)
+            return PackedCodes(q, empty, empty, 16, q.shape[1])
+        if len(self._packed) < len(q):
+            self._packed.append(pack_levels(q[len(self._packed):], self.bits))
+        return PackedCodes(self._packed.view(), self.zmin.view(), self.scale.view(), self.bits, self.group)
 
     def add(self, codes: quant.QuantizedCodes | torch.Tensor, nbr: torch.Tensor, valid: torch.Tensor,
             pos: torch.Tensor, n_refs: int, end: int) -> None:
@@ -193,6 +210,7 @@ class CodeStore:
         for g in (self.q, self.zmin, self.scale, self.nbr, self.valid, self.pos):
             if g.data is not None:
                 g.keep(mask)
+        self._packed = Growable(0)   # re-packed from the kept rows when next asked for
         self.slot.clear()
         pos = self.positions()
         if len(pos):
@@ -216,9 +234,9 @@ class CodeStore:
     def tensors(self):
         """Storages held (resident bytes, each at its allocated capacity): the unpacked ``uint8`` codes with
         their fp16 min/scale (or the fp16/float32 codes), the indices, the ``bool`` validity masks, the int64
-        positions and the int64 position → slot map."""
+        positions, the int64 position → slot map and the packed mirror the restore kernel reads (once made)."""
         return (self.q.data, self.zmin.data, self.scale.data, self.nbr.data, self.valid.data, self.pos.data,
-                self.slot.table.data)
+                self.slot.table.data, self._packed.data)
 
 
 def restore_mean(pool: RefPool, nbr: torch.Tensor, valid: torch.Tensor, extra: torch.Tensor | None = None):

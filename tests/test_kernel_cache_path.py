@@ -1,0 +1,41 @@
+"""The ResidualKV cache's decode steps through the Triton restore kernel (``KVBENCH_KERNELS=triton``; on the CPU in
+Triton's interpreter) against the cache's torch path (``KVBENCH_KERNELS=torch``): same logits within the kernel
+tolerance, same selections, same CR record. On CUDA ``auto`` takes the kernel path; here ``auto`` stays in torch."""
+from __future__ import annotations
+
+import pytest
+import torch
+from _kernel_fixtures import TOL, assert_within, interpreter  # noqa: F401
+from test_rkv_cache import IDS, _run
+
+from kvbench.compress.presses.omnikv import OmniKVPress
+from kvbench.compress.residualkv.cache import ResidualKVLayer, ResidualKVPress
+from kvbench.compress.residualkv.codec import ResidualCodec
+
+
+@pytest.mark.parametrize("latent_v", [False, True])
+@pytest.mark.parametrize("selector,bits", [(OmniKVPress(keep=0.4), 4), (None, 16)])
+def test_kernel_cache_path_equals_the_torch_path(tiny_lm, tmp_path, monkeypatch, interpreter, selector, bits,  # noqa: F811
+                                                 latent_v, record_property):
+    ResidualCodec.for_model(tiny_lm, seed=3, d_c=32, d_ff=64, n_sink=2, window=4, stride=5).save(tmp_path / "c")
+    press = lambda: ResidualKVPress(codec_dir=str(tmp_path / "c"), bits=bits, selector=selector,  # noqa: E731
+                                    full_layers=(0,) if selector else (), latent_v=latent_v)
+    ids, cuts = IDS[:, :49], [30, 45, 46, 47, 48]   # context, question, then 4 one-token steps (the interpreter is slow)
+    monkeypatch.setenv("KVBENCH_KERNELS", "torch")
+    want, ref_cache = _run(tiny_lm, press(), ids, cuts)
+    monkeypatch.setenv("KVBENCH_KERNELS", "triton")
+    layer_steps = []
+    original = ResidualKVLayer._attend_kernel
+
+    def counted(self, query, scaling):
+        layer_steps.append(self.ctx.layer_idx)
+        return original(self, query, scaling)
+    monkeypatch.setattr(ResidualKVLayer, "_attend_kernel", counted)
+    got, cache = _run(tiny_lm, press(), ids, cuts)
+    n_sparse = sum(isinstance(layer, ResidualKVLayer) for layer in cache.layers)
+    assert len(layer_steps) == n_sparse * 4   # every one-token step of every sparse layer of every sparse layer
+    torch.testing.assert_close(got[:, :45], want[:, :45], atol=0, rtol=0)   # prefill: the torch path in both
+    assert_within("cache logits, kernel vs torch path", got, want, 10 * TOL[torch.float32], record_property)
+    assert cache.attended == ref_cache.attended
+    if selector is not None:
+        assert cache.selections == ref_cache.selections
