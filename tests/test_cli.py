@@ -104,7 +104,8 @@ def test_profiling_figures_name_the_csv_they_need(tmp_path, capsys):
     fig6.write_text("# header\ncodec,prefill_ms,restore_ms,total_ms\nswiglu+linear,1.0,2.0,3.0\n")
     assert main(["report", "residualkv-fig8", "--raw", str(fig6), "--out", str(tmp_path / "f.pdf")]) == 2
     err = capsys.readouterr().err
-    assert "lacks column(s) ['method', 'context', 'tokens_per_s', 'q1', 'q3', 'device']" in err
+    assert ("lacks column(s) ['method', 'context', 'tokens_per_s', 'tps_lo95', 'tps_hi95', 'achieved_gb_s', "
+            "'machine_read_gb_s', 'device']") in err
     assert "expected the CSV of `kvbench bench rkv-throughput`" in err
     assert main(["report", "residualkv-fig6", "--raw", str(fig6), "--out", str(tmp_path / "f.pdf")]) == 0
     assert (tmp_path / "f.pdf").stat().st_size > 0
