@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _kernel_fixtures import TOL, assert_within, interpreter  # noqa: F401
+from _kernel_fixtures import DEVICE, TOL, assert_within, interpreter  # noqa: F401
 from test_rkv_cache import IDS, _run
 
 from kvbench.compress.presses.omnikv import OmniKVPress
@@ -13,6 +13,8 @@ from kvbench.compress.residualkv.cache import ResidualKVLayer, ResidualKVPress
 from kvbench.compress.residualkv.codec import ResidualCodec
 
 
+@pytest.mark.skipif(DEVICE != "cpu", reason="runs the tiny LM on the CPU under the interpreter; on a GPU the kernel "
+                    "tests of kernels/ cover the kernel")
 @pytest.mark.parametrize("latent_v", [False, True])
 @pytest.mark.parametrize("selector,bits", [(OmniKVPress(keep=0.4), 4), (None, 16)])
 def test_kernel_cache_path_equals_the_torch_path(tiny_lm, tmp_path, monkeypatch, interpreter, selector, bits,  # noqa: F811

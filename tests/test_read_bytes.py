@@ -58,6 +58,24 @@ def test_residualkv_reads_the_selection_in_its_stored_form(tiny_lm, tmp_path):
     # raw), so 2 + 5 + 1 raw tokens at float32
     raw = 2 * (2 + 5 + 1) * C * 4
     assert layer.read_bytes() == n_coded * (code_row + cfg.k * (2 + 1)) + refs + decoder + raw
-    # a full layer keeps its exact audit; every layer audited itself
-    assert bandwidth.press_read_bytes(cache, 60, 2 * C, 4)[1] == "audit"
+    # the cache's count is the layers' audits summed (full layer 0: its view at float32)
+    assert bandwidth.press_read_bytes(cache, 60, 2 * C, 4) == (sum(x.read_bytes() for x in cache.layers), "audit")
+    assert cache.layers[0].read_bytes() == 2 * 60 * C * 4
+
+
+def test_residualkv_standalone_raw_residual_reads_every_code_at_full_width(tiny_lm, tmp_path):
+    """Standalone (every coded token and reference restored) with ``use_codec=false``: a code is kv − mean at
+    d_kv = 64 values, 4-bit, groups of 32 (the codec's group), so 32 bytes + 2 groups x 2 fp16 per token."""
+    codec = ResidualCodec.for_model(tiny_lm, seed=3, d_c=32, d_ff=64, encoder="linear", n_sink=2, window=4, stride=5)
+    codec.save(tmp_path / "codec")
+    press = ResidualKVPress(codec_dir=str(tmp_path / "codec"), bits=4, use_codec=False)
+    _, cache = _run(tiny_lm, press, IDS, [30, 45, 59])
+    layer = cache.layers[1]
+    n_ref, n_coded = len(layer.ref_pos), len(layer.codes.positions())
+    assert (n_ref, n_coded) == (11, 41)   # 52 tokens left the window by position 58: refs 2, 7, ..., 52
+    k = layer.cfg.k
+    want = (n_coded * (64 * 4 // 8 + 2 * 2 * 2 + k * (2 + 1))   # codes, scales, int16 indices + validity
+            + (n_coded * k + n_ref) * 64                      # FP8 reference rows gathered
+            + 2 * (2 + 5 + 1) * C * 4)                          # sinks, window, the step's token (float32)
+    assert layer.read_bytes() == want
 

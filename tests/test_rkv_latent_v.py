@@ -17,9 +17,10 @@ def _codec(model, path, **kw):
 
 
 @pytest.mark.parametrize("selector", [None, OmniKVPress(keep=0.4)])
-@pytest.mark.parametrize("bits", [4, 16])
-def test_latent_v_logits_equal_decoding_v(tiny_lm, tmp_path, selector, bits):
-    codec_dir = _codec(tiny_lm, tmp_path / "c", bias=True)
+@pytest.mark.parametrize("bits,bias", [(4, True), (16, False)])
+def test_latent_v_logits_equal_decoding_v(tiny_lm, tmp_path, selector, bits, bias):
+    """With and without a bias (without one, selected references are restored as zero codes on their own row)."""
+    codec_dir = _codec(tiny_lm, tmp_path / "c", bias=bias)
     kw = dict(codec_dir=codec_dir, bits=bits, selector=selector, full_layers=(0,) if selector else ())
     want, ref_cache = _run(tiny_lm, ResidualKVPress(**kw), IDS, CUTS)
     got, cache = _run(tiny_lm, ResidualKVPress(**kw, latent_v=True), IDS, CUTS)
@@ -27,7 +28,9 @@ def test_latent_v_logits_equal_decoding_v(tiny_lm, tmp_path, selector, bits):
     # prefill chunks run the same path; decode steps differ only in rounding
     torch.testing.assert_close(got[:, :45], want[:, :45], atol=0, rtol=0)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
-    assert (got[:, 45:] - want[:, 45:]).abs().max() > 0 or bits == 16   # the latent path did run
+    # the latent path ran: each sparse layer split f_d for it (at its first decode step)
+    assert all(layer._f_d is not None for layer in cache.layers if isinstance(layer, ResidualKVLayer))
+    assert all(layer._f_d is None for layer in ref_cache.layers if isinstance(layer, ResidualKVLayer))
     if selector is not None:
         assert cache.selections[:3] == ref_cache.selections[:3]
 
@@ -41,3 +44,22 @@ def test_latent_v_is_refused_without_a_linear_codec(tiny_lm, tmp_path):
                             latent_v=True)
     with pytest.raises(ValueError, match="latent_v needs a linear f_d; codec .* has decoder 'swiglu'"):
         press.load()
+
+
+def test_reset_empties_the_layers_for_a_new_request(tiny_lm, tmp_path):
+    """transformers' ``Cache.reset`` on a ResidualKV+OmniKV cache with KIVI-style 4-bit full layers: the same
+    request run again on the reset cache gives the logits of a fresh cache (nothing of the first run is left)."""
+    press = ResidualKVPress(codec_dir=_codec(tiny_lm, tmp_path / "c"), bits=4, selector=OmniKVPress(keep=0.4),
+                            full_layers=(0,), full_kv_bits=4, latent_v=True)
+    want, cache = _run(tiny_lm, press, IDS, CUTS)
+    cache.reset()
+    assert all(layer.seen == 0 for layer in cache.layers)
+    from kvbench.compress.cache import press_attention
+    outs, start = [], 0
+    with torch.inference_mode(), press_attention(tiny_lm, cache):
+        for end in [*CUTS, IDS.shape[1]]:
+            pos = torch.arange(start, end).view(1, -1)
+            outs.append(tiny_lm(input_ids=IDS[:, start:end], position_ids=pos, cache=cache, use_cache=True).logits)
+            start = end
+    torch.testing.assert_close(torch.cat(outs, 1), want, atol=0, rtol=0)
+

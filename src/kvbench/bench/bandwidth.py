@@ -9,7 +9,8 @@ machine's bandwidth, which tells a slow method (few GB/s: overhead, not bytes) f
 - ``weight_bytes`` (:func:`weight_bytes`): every parameter once; the input embedding as the one row a token
   reads; the LM head in full (also when tied to the embedding: the head reads the whole matrix);
 - ``kv_read_bytes``: the KV the step read: for a kvbench cache each layer's own audit
-  (``StoreLayer.read_bytes()``, the bytes its latest forward read from its store, packed as held) where the
+  (``StoreLayer.read_bytes()``: the bytes its latest step must read in the stored form, e.g. KIVI's and
+  ResidualKV's packed codes as a kernel reads them, while their CPU torch path reads wider rows) where the
   layer has one, else :func:`estimate_layer_read`; for transformers' ``DynamicCache`` its tensors' bytes
   (:func:`tensor_bytes`; SDPA reads all of them). ``kv_read_source`` says which: ``audit``, ``estimate`` (any
   layer estimated) or ``tensors``;
@@ -105,8 +106,8 @@ def estimate_layer_read(sb: StoredBytes, *, attended: int, visible: int, seen: i
     :data:`PACKED_RAW_BYTES`; held at the model's ``element_size``): raw window, sinks, and ``full_layer``
     when it is the exact store (``2 x kv_width x seen`` packed bytes); a quantised full layer (KIVI-style) is
     read in full as packed. Codes, scales, indices and references are scaled by the layer's measured compute
-    ratio ``attended / visible`` (sparse attention restores only what it selects). What the layer really
-    holds may be wider (unpacked codes, dequantised rows): the audit, where a layer has one, counts that.
+    ratio ``attended / visible`` (sparse attention restores only what it selects). The audit, where a layer
+    has one (every ``StoreLayer``), counts the stored form a kernel reads instead (``read_bytes``).
 
     Args:
         sb: the layer's :class:`StoredBytes` after the step. attended: keys the step's last query may attend

@@ -17,7 +17,7 @@ Timed paths (device-synchronised clock, median of ``repeats`` after ``warmup`` u
   keep): selected references read, selected codes restored ``f_d(z) + mean_ref``, keys re-rotated, sinks
   and raw window joined. The layer is a one-layer random LM's (:func:`filled_layer`) that prefilled
   ``tokens`` tokens through the codec (unquantised codes and float32 references, as the codec pair), so
-  what Fig. 8's decode steps run is what is timed here;
+  what Fig. 8's CPU decode steps run is what is timed here (on CUDA those run the restore kernel instead);
 - ``codec_restore_ms``: the decoder map alone, :meth:`LayerCodec.restore` of ``restore_tokens`` random codes
   (the part the two codec forms differ in; what the paper's 0.93 -> 0.47 ms isolates);
 - total: prefill path + ``decode_steps`` x restore (the paper's 4,096-token prefill + 512 steps).

@@ -19,7 +19,7 @@ Measured KR (:func:`keep_ratio_measured`) comes in two accountings, never mixed 
   FP16 (2 bytes, the full cache's precision), by part (:class:`StoredBytes`). Validity masks, token
   positions and dequantised copies are not part of it (a deployment derives or never keeps them).
 - **resident**: the bytes of every tensor the layer holds between steps, as held: unpacked ``uint8``
-  codes, ``bool`` validity masks, ``int64`` positions, float32 dequantised rows, raw K/V in the model's
+  codes, ``bool`` validity masks, ``int64`` positions, dequantised rows in the model's dtype, raw K/V in the model's
   dtype, and the whole storage of a tensor the layer keeps a view of (:func:`held_bytes`).
 
 The paper's formula ignores reference indices, sinks, the raw window, the raw residual of KIVI-style

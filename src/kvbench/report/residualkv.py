@@ -212,7 +212,7 @@ _CELLS = ("Scores are mean per-record score x 100 (``avg``: unweighted mean over
           "the full FP16 cache, measured two ways never mixed: ``KR_packed %`` the paper's accounting (codes at their "
           "bit width, fp16 group scales, FP8 references, int16 reference indices, raw window, sinks and uncompressed "
           "K/V at FP16) and ``KR_resident %`` every tensor the cache really holds (unpacked uint8 codes, bool masks, "
-          "int64 positions, KIVI's float32 dequantised rows, raw K/V in the model's dtype). ``KR formula %`` is the "
+          "int64 positions, KIVI's dequantised rows in the model's dtype, raw K/V in the model's dtype). ``KR formula %`` is the "
           "§V-A formula for ResidualKV rows; it omits the reference indices, the raw window and sinks, which the "
           "columns ``full layers %``, ``codes+scales %``, ``references %``, ``indices %`` and ``window+sinks %`` "
           "(``KR_packed %`` by part; an eviction press's kept tokens count as full-precision K/V under ``full "

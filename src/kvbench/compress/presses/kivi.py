@@ -151,6 +151,13 @@ class KIVILayer(StoreLayer):
         self._dequantised.append((False, len(self.vq), quant.dequantize(codes)))
         self.vq.add(codes, len(rows))
 
+    def reset(self) -> None:
+        """Empty the layer for a new request (transformers' ``Cache.reset``): the base store, the codes, the raw
+        residual and the rows waiting to be written; a composed selector's ``after_commit`` is kept."""
+        after = self.after_commit
+        KIVILayer.__init__(self, self.ctx, self.cache, self.bits, self.group, self.residual)
+        self.after_commit = after
+
     def packed_bytes(self) -> StoredBytes:
         """Packed codes, fp16 min/scale per group, and the raw residual keys and values at FP16."""
         kp, ks = self.kq.bytes()

@@ -95,6 +95,7 @@ class ResidualKVLayer(StoreLayer):
         self._latent: tuple[torch.Tensor, int] | None = None
         #: this step's restore-kernel inputs (:meth:`_kernel_step`): the raw view and the selection (None: all)
         self._fused: tuple[KVView, torch.Tensor | None] | None = None
+        self._w_d: tuple[torch.Tensor, torch.Tensor | None] | None = None   # f_d as (W_d, b_d), for the kernel
         #: the attention's key norm (Qwen3 ``k_norm``), applied after restore; None: K is the pre-RoPE key
         self.k_norm: torch.nn.Module | None = None
         self._k_in: torch.Tensor | None = None         # this step's k_proj output [t, d_k] (key norm only)
@@ -394,8 +395,12 @@ class ResidualKVLayer(StoreLayer):
         """Whether this step runs the Triton restore kernel (:func:`kvbench.kernels.restore_attend`): a one-token
         step, Triton chosen for the device by ``KVBENCH_KERNELS`` (``auto``: CUDA tensors; ``torch`` keeps this
         module's path for comparison; ``triton`` also runs it on the CPU under ``TRITON_INTERPRET=1``), codes at
-        2/4/8/16 bits, the codec's linear f_d (not ``use_codec=false`` / ``mean_only``) and no key norm."""
+        2/4/8/16 bits, the codec's linear f_d (not ``use_codec=false`` / ``mean_only``), no key norm, and stores
+        holding coded tokens and references (before the first coded block, or with a codec without references, the
+        torch path runs)."""
         if len(chunk) != 1 or self.press.bits == 32 or not self.press.use_codec or self.press.mean_only:
+            return False
+        if not len(self.codes) or not len(self.pool):
             return False
         if self.k_norm is not None or self.codec.config.decoder != "linear":
             return False
@@ -419,7 +424,9 @@ class ResidualKVLayer(StoreLayer):
         self._fused = None
         self.ctx.rope.reach(self.seen)
         self.ctx.rope(raw.positions[0, 0, -1:])   # grow the cos/sin table to every stored position
-        w, b = self.codec.linear_decoder()
+        if self._w_d is None:   # f_d as a matrix, built once (block_diag makes a new tensor each call)
+            self._w_d = self.codec.linear_decoder()
+        w, b = self._w_d
         layer = kernels.CodedLayer(self.pool.stored(), self.pool.positions(), self.codes.packed_codes(),
                                    self.codes.nbr.view(), self.codes.valid.view(), self.codes.positions(),
                                    w, b, self.ctx.rope.cos, self.ctx.rope.sin)
@@ -443,8 +450,11 @@ class ResidualKVLayer(StoreLayer):
         if self._fused is not None:
             return self._attend_kernel(query, scaling)
         latent, self._latent = self._latent, None
-        if latent is None or mask is not None or query.shape[2] != 1:
+        if latent is None:
             return super().attend(query, key, value, mask, scaling)
+        if mask is not None or query.shape[2] != 1:   # value lacks W_V z̃ on the restored rows: SDPA would be wrong
+            raise RuntimeError(f"layer {self.ctx.layer_idx}: latent V needs a one-token step without a mask, got "
+                               f"{query.shape[2]} query tokens, mask {None if mask is None else tuple(mask.shape)}")
         z, start = latent
         _, h_q, _, d = query.shape
         h_kv = key.shape[1]
@@ -473,9 +483,12 @@ class ResidualKVLayer(StoreLayer):
             n_ref = int((self.pool.slot(selected) >= 0).sum()) if n_pool else 0
             n_coded = len(selected) - n_ref
         k = self.cfg.k if self.cfg.references else 0
-        bits, d_c = self.press.bits, self.cfg.d_c
-        code_row = (math.ceil(d_c * bits / 8) + 2 * 2 * math.ceil(d_c / self.cfg.group) if bits < 16
-                    else d_c * bits // 8)
+        bits = self.press.bits
+        width = self.cfg.d_c if self.press.use_codec else self.cfg.d_kv   # use_codec=false stores kv − mean
+        code_row = (math.ceil(width * bits / 8) + 2 * 2 * math.ceil(width / self.cfg.group) if bits < 16
+                    else width * bits // 8)
+        if self.press.mean_only:   # the zero codes are stored (and counted in KR) but never read back
+            code_row = 0
         idx = torch.empty(0, dtype=index_dtype(n_pool)).element_size()
         ref_width = self.cfg.d_kv * (1 if self.press.ref_fp8 else self.pool.stored().element_size())
         decoder = 0
@@ -515,6 +528,14 @@ class ResidualKVLayer(StoreLayer):
         yield from self.pool.tensors()
         yield from (self.raw_k_in.data, self._k_in)
         yield from self.codes.tensors()
+
+    def reset(self) -> None:
+        """Empty the layer for a new request (transformers' ``Cache.reset``): every store and step state, as built;
+        the key norm found by :meth:`attach` (its hook stays registered) and a composed selector's ``after_commit``
+        are kept."""
+        k_norm, after = self.k_norm, self.after_commit
+        self.__init__(self.ctx, self.cache, self.press)
+        self.k_norm, self.after_commit = k_norm, after
 
     def drop_unselected(self, keep_positions: torch.Tensor) -> None:
         """``+snapkv``: keep only coded tokens at ``keep_positions`` (references stay)."""
