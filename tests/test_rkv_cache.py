@@ -24,8 +24,9 @@ def _identity_codec(model, path, **overrides):
     return path
 
 
-def _run(model, press, ids, cuts):
-    cache = press.new_cache(model)
+def _run(model, press, ids, cuts, cache=None):
+    """Run ``ids`` through ``model`` in chunks ending at ``cuts`` on ``cache`` (default: a new one of ``press``)."""
+    cache = press.new_cache(model) if cache is None else cache
     outs, start = [], 0
     with torch.inference_mode(), press_attention(model, cache):
         for end in [*cuts, ids.shape[1]]:
