@@ -74,8 +74,8 @@ def test_growable_writes_in_place_and_doubles():
     storage = g.data.data_ptr()
     g.append(x[:, 3:4])                      # fits: written in place
     assert g.capacity == 4 and g.data.data_ptr() == storage and torch.equal(g.view(), x[:, :4])
-    g.drop_front(3)
-    assert torch.equal(g.view(), x[:, 3:4]) and g.capacity == 4
+    g.drop_front(3)                          # the kept row moves to a storage of twice its number
+    assert torch.equal(g.view(), x[:, 3:4]) and g.capacity == 2
     g.append(x[:, 4:])
     g.keep(torch.tensor([True, False, True]))
     assert torch.equal(g.view(), x[:, [3, 5]]) and g.capacity == 2
@@ -100,3 +100,15 @@ def test_full_cache_decodes_in_place_and_counts_its_capacity(tiny_lm):
     assert b.full_layer == 23 * 2 * 32 * 2                       # FP16 K and V of the 23 stored tokens
     assert b.resident == 40 * 2 * 32 * 4 + 40 * 8                # float32 K, V and int64 positions, capacity 40
     assert cache.attended[-1] == [23, 23, 23]                   # no mask built: every key, itself included
+
+
+def test_a_sliding_window_does_not_keep_its_first_chunk_s_capacity():
+    """Review finding: a raw window that first takes a whole prefill chunk (300 rows) and then keeps 40 held
+    300 rows of capacity for the rest of the request; dropping now reallocates at twice the rows kept."""
+    g = Growable(dim=0)
+    g.append(torch.zeros(300, 4))
+    g.drop_front(260)
+    assert len(g) == 40 and g.capacity == 80
+    g.drop_front(0)
+    assert g.capacity == 80
+

@@ -66,14 +66,20 @@ class Growable:
         return None if self.data is None else self.data.narrow(self.dim, 0, self.n)
 
     def drop_front(self, m: int) -> None:
-        """Drop the first ``m`` rows: the rest moves to the front of a fresh storage of the same capacity
-        (a copy of the kept rows, once per call; the source and destination never overlap)."""
+        """Drop the first ``m`` rows: the rest moves to the front of a fresh storage of twice their number (at
+        most the old capacity; a copy of the kept rows, once per call, source and destination never overlap).
+        Not the old capacity: a raw window that first took a whole prefill chunk would otherwise hold that
+        chunk's size for the rest of the request (measured: ResidualKV's resident KR on the smoke Table III
+        went from 77% to 248% of the FP16 cache)."""
         if m <= 0 or self.data is None:
             return
-        rest = self.data.narrow(self.dim, m, self.n - m)
-        new = (torch.empty_like(self.data) if self.fill is None else torch.full_like(self.data, self.fill))
-        new.narrow(self.dim, 0, self.n - m).copy_(rest)
-        self.data, self.n = new, self.n - m
+        kept = self.n - m
+        rest = self.data.narrow(self.dim, m, kept)
+        shape = list(self.data.shape)
+        shape[self.dim] = min(self.capacity, max(1, 2 * kept))
+        new = self.data.new_empty(shape) if self.fill is None else self.data.new_full(shape, self.fill)
+        new.narrow(self.dim, 0, kept).copy_(rest)
+        self.data, self.n = new, kept
 
     def keep(self, rows: torch.Tensor) -> None:
         """Keep only ``rows`` (int64 indices or a bool mask over the rows in use), in that order; the storage
