@@ -69,8 +69,7 @@ class Growable:
         """Drop the first ``m`` rows: the rest moves to the front of a fresh storage of twice their number (at
         most the old capacity; a copy of the kept rows, once per call, source and destination never overlap).
         Not the old capacity: a raw window that first took a whole prefill chunk would otherwise hold that
-        chunk's size for the rest of the request (measured: ResidualKV's resident KR on the smoke Table III
-        went from 77% to 248% of the FP16 cache)."""
+        chunk's size for the rest of the request (docs/decisions.md, "One contiguous store per layer")."""
         if m <= 0 or self.data is None:
             return
         kept = self.n - m

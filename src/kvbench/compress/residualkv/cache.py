@@ -95,7 +95,7 @@ class ResidualKVLayer(StoreLayer):
         self._latent: tuple[torch.Tensor, int] | None = None
         #: this step's restore-kernel inputs (:meth:`_kernel_step`): the raw view and the selection (None: all)
         self._fused: tuple[KVView, torch.Tensor | None] | None = None
-        self._w_d: tuple[torch.Tensor, torch.Tensor | None] | None = None   # f_d as (W_d, b_d), for the kernel
+        self._w_d: tuple[torch.Tensor, torch.Tensor | None] | None = None   # f_d as (W_d, b_d) float32 (_f_d_matrix)
         #: the attention's key norm (Qwen3 ``k_norm``), applied after restore; None: K is the pre-RoPE key
         self.k_norm: torch.nn.Module | None = None
         self._k_in: torch.Tensor | None = None         # this step's k_proj output [t, d_k] (key norm only)
@@ -283,11 +283,18 @@ class ResidualKVLayer(StoreLayer):
                 return out
             return self.codec.restore(z, mean) if self.press.use_codec else z + mean
 
+    def _f_d_matrix(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """f_d as ``(W_d [d_kv, d_c], b_d [d_kv] or None)`` float32, built once per layer (``block_diag`` makes a
+        new tensor each call): what the restore kernel reads and latent V splits."""
+        if self._w_d is None:
+            w, b = self.codec.linear_decoder()
+            self._w_d = (w.float(), None if b is None else b.float())
+        return self._w_d
+
     def _decoder(self):
         """f_d split for latent V, float32: ``(W_K [d_k, d_c], b_K or None, W_V [H_kv, D, d_c], b_V or None)``."""
         if self._f_d is None:
-            w, b = self.codec.linear_decoder()
-            w, b = w.float(), None if b is None else b.float()
+            w, b = self._f_d_matrix()
             d_k, h = self.cfg.d_kv // 2, self.ctx_heads
             self._f_d = (w[:d_k].contiguous(), None if b is None else b[:d_k],
                          w[d_k:].reshape(h, d_k // h, -1).contiguous(), None if b is None else b[d_k:])
@@ -357,7 +364,6 @@ class ResidualKVLayer(StoreLayer):
             restored = self._restore_all()
         else:
             restored = [self._restore_selected(selected)] if len(selected) else []
-        self._read = (selected, len(self.pool), len(self.codes))   # for read_bytes(), host ints and a tensor
         return [self.sink, *restored, self.window]
 
     def history(self) -> KVView | None:
@@ -376,8 +382,7 @@ class ResidualKVLayer(StoreLayer):
             selected = self.cache.step.selected
             raw = KVView.cat([self.sink, self.window, chunk])
             self._fused = (raw, selected)
-            self._read = (selected, len(self.pool), len(self.codes))
-            self._read_raw = 2 * raw.keys.numel() * raw.keys.element_size()
+            self._note_read(selected, chunk)
             return raw
         # latent V at a decode step without a key norm between restore and attention (Qwen3's k_norm acts on K only,
         # but the flag stays off there: untested)
@@ -387,9 +392,15 @@ class ResidualKVLayer(StoreLayer):
             parts = self._parts()
         finally:
             self._latent_now = False
+        self._note_read(self.cache.step.selected, chunk)
+        return KVView.cat([*parts, chunk])
+
+    def _note_read(self, selected: torch.Tensor | None, chunk: KVView) -> None:
+        """Record what this step reads, for :meth:`read_bytes`: the selection (None: every stored token), the
+        store sizes (host ints) and the raw bytes (sinks, window, the step's chunk). Before this step's commit."""
+        self._read = (selected, len(self.pool), len(self.codes))
         self._read_raw = sum(2 * v.keys.numel() * v.keys.element_size()
                              for v in (self.sink, self.window, chunk) if v is not None)
-        return KVView.cat([*parts, chunk])
 
     def _kernel_step(self, chunk: KVView) -> bool:
         """Whether this step runs the Triton restore kernel (:func:`kvbench.kernels.restore_attend`): a one-token
@@ -424,9 +435,7 @@ class ResidualKVLayer(StoreLayer):
         self._fused = None
         self.ctx.rope.reach(self.seen)
         self.ctx.rope(raw.positions[0, 0, -1:])   # grow the cos/sin table to every stored position
-        if self._w_d is None:   # f_d as a matrix, built once (block_diag makes a new tensor each call)
-            self._w_d = self.codec.linear_decoder()
-        w, b = self._w_d
+        w, b = self._f_d_matrix()
         layer = kernels.CodedLayer(self.pool.stored(), self.pool.positions(), self.codes.packed_codes(),
                                    self.codes.nbr.view(), self.codes.valid.view(), self.codes.positions(),
                                    w, b, self.ctx.rope.cos, self.ctx.rope.sin)
