@@ -8,6 +8,7 @@ import torch
 from _kernel_fixtures import DEVICE, TOL, assert_within, interpreter  # noqa: F401
 from test_rkv_cache import IDS, _run
 
+from kvbench.compress.presses.kivi import KIVILayer, KIVIPress
 from kvbench.compress.presses.omnikv import OmniKVPress
 from kvbench.compress.residualkv.cache import ResidualKVLayer, ResidualKVPress
 from kvbench.compress.residualkv.codec import ResidualCodec
@@ -41,3 +42,38 @@ def test_kernel_cache_path_equals_the_torch_path(tiny_lm, tmp_path, monkeypatch,
     assert cache.attended == ref_cache.attended
     if selector is not None:
         assert cache.selections == ref_cache.selections
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="runs the tiny LM on the CPU under the interpreter; on a GPU the kernel "
+                    "tests of kernels/ cover the kernel")
+@pytest.mark.parametrize("make", [
+    lambda codec_dir: KIVIPress(bits=2, group=8, residual=8),
+    lambda codec_dir: KIVIPress(bits=4, group=8, residual=16),
+    lambda codec_dir: ResidualKVPress(codec_dir=codec_dir, bits=4, selector=OmniKVPress(keep=0.4), full_layers=(0, 1),
+                                      full_kv_bits=4, latent_v=False),
+], ids=["kivi2", "kivi4-r16", "residualkv-full-layers-4bit"])
+def test_kivi_kernel_path_equals_the_torch_path(tiny_lm, tmp_path, monkeypatch, interpreter, make,  # noqa: F811
+                                                record_property):
+    """The KIVI layers' one-token steps through ``kivi_attend`` (packed codes dequantised in the kernel) give the
+    logits of the dequantised store's SDPA, and every one-token step of every KIVI layer takes the kernel."""
+    ResidualCodec.for_model(tiny_lm, seed=3, d_c=32, d_ff=64, n_sink=2, window=4, stride=5).save(tmp_path / "c")
+    ids, cuts = IDS[:, :49], [30, 45, 46, 47, 48]
+    monkeypatch.setenv("KVBENCH_KERNELS", "torch")
+    want, ref_cache = _run(tiny_lm, make(str(tmp_path / "c")), ids, cuts)
+    monkeypatch.setenv("KVBENCH_KERNELS", "triton")
+    monkeypatch.setattr(ResidualKVLayer, "_kernel_step", lambda self, chunk: False)   # this test is about KIVI layers
+    steps = []
+    original = KIVILayer._layout
+
+    def counted(self, chunk):
+        steps.append(self.ctx.layer_idx)
+        return original(self, chunk)
+    monkeypatch.setattr(KIVILayer, "_layout", counted)
+    got, cache = _run(tiny_lm, make(str(tmp_path / "c")), ids, cuts)
+    n_kivi = sum(isinstance(layer, KIVILayer) for layer in cache.layers)
+    assert n_kivi and len(steps) == n_kivi * 4
+    torch.testing.assert_close(got[:, :45], want[:, :45], atol=0, rtol=0)   # multi-token chunks: SDPA in both
+    assert_within("KIVI cache logits, kernel vs torch path", got, want, 10 * TOL[torch.float32], record_property)
+    assert cache.attended == ref_cache.attended
+    mirror = cache.layers[0]._mirror
+    assert mirror is not None and len(mirror["kc"]) == len(cache.layers[0].kq.codes)

@@ -20,10 +20,10 @@ Choosing the implementation: the functions below dispatch on the environment var
 - ``triton``: always the kernel; it fails where none can run (:func:`available`).
 
 Wired: a ResidualKV sparse layer's one-token decode step calls :func:`restore_attend` over its stores when
-``use_triton`` says so for the device (``ResidualKVLayer._kernel_step``); ``KVBENCH_KERNELS=torch`` keeps the
-cache's own torch path for comparison. Not wired: :func:`kivi_attend` (the KIVI-style full layers keep their
-codes per block, not in the one packed layout it reads) and :func:`group_dequant` (the torch path dequantises
-only the selected rows).
+``use_triton`` says so for the device (``ResidualKVLayer._kernel_step``), and a KIVI layer's (KIVI, ResidualKV's
+quantised full layers) calls :func:`kivi_attend` over a packed mirror of its codes (``KIVILayer._kernel_step``);
+``KVBENCH_KERNELS=torch`` keeps the caches' own torch paths for comparison. Not wired: :func:`group_dequant` (the
+torch path dequantises only the selected rows; the restore kernel dequantises inside).
 """
 import os
 

@@ -13,9 +13,9 @@ So a token's key may be quantised while its value is still raw. The kernel reads
 dequantises K and V in registers (level·step + zmin in float32, as ``quant.dequantize``) and runs the
 split online softmax of :mod:`.flash_decode`; the dequantised rows are never written.
 
-Integration contract: a KIVI store holding these tensors (instead of one ``QuantizedCodes`` per block and
-the float32 rows KIVILayer keeps for attention) calls ``kvbench.kernels.kivi_attend(q, layout)`` per decode
-step for the layer's attention output; ResidualKV's 4-bit full layers are KIVI layers (``QuantizedFullLayer``).
+Used by the caches: ``KIVILayer`` (``compress/presses/kivi.py``; also ResidualKV's quantised full layers,
+``QuantizedFullLayer``) keeps a packed mirror of its per-block codes in this layout and calls
+``kvbench.kernels.kivi_attend(q, layout)`` at a one-token decode step where ``kernels.use_triton`` holds.
 """
 from dataclasses import dataclass
 

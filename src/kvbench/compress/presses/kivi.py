@@ -14,6 +14,11 @@ Full-precision residual, as KIVI's code does it:
 - values: the latest ``residual`` tokens stay raw; older tokens are quantised as they leave.
 
 Every token is attended (CR 100%); KR ≈ bits/16 + 2/group plus the raw residual.
+
+Decode attention: the torch path reads the dequantised rows (decoded once, kept in the layer's store). Where
+``kernels.use_triton`` says so for the device (CUDA with Triton; ``KVBENCH_KERNELS``), a one-token step at 2/4/8
+bits runs :func:`kvbench.kernels.kivi_attend` instead, which dequantises the packed codes in registers
+(``KIVILayer._attend_kernel``); ``KVBENCH_KERNELS=torch`` switches back for comparison.
 """
 from __future__ import annotations
 
@@ -23,6 +28,7 @@ import torch
 
 from kvbench.compress import checks
 from kvbench.compress.accounting import StoredBytes
+from kvbench.compress.buffers import Growable
 from kvbench.compress.cache import KVView, LayerContext, PressCache, Press, StoreLayer
 from kvbench.compress.residualkv import quant
 
@@ -91,6 +97,10 @@ class KIVILayer(StoreLayer):
         #: dequantised rows ``(keys?, first token, rows [n, C])`` quantised at the last commit, written into the
         #: store at the next read (:meth:`history`, :meth:`view_with`)
         self._dequantised: list[tuple[bool, int, torch.Tensor]] = []
+        #: packed mirror of the codes for the attention kernel (:meth:`_layout`), made at the first kernel step
+        self._mirror: dict[str, Growable] | None = None
+        self._mirrored = (0, 0)   # key blocks and value code tensors copied into the mirror
+        self._kernel_chunk: KVView | None = None   # this step's chunk when it runs the kernel
 
     def _write_dequantised(self) -> None:
         """Overwrite the rows quantised at the last commit with their dequantised values, in place."""
@@ -110,7 +120,59 @@ class KIVILayer(StoreLayer):
     def view_with(self, chunk: KVView) -> KVView:
         """One view of the base store, the chunk written in place after it (no concatenation per step)."""
         self._write_dequantised()
+        self._kernel_chunk = chunk if self._kernel_step(chunk) else None
         return self._stage(chunk)
+
+    def _kernel_step(self, chunk: KVView) -> bool:
+        """Whether this step runs :func:`kvbench.kernels.kivi_attend`: a one-token step after the first commit, codes
+        at 2/4/8 bits, and Triton chosen for the device by ``KVBENCH_KERNELS`` (``auto``: CUDA tensors; ``triton``
+        also on the CPU under ``TRITON_INTERPRET=1``)."""
+        if len(chunk) != 1 or self.bits == 16 or not self.heads:
+            return False
+        from kvbench import kernels   # kernels import compress modules; imported when first needed
+        return kernels.use_triton(chunk.keys.device)
+
+    def _layout(self, chunk: KVView):
+        """The layer's K/V with this step's chunk as :class:`kvbench.kernels.KIVILayout` reads them: the packed
+        mirror of every key block and value code (extended with the codes added since the last kernel step; the
+        resident bytes count it) and the raw residual followed by the chunk."""
+        from kvbench.kernels import KIVILayout, pack_levels
+
+        if self._mirror is None:
+            self._mirror = {name: Growable(0) for name in ("kc", "kz", "ks", "vc", "vz", "vs")}
+        m, (nk, nv) = self._mirror, self._mirrored
+        c = self.heads * self.head_dim
+        for codes in self.kq.codes[nk:]:   # levels [C, G] per block: one group per channel
+            m["kc"].append(pack_levels(codes.q, self.bits).unsqueeze(0))
+            m["kz"].append(codes.zmin.view(1, c))
+            m["ks"].append(codes.scale.view(1, c))
+        for codes in self.vq.codes[nv:]:   # levels [n, C] per token
+            m["vc"].append(pack_levels(codes.q, self.bits))
+            m["vz"].append(codes.zmin)
+            m["vs"].append(codes.scale)
+        self._mirrored = (len(self.kq.codes), len(self.vq.codes))
+        empty = lambda *shape, dtype=torch.uint8: torch.empty(shape, dtype=dtype, device=chunk.keys.device)  # noqa: E731
+        vg = min(self.group, self.head_dim)
+        view = lambda name, *shape, dtype=torch.uint8: (m[name].view() if len(m[name])  # noqa: E731
+                                                        else empty(*shape, dtype=dtype))
+        flat = chunk.keys[0].transpose(0, 1).reshape(1, c), chunk.values[0].transpose(0, 1).reshape(1, c)
+        return KIVILayout(view("kc", 0, c, self.group * self.bits // 8), view("kz", 0, c, dtype=torch.float16),
+                          view("ks", 0, c, dtype=torch.float16), torch.cat([self.k_raw, flat[0]]),
+                          view("vc", 0, c * self.bits // 8), view("vz", 0, c // vg, dtype=torch.float16),
+                          view("vs", 0, c // vg, dtype=torch.float16), torch.cat([self.v_raw, flat[1]]),
+                          self.bits, self.group, vg)
+
+    def attend(self, query, key, value, mask, scaling):
+        """At a kernel step (:meth:`_kernel_step`, no mask) the attention output comes from
+        :func:`kvbench.kernels.kivi_attend` over the packed codes (:meth:`_layout`), not from the dequantised store;
+        same result up to float32 summation order (tested). Any other step: :meth:`StoreLayer.attend`."""
+        chunk, self._kernel_chunk = self._kernel_chunk, None
+        if chunk is None or mask is not None or query.shape[2] != 1:
+            return super().attend(query, key, value, mask, scaling)
+        from kvbench import kernels
+
+        _, h_q, _, d = query.shape
+        return kernels.kivi_attend(query[0, :, 0], self._layout(chunk), softmax_scale=scaling).view(1, h_q, 1, d)
 
     def commit(self, chunk: KVView, query: torch.Tensor) -> None:
         super().commit(chunk, query)   # the store holds the chunk's exact K/V until they are quantised
@@ -190,6 +252,9 @@ class KIVILayer(StoreLayer):
         yield self.k_raw
         yield self.v_raw
         yield from (rows for _, _, rows in self._dequantised)
+        if self._mirror is not None:
+            for g in self._mirror.values():
+                yield g.data
 
 
 def _cat(a: torch.Tensor | None, b: torch.Tensor) -> torch.Tensor:
