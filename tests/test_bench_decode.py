@@ -5,6 +5,7 @@ The real runs are pipeline targets (``kvbench bench rkv-throughput`` / ``codec-c
 from __future__ import annotations
 
 import pandas as pd
+import transformers
 import pytest
 import torch
 
@@ -272,3 +273,66 @@ def test_variant_throughput_bad_input(tmp_path):
     for bad, match in [(["a"], "is not LABEL=DIR"), (["=x"], "is not LABEL=DIR"), (["a=x", "a=y"], "given twice")]:
         with pytest.raises(ValueError, match=match):
             codec_variants.parse_codec_dirs(bad)
+
+
+def test_default_tokenizer_is_the_zoo_tokenizer_alone(tokenizer_dir, tmp_path, monkeypatch):
+    """A timing LM needs only the vocabulary size: the default finds the zoo tokenizer without a trained zoo LM, and
+    says what to pass when there is none (a fresh clone once named the untrained LM and suggested training it)."""
+    import shutil
+
+    from kvbench.bench.timing_lm import zoo_vocab_size
+
+    monkeypatch.setenv("KVBENCH_ZOO", str(tmp_path / "zoo"))
+    with pytest.raises(ValueError, match="needs a tokenizer only for its vocabulary size: pass --tokenizer DIR"):
+        zoo_vocab_size()
+    for profile in ("smoke", "ci"):   # two profiles, one tokenizer recipe
+        shutil.copytree(tokenizer_dir, tmp_path / "zoo" / profile / "tokenizer-abcd1234")
+    assert zoo_vocab_size() == len(transformers.AutoTokenizer.from_pretrained(tokenizer_dir))
+    with pytest.raises(ValueError, match="tokenizer 'nope'"):
+        zoo_vocab_size("nope")
+
+
+def test_rows_record_kernels_and_checks_and_bad_switches_fail_before_timing(run, monkeypatch):
+    rows, _ = run
+    assert {r["kernels"] for r in rows} == {"torch"} and {r["checks"] for r in rows} == {False}
+    timed = []
+    monkeypatch.setattr(decode, "time_decode", lambda *a, **k: timed.append(a) or {})
+    monkeypatch.setenv("KVBENCH_KERNELS", "bogus")
+    with pytest.raises(ValueError, match="KVBENCH_KERNELS must be one of"):
+        decode.measure_decode_throughput(TEST_LM, [64], ["full"], decode_steps=1, warmup_steps=0, repeats=1,
+                                         vocab_size=256)
+    assert not timed
+
+
+def test_checks_switch_refuses_a_misspelt_value():
+    from kvbench.compress import checks
+
+    assert checks._read("1") and checks._read("True") and not checks._read("") and not checks._read("off")
+    with pytest.raises(ValueError, match="KVBENCH_CHECKS must be one of"):
+        checks._read("bogus")
+
+
+def test_rows_of_finished_contexts_survive_an_out_of_memory(monkeypatch, tmp_path):
+    """The CSV is written after every context; memory running out later names the context and keeps those rows."""
+    real = decode.time_decode
+
+    def fails_at_long(model, press, context, *args):
+        if context > 100:
+            raise RuntimeError("[enforce fail at alloc_cpu.cpp] DefaultCPUAllocator: can't allocate memory: 17 GB")
+        return real(model, press, context, *args)
+    monkeypatch.setattr(decode, "time_decode", fails_at_long)
+    out = tmp_path / "fig8.csv"
+    with pytest.raises(decode.OutOfMemory, match="context 160, method full: out of memory on cpu"):
+        decode.measure_decode_throughput(TEST_LM, [64, 160], ["full"], decode_steps=1, warmup_steps=0, repeats=1,
+                                         vocab_size=256, copy_mib=4,
+                                         on_context=lambda part, head: decode.write_csv(part, head, decode.COLUMNS, out))
+    text = out.read_text()
+    assert "PARTIAL: 1 of 2 contexts" in text.splitlines()[0]
+    assert pd.read_csv(out, comment="#")["context"].tolist() == [64]
+
+
+def test_unreadable_codec_json_is_named(tmp_path):
+    (tmp_path / "codec.json").write_text("not json")
+    with pytest.raises(ValueError, match=r"codec.json: not a codec config"):
+        decode.measure_decode_throughput(TEST_LM, [64], ["full"], decode_steps=1, warmup_steps=0, repeats=1,
+                                         vocab_size=256, codec_dir=str(tmp_path))

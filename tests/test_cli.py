@@ -26,6 +26,10 @@ from kvbench.cli import main
     (["report", "conduit/table1", "--spec", "{bad", "--out", "t.csv"], "--spec must be a JSON object"),
     (["report", "conduit/table9", "--spec", "{}", "--out", "t.csv"], "unknown table 'conduit/table9'"),
     (["report", "conduit-table1", "--out", "t.csv"], "unknown report 'conduit-table1'"),
+    (["bench", "rkv-throughput", "--out", "x.csv", "--page-px", "1", "--tokens", "5"],
+     "--page-px is not read by `bench rkv-throughput` (it is for: conduit-latency); --tokens is not read"),
+    (["bench", "codec-cost", "--out", "x.csv", "--contexts", "512"],
+     "--contexts is not read by `bench codec-cost` (it is for: rkv-throughput, rkv-variants)"),
 ])
 def test_bad_input_is_one_line_and_exit_2(argv, needle, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)

@@ -34,5 +34,29 @@ def test_plans_and_bad_input():
     assert max(cuda.contexts) == 262144 and "dynamic-cache-sdpa" in cuda.methods and "residualkv-omnikv" in cuda.methods
     with pytest.raises(ValueError, match="device must be cpu, cuda or cuda:<index>, got 'tpu'"):
         gpu_fig8.run("tpu", "x", 10)
-    with pytest.raises(ValueError, match="budget_s must be > 0, got 0"):
+    with pytest.raises(ValueError, match="budget_s must be a positive number of seconds, got 0"):
         gpu_fig8.run("cpu", "x", 0)
+    with pytest.raises(ValueError, match="got nan"):
+        gpu_fig8.run("cpu", "x", float("nan"))
+    with pytest.raises(ValueError, match="got 'cpu:0'"):   # `kvbench bench` refuses it too
+        gpu_fig8.run("cpu:0", "x", 10)
+    with pytest.raises(ValueError, match=r"repeat a length"):
+        gpu_fig8.run("cpu", "x", 10, contexts=[512, 512])
+
+
+def test_cli_bad_input_is_one_line(tmp_path, capsys):
+    assert gpu_fig8.main(["--device", "cpu", "--out", str(tmp_path), "--contexts", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("gpu_fig8: error: contexts must be context lengths") and "Traceback" not in err
+
+
+def test_out_of_memory_ends_the_sweep_and_no_stale_csv_counts(tmp_path, monkeypatch, capsys):
+    """A CSV from an earlier run does not make a run that measured nothing look successful."""
+    (tmp_path / "fig8_cpu.csv").write_text("# an earlier run\n")
+
+    def oom(*args, **kwargs):
+        raise decode.OutOfMemory("context 160, method full: out of memory on cpu")
+    monkeypatch.setattr(decode, "measure_decode_throughput", oom)
+    assert gpu_fig8.main(["--device", "cpu", "--out", str(tmp_path), "--contexts", "160"]) == 1
+    assert "ran out of memory, sweep ended" in capsys.readouterr().out
+    assert not (tmp_path / "fig8_cpu.csv").exists()

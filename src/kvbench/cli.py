@@ -203,21 +203,48 @@ def _bench_rkv(a: argparse.Namespace) -> None:
             warmup=s.warmup, **timing)
         columns = codec_cost.COLUMNS
     else:
+        # the CSV is rewritten after each context, so a failure at a long one keeps the shorter ones
         rows, header = decode.measure_decode_throughput(
             s.model, s.contexts, s.methods, decode_steps=s.decode_steps, warmup_steps=s.warmup,
-            codec_dir=s.codec_dir, tokenizer=s.tokenizer, prefill_chunk=s.prefill_chunk, log=print, **timing)
+            codec_dir=s.codec_dir, tokenizer=s.tokenizer, prefill_chunk=s.prefill_chunk, log=print,
+            on_context=lambda part, head: decode.write_csv(part, head, decode.COLUMNS, a.out), **timing)
         columns = decode.COLUMNS
     decode.write_csv(rows, header, columns, a.out)
     print(header)
 
 
+#: ``kvbench bench`` flags each verb reads (the parser is shared; a flag given to a verb that does not read it is refused)
+_TIMING_FLAGS = ("repeats", "warmup", "threads", "device", "dtype", "seed")
+BENCH_FLAGS = {
+    "conduit-latency": ("model", "tokenizer", "sizes", "page_px", "r", "methods", *_TIMING_FLAGS),
+    "rkv-throughput": ("model", "tokenizer", "methods", "contexts", "decode_steps", "codec_dir", "prefill_chunk",
+                       *_TIMING_FLAGS),
+    "rkv-variants": ("model", "tokenizer", "contexts", "decode_steps", "codecs", "default", *_TIMING_FLAGS),
+    "codec-cost": ("codec_shape", "tokens", "restore_tokens", "decode_steps", *_TIMING_FLAGS),
+}
+#: flags with a non-None parser default (always set)
+_ALWAYS_SET = ("device", "dtype", "seed")
+
+
+def _check_bench_flags(a: argparse.Namespace) -> None:
+    """Raise ValueError naming a flag given to a ``bench`` verb that does not read it (it would be ignored)."""
+    given = {f for flags in BENCH_FLAGS.values() for f in flags
+             if f not in _ALWAYS_SET and getattr(a, f, None) is not None}
+    stray = sorted(given - set(BENCH_FLAGS[a.what]))
+    if stray:
+        owners = {f: [v for v, flags in BENCH_FLAGS.items() if f in flags] for f in stray}
+        raise ValueError("; ".join(f"--{f.replace('_', '-')} is not read by `bench {a.what}` (it is for: "
+                                   f"{', '.join(owners[f])})" for f in stray))
+
+
 def _bench(a: argparse.Namespace) -> None:
+    _check_bench_flags(a)
     if a.what in ("rkv-throughput", "rkv-variants", "codec-cost"):
         _bench_rkv(a)
         return
     from kvbench.bench import BENCH_DEFAULTS as d
 
-    for name in ("model", "methods", "repeats", "warmup"):   # None: the verb's own default
+    for name in ("model", "methods", "repeats", "warmup", "sizes", "page_px", "r"):   # None: the verb's own default
         if getattr(a, name) is None:
             setattr(a, name, d[name])
     import pandas as pd
@@ -382,9 +409,12 @@ def build_parser() -> argparse.ArgumentParser:
                    f"(default: {d['model']}; rkv-throughput: {fig8.model})")
     s.add_argument("--tokenizer", default=None, help="tokenizer directory (timing models; rkv-throughput: the zoo's "
                    f"{fig8.tokenizer}, for its vocabulary size)")
-    s.add_argument("--sizes", type=int, nargs="+", default=d["sizes"], help="pages per request, one context each")
-    s.add_argument("--page-px", type=int, default=d["page_px"], help="page side in px (multiple of 28, <= 448)")
-    s.add_argument("--r", type=float, default=d["r"], help="refresh ratio of the budgeted methods")
+    s.add_argument("--sizes", type=int, nargs="+", default=None,
+                   help=f"conduit-latency: pages per request, one context each (default {_words(d['sizes'])})")
+    s.add_argument("--page-px", type=int, default=None,
+                   help=f"conduit-latency: page side in px (multiple of 28, <= 448; default {d['page_px']})")
+    s.add_argument("--r", type=float, default=None,
+                   help=f"conduit-latency: refresh ratio of the budgeted methods (default {d['r']})")
     s.add_argument("--methods", nargs="+", default=None, help="refresh policies (full is always added); "
                    f"rkv-throughput: {', '.join(rkv.METHODS)} (default: all)")
     s.add_argument("--repeats", type=_positive_int, default=None,
@@ -415,7 +445,8 @@ def build_parser() -> argparse.ArgumentParser:
                    metavar=("D_KV", "D_C", "D_FF"), help="codec-cost: ResidualKV codec shape (default: Table I Llama)")
     s.add_argument("--tokens", type=_positive_int, default=None, help="codec-cost: tokens coded on the prefill path")
     s.add_argument("--restore-tokens", type=_positive_int, default=None,
-                   help="codec-cost: tokens restored per decode step (default: ceil(0.17 x tokens))")
+                   help="codec-cost: tokens restored per decode step (default: ceil(0.17 x tokens); at most the "
+                        "coded context's candidates, the whole codec windows after the sinks)")
     s.set_defaults(func=_bench)
     return p
 

@@ -83,11 +83,16 @@ from kvbench.compress.residualkv.codec import CodecConfig, ResidualCodec, model_
 TIMING_COLUMNS = ["tokens_per_s", "tps_lo95", "tps_hi95", "ms_per_token", "kr_measured", "cr_measured",
                   *bandwidth.COLUMNS, "prefill_s", "peak_mem_gib"]
 COLUMNS = ["model", "weights", "device", "dtype", "threads", "context", "method", "decode_steps", "repeats",
-           *TIMING_COLUMNS[:4], "vs_full", "vs_dynamic_cache", *TIMING_COLUMNS[4:], "full_kv_bits"]
+           *TIMING_COLUMNS[:4], "vs_full", "vs_dynamic_cache", *TIMING_COLUMNS[4:], "full_kv_bits", "kernels",
+           "checks"]
 #: Sink tokens of a codec built by ``ResidualCodec.for_model`` (the CodecConfig default).
 _DEFAULT_N_SINK = {f.name: f.default for f in dataclasses.fields(CodecConfig)}["n_sink"]
 #: OmniKV share of candidate tokens restored (ResidualKV authors' configs, sources.md).
 OMNIKV_KEEP = 0.17
+
+
+class OutOfMemory(ValueError):
+    """A (context, method) ran out of memory (a ValueError, so the CLI prints one line): the message names them."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,7 +162,9 @@ def header_line(model: str, weights: str, codec: str, contexts: Sequence[int], d
             f"{'/'.join(str(c) for c in contexts)} of random token ids, a fresh cache per (context, method), "
             f"prefill not timed; tokens/s = 1000 / median step time over {repeats} runs of {decode_steps} "
             f"greedy steps after {warmup_steps} warm-up steps; {clock.STEP_INTERVAL}; bytes per step = weights "
-            f"+ KV read, GB/s against a copy benchmark (read + written) in the same process; OmniKV keep "
+            f"+ KV read (kv_read_source audit: the packed form a fused kernel reads; the CPU torch path reads wider "
+            f"rows, so its achieved GB/s is a lower bound), GB/s against a copy benchmark (read + written) in the "
+            f"same process; peak_mem_gib on a CPU is the process's peak so far; OmniKV keep "
             f"{OMNIKV_KEEP}; full layers 4-bit KIVI-style when quantised, exact otherwise; not the paper's numbers "
             f"(one H100, 64K-900K tokens){note}")
 
@@ -294,8 +301,13 @@ def measure_decode_throughput(model_name_or_dir: str, contexts: Sequence[int] = 
                               vocab_size: int | None = None, tokenizer: str = ZOO_TOKENIZER,
                               full_layers: Sequence[int] | None = None, keep: float = OMNIKV_KEEP,
                               prefill_chunk: int = DecodeThroughputConfig.prefill_chunk, copy_mib: int = 256,
-                              log: Callable[[str], None] | None = None) -> tuple[list[dict], str]:
+                              log: Callable[[str], None] | None = None,
+                              on_context: Callable[[list[dict], str], None] | None = None) -> tuple[list[dict], str]:
     """Fig. 8's measurements: one row per (context, method) with :data:`COLUMNS`, and the header line.
+
+    Each row records what its decode steps ran on (``kernels``: :func:`kvbench.kernels.describe`, e.g.
+    ``triton-interpreter`` under ``TRITON_INTERPRET=1``) and whether ``KVBENCH_CHECKS`` was on (``checks``: host
+    read-backs in every step), so measurements taken another way are told apart.
 
     Args:
         model_name_or_dir: a timing LM (:data:`~kvbench.bench.timing_lm.TIMING_LMS`, random weights) or a
@@ -313,22 +325,29 @@ def measure_decode_throughput(model_name_or_dir: str, contexts: Sequence[int] = 
             LM, :func:`~kvbench.bench.timing_lm.full_layers_for` a checkpoint's depth).
         keep: OmniKV share of candidates restored. prefill_chunk: tokens per untimed prefill forward.
         copy_mib: size of the copy benchmark's tensor (MiB), :func:`kvbench.bench.bandwidth.copy_gb_s`.
+        on_context: called after each context with the rows so far and a header saying how many contexts are
+            done (the CLI writes the CSV then, so a failure at a long context keeps the shorter ones).
 
     Raises:
         ValueError: see :func:`check_inputs`; ``prefill_chunk < 1``; a context (+ decoded tokens) beyond
             the model's ``max_position_embeddings``; a ``codec_dir`` whose (n_layers, d_kv) differ from the
-            model's (raised before any timing).
+            model's, a ``codec.json`` that is not JSON, a bad ``KVBENCH_KERNELS`` (all raised before any timing);
+            memory running out at a (context, method), naming them (the rows before are passed to ``on_context``).
     """
     from kvbench.bench.latency import resolve_device
 
     if prefill_chunk < 1:
         raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
-    codec_cfg = CodecConfig.from_json((Path(codec_dir) / "codec.json").read_text()) if codec_dir else None
+    codec_cfg = read_codec_config(codec_dir) if codec_dir else None
     check_inputs(contexts, methods, decode_steps, warmup_steps, repeats,
                  codec_cfg.n_sink if codec_cfg else _DEFAULT_N_SINK)
     if threads is not None:
         torch.set_num_threads(threads)
     dev, dt = resolve_device(device, dtype)
+    from kvbench import kernels
+    from kvbench.compress import checks
+
+    kernel_mode = kernels.describe(dev)   # a bad KVBENCH_KERNELS fails here, before any measurement
     model, weights = load_lm(model_name_or_dir, dev, dt, seed, vocab_size, tokenizer)
     tc = model.config.get_text_config()
     extra = warmup_steps + decode_steps * repeats
@@ -350,25 +369,52 @@ def measure_decode_throughput(model_name_or_dir: str, contexts: Sequence[int] = 
         if codec_dir is None:
             ResidualCodec.for_model(model, seed=seed).save(tmp)
         presses = {m: make_press(m, codec_dir or tmp, tuple(full_layers), keep) for m in methods}
-        for context in contexts:
+        for done, context in enumerate(contexts):
             for method, press in presses.items():
-                r = time_decode(model, press, int(context), decode_steps, warmup_steps, repeats, seed, prefill_chunk)
+                try:
+                    r = time_decode(model, press, int(context), decode_steps, warmup_steps, repeats, seed,
+                                    prefill_chunk)
+                except (torch.OutOfMemoryError, RuntimeError) as e:
+                    if not isinstance(e, torch.OutOfMemoryError) and "allocate" not in str(e):
+                        raise
+                    release(dev)
+                    kept = f"; the {done} shorter context(s) are written" if done and on_context else ""
+                    raise OutOfMemory(f"context {context}, method {method}: out of memory on {dev} "
+                                     f"({str(e).splitlines()[0][:200]}); lower the context, or --prefill-chunk for "
+                                     f"the prefill{kept}") from None
                 release(dev)
                 r.update(bandwidth.step_columns(wbytes, r["kv_read_bytes"], r["kv_read_source"], r["ms_per_token"],
                                                 machine, peak))
                 rows.append({"model": model_name_or_dir, "weights": weights, "device": str(dev),
                              "dtype": str(dt).removeprefix("torch."), "threads": torch.get_num_threads(),
                              "context": int(context), "method": method, "decode_steps": decode_steps,
-                             "repeats": repeats, **r, "full_kv_bits": getattr(press, "full_kv_bits", 16)})
+                             "repeats": repeats, **r, "full_kv_bits": getattr(press, "full_kv_bits", 16),
+                             "kernels": kernel_mode, "checks": checks.ENABLED})
                 if log:
                     log(f"{method:<30} context {context:>7} {r['tokens_per_s']:8.2f} tok/s "
                         f"[{r['tps_lo95']:.2f}, {r['tps_hi95']:.2f}]  KR {r['kr_measured']:.3f}  "
                         f"CR {r['cr_measured']:.3f}  {r['achieved_gb_s']:.2f} GB/s ({r['kv_read_source']})  "
                         f"prefill {r['prefill_s']:.1f} s")
+            if on_context is not None and done + 1 < len(contexts):
+                part = [dict(x) for x in rows]
+                add_ratios(part)
+                on_context(part, header_line(model_name_or_dir, weights, "trained" if codec_dir else "RANDOM",
+                                             contexts, decode_steps, warmup_steps, repeats, part)
+                           + f"; PARTIAL: {done + 1} of {len(contexts)} contexts measured so far")
     add_ratios(rows)
     head = header_line(model_name_or_dir, weights, "trained" if codec_dir else "RANDOM", contexts, decode_steps,
                        warmup_steps, repeats, rows)
     return rows, head
+
+
+def read_codec_config(codec_dir: str | Path) -> CodecConfig:
+    """The :class:`CodecConfig` of ``codec_dir/codec.json``. Raises FileNotFoundError, or ValueError naming the file
+    when it is not a valid codec config."""
+    path = Path(codec_dir) / "codec.json"
+    try:
+        return CodecConfig.from_json(path.read_text())
+    except ValueError as e:   # json.JSONDecodeError is a ValueError
+        raise ValueError(f"{path}: not a codec config ({e})") from None
 
 
 def write_csv(rows: list[dict], header: str, columns: Sequence[str], out: str | Path) -> None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -69,21 +70,31 @@ def run(device: str, out_dir: str | Path, budget_s: float, contexts: Sequence[in
     """Measure ``PLANS[device kind]`` (``contexts`` overriding its own) within ``budget_s`` seconds of sweeping;
     returns the CSV written (``out_dir/fig8_<kind>.csv``, rewritten after each context).
 
+    A CSV left in ``out_dir`` by an earlier run is removed first, so the file exists only if this run measured at
+    least one context.
+
     Raises:
-        ValueError: ``device`` not ``cpu``, ``cuda`` or ``cuda:<i>``; ``budget_s`` not positive; and what
+        ValueError: ``device`` not ``cpu``, ``cuda`` or ``cuda:<i>``; ``budget_s`` not a positive finite number;
+            ``contexts`` not distinct positive integers; and what
             :func:`~kvbench.bench.decode.measure_decode_throughput` refuses.
     """
+    import math
+    import re
+
     import torch
 
-    kind = device.split(":")[0]
-    if kind not in PLANS:
+    from kvbench.bench.settings import check_contexts
+
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", device):
         raise ValueError(f"device must be cpu, cuda or cuda:<index>, got {device!r}")
-    if not budget_s > 0:
-        raise ValueError(f"budget_s must be > 0, got {budget_s}")
+    kind = device.split(":")[0]
+    if not (budget_s > 0 and math.isfinite(budget_s)):
+        raise ValueError(f"budget_s must be a positive number of seconds, got {budget_s}")
     plan = PLANS[kind]
-    todo = tuple(sorted(contexts or plan.contexts))
+    todo = tuple(sorted(check_contexts("contexts", list(contexts)) if contexts else plan.contexts))
     out = Path(out_dir) / f"fig8_{kind}.csv"
     out.parent.mkdir(parents=True, exist_ok=True)
+    out.unlink(missing_ok=True)   # success must mean this run's rows
     rows: list[dict] = []
     done: list[int] = []
     spent, start = 0.0, time.monotonic()
@@ -99,9 +110,8 @@ def run(device: str, out_dir: str | Path, budget_s: float, contexts: Sequence[in
                 repeats=plan.repeats, threads=None, device=device, dtype=plan.dtype, seed=seed,
                 vocab_size=plan.vocab_size, prefill_chunk=plan.prefill_chunk, copy_mib=plan.copy_mib,
                 log=lambda m: print(m, flush=True))
-        except torch.OutOfMemoryError as e:
-            print(f"gpu_fig8: context {context} ran out of device memory, sweep ended ({str(e).splitlines()[0]})",
-                  flush=True)
+        except decode.OutOfMemory as e:
+            print(f"gpu_fig8: context {context} ran out of memory, sweep ended ({e})", flush=True)
             break
         spent = time.monotonic() - t0
         rows += got
@@ -115,14 +125,19 @@ def run(device: str, out_dir: str | Path, budget_s: float, contexts: Sequence[in
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Command line (module docstring); returns 0 once the CSV holds at least one context, else 1."""
+    """Command line (module docstring); returns 0 once the CSV holds at least one context this run measured, 1 when
+    none was, 2 (one line on stderr) for bad input."""
     p = argparse.ArgumentParser(prog="python -m kvbench.bench.gpu_fig8", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="directory of the CSV (the device machine's $OUT)")
     p.add_argument("--device", default="cuda", help="cuda[:i] (default) or cpu (dry run on tiny shapes)")
     p.add_argument("--budget-s", type=float, default=390.0, help="seconds the sweep may take (default 390)")
     p.add_argument("--contexts", type=int, nargs="+", default=None, help="override the plan's contexts (tokens)")
     a = p.parse_args(argv)
-    out = run(a.device, a.out, a.budget_s, a.contexts)
+    try:
+        out = run(a.device, a.out, a.budget_s, a.contexts)
+    except ValueError as e:
+        print(f"gpu_fig8: error: {e}", file=sys.stderr)
+        return 2
     return 0 if out.is_file() else 1
 
 

@@ -64,16 +64,30 @@ ZOO_TOKENIZER = "tiny-qwen2-lm"
 
 
 def zoo_vocab_size(tokenizer: str = ZOO_TOKENIZER) -> int:
-    """Vocabulary size of ``tokenizer`` (a directory or zoo name, :func:`kvbench.models.loader.resolve_spec`).
+    """Vocabulary size of ``tokenizer``: a tokenizer or checkpoint directory, or a zoo name
+    (:func:`kvbench.models.loader.resolve_spec`). The default also finds the zoo tokenizer alone
+    (``zoo/<profile>/tokenizer-<hash>/``, built in seconds) when the zoo LM is not trained, since only the
+    vocabulary size is needed.
 
     Raises:
-        kvbench.models.loader.CheckpointError: the directory does not exist.
+        ValueError: nothing found, naming ``tokenizer`` and how to build or pass one.
     """
     import transformers
 
-    from kvbench.models.loader import resolve_spec
+    from kvbench.models.loader import CheckpointError, resolve_spec, zoo_root
 
-    tok = transformers.AutoTokenizer.from_pretrained(resolve_spec(tokenizer), local_files_only=True)
+    try:
+        path = resolve_spec(tokenizer)
+    except CheckpointError as e:
+        found = sorted({p.parent for p in zoo_root().glob("*/tokenizer-*/tokenizer.json")})
+        # profiles with the same tokenizer recipe hold the same tokenizer under the same name
+        if tokenizer != ZOO_TOKENIZER or len({p.name for p in found}) != 1:
+            seen = f"; zoo tokenizers found: {', '.join(map(str, found))}" if found else ""
+            raise ValueError(f"tokenizer {tokenizer!r}: {e}. A timing LM needs a tokenizer only for its vocabulary "
+                             f"size: pass --tokenizer DIR (the zoo's is built in seconds by `snakemake "
+                             f"zoo/smoke/tokenizer-<hash>/tokenizer.json`; `snakemake -n -p` prints the hash){seen}") from None
+        path = found[0]
+    tok = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
     return len(tok)
 
 

@@ -4,7 +4,7 @@ A decode step of a compressed cache runs without host synchronisation: no ``.ite
 ``.tolist()``, ``int(tensor)``, ``nonzero`` or finite checks on its per-step path (docs/decisions.md, "No host
 synchronisation in a decode step"), since each one stalls a GPU until its queue drains. The checks that
 did so (finite inputs, a token with no visible reference, indices in range, the selected positions a store
-holds) run when ``KVBENCH_CHECKS=1`` is set in the environment, read once when this module is imported.
+holds) run when ``KVBENCH_CHECKS=1`` (or ``true``/``yes``/``on``) is set in the environment, read once when this module is imported.
 Public functions (``quant.quantize``, ``references.nearest_references``, ...) still check by default; the
 caches pass ``check=ENABLED``.
 """
@@ -12,5 +12,18 @@ from __future__ import annotations
 
 import os
 
-#: True when ``KVBENCH_CHECKS=1``: the per-step paths check what they would otherwise trust.
-ENABLED: bool = os.environ.get("KVBENCH_CHECKS", "") == "1"
+#: accepted values of ``KVBENCH_CHECKS`` (case-insensitive): on, off
+_ON, _OFF = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
+
+
+def _read(value: str) -> bool:
+    """``KVBENCH_CHECKS`` as a bool. Raises ValueError for a value in neither :data:`_ON` nor :data:`_OFF` (a
+    misspelt switch must not silently leave the checks off)."""
+    v = value.strip().lower()
+    if v not in _ON + _OFF:
+        raise ValueError(f"KVBENCH_CHECKS must be one of {_ON} (on) or {_OFF[1:]} / unset (off), got {value!r}")
+    return v in _ON
+
+
+#: True when ``KVBENCH_CHECKS`` is on (``1``): the per-step paths check what they would otherwise trust.
+ENABLED: bool = _read(os.environ.get("KVBENCH_CHECKS", ""))

@@ -37,7 +37,7 @@ from kvbench.kernels.kivi_attend import kivi_attend as _kivi_attend_triton
 from kvbench.kernels.restore_attend import CodedLayer, linear_decoder, restore_attend_ref
 from kvbench.kernels.restore_attend import restore_attend as _restore_attend_triton
 
-__all__ = ["MODES", "CodedLayer", "KIVILayout", "PackedCodes", "available", "group_dequant", "kivi_attend",
+__all__ = ["MODES", "CodedLayer", "KIVILayout", "PackedCodes", "available", "describe", "group_dequant", "kivi_attend",
            "linear_decoder", "mode", "pack_levels", "restore_attend", "unpack_levels", "use_triton"]
 
 #: values of ``KVBENCH_KERNELS``
@@ -75,6 +75,17 @@ def use_triton(device: torch.device | str) -> bool:
             raise ValueError(f"KVBENCH_KERNELS=triton, but no Triton kernel can run on {torch.device(device)} ({why})")
         return True
     return torch.device(device).type == "cuda" and available(device)
+
+
+def describe(device: torch.device | str) -> str:
+    """What the caches' decode steps run on ``device``, for a benchmark's record: ``torch`` (the references),
+    ``triton`` or ``triton-interpreter`` (``TRITON_INTERPRET=1``: the kernels on the CPU, for tests, far slower).
+
+    Raises ValueError as :func:`use_triton` (checked before any measurement).
+    """
+    if not use_triton(device):
+        return "torch"
+    return "triton-interpreter" if _triton.interpreting() else "triton"
 
 
 def group_dequant(codes: PackedCodes, rows: torch.Tensor | None = None) -> torch.Tensor:
