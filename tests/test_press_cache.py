@@ -5,7 +5,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from kvbench.compress.buffers import Growable
+from kvbench.compress.buffers import MIN_GROWTH, Growable
 from kvbench.compress.cache import Press, press_attention
 from kvbench.compress.generate import greedy_generate, split_prompt
 
@@ -65,20 +65,24 @@ def test_split_prompt_refuses_a_record_without_context(tokenizer):
         split_prompt(tokenizer, {"id": "x", "question": "q"})
 
 
-def test_growable_writes_in_place_and_doubles():
+def test_growable_writes_in_place_and_grows_by_an_eighth():
     x = torch.arange(12.0).view(2, 6)
     g = Growable(dim=1)
     g.append(x[:, :2])
     assert g.capacity == 2
-    g.append(x[:, 2:3])                      # grows: at least double
+    g.append(x[:, 2:3])                      # grows: by MIN_GROWTH rows at this size
     storage = g.data.data_ptr()
     g.append(x[:, 3:4])                      # fits: written in place
-    assert g.capacity == 4 and g.data.data_ptr() == storage and torch.equal(g.view(), x[:, :4])
+    assert g.capacity == 2 + MIN_GROWTH and g.data.data_ptr() == storage and torch.equal(g.view(), x[:, :4])
     g.drop_front(3)                          # the kept row moves to a storage of twice its number
     assert torch.equal(g.view(), x[:, 3:4]) and g.capacity == 2
     g.append(x[:, 4:])
     g.keep(torch.tensor([True, False, True]))
-    assert torch.equal(g.view(), x[:, [3, 5]]) and g.capacity == 2
+    assert torch.equal(g.view(), x[:, [3, 5]]) and g.capacity == 2   # rebuilt at the kept size
+    big = Growable(dim=0)
+    big.append(torch.zeros(4096, 1))
+    big.append(torch.zeros(1, 1))            # a long context's first decode step: an eighth more, not double
+    assert big.capacity == 4096 + 512
 
 
 def test_full_cache_decodes_in_place_and_counts_its_capacity(tiny_lm):
@@ -94,11 +98,12 @@ def test_full_cache_decodes_in_place_and_counts_its_capacity(tiny_lm):
                     use_cache=True)
             caps.append(layer._buf.keys.capacity)
             storages.append(layer._stored.keys.untyped_storage().data_ptr())
-    assert caps == [20, 40, 40, 40] and len(set(storages[1:])) == 1
+    cap = 20 + MIN_GROWTH
+    assert caps == [20, cap, cap, cap] and len(set(storages[1:])) == 1
     assert torch.equal(layer._stored.positions[0, 0], torch.arange(23))
     b = layer.stored_bytes()
     assert b.full_layer == 23 * 2 * 32 * 2                       # FP16 K and V of the 23 stored tokens
-    assert b.resident == 40 * 2 * 32 * 4 + 40 * 8                # float32 K, V and int64 positions, capacity 40
+    assert b.resident == cap * 2 * 32 * 4 + cap * 8              # float32 K, V and int64 positions, at capacity
     assert cache.attended[-1] == [23, 23, 23]                   # no mask built: every key, itself included
 
 
