@@ -423,6 +423,18 @@ def test_staleness_gap_ci_and_header(tmp_path):
     assert header[3].startswith("# gap NOT significant at 95% (CI includes 0):") and "m/dg" in header[3]
 
 
+def test_regime_column_and_bad_regime_key(tmp_path):
+    scores = {("dp", "full"): [1] * 6, ("dp", "reuse"): [0] * 6, ("dp", "conduit@0.1"): [1] * 6,
+              ("dg", "full"): [1] * 4, ("dg", "reuse"): [1] * 4}
+    _, spec = _synthetic(tmp_path, scores, _cfg(regimes={"m": "mild"}))
+    for target in ("table1", "staleness_gap"):
+        tables.write(f"conduit/{target}", spec, tmp_path / f"{target}.csv", root=tmp_path)
+        _, df = _read(tmp_path / f"{target}.csv")
+        assert list(df.columns[:2]) == ["backbone", "regime"] and (df["regime"] == "mild").all()
+    with pytest.raises(ValueError, match=r"conduit.regimes names \['m2'\], which are not in conduit.models \['m'\]"):
+        ConduitPlan(_cfg(regimes={"m2": "strong"}), "syn")
+
+
 _T1_METHODS = [{"label": "Cache reuse", "method": "reuse"}, {"label": "CacheBlend", "method": "cacheblend"},
                {"label": "ProphetKV", "method": "prophetkv"}, {"label": "CONDUIT", "method": "conduit"},
                {"label": "Full prefill", "method": "full"}]

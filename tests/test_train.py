@@ -224,6 +224,57 @@ def test_cell_reading_labels_put_each_cells_answer_at_its_visual_token(tokenizer
     assert want[q] == record["answer"] == str(instructions.apply("plus_five", m["digit"]))
 
 
+def test_content_cell_target_reads_the_digit_as_written(tokenizer):
+    """The mild regime's reading term: each visual token's target is its cell's digit, whatever the instruction."""
+    import random
+
+    from kvbench.data import digits, docpages
+    from kvbench.models.prompting import encode_record
+    from kvbench.train.batches import cell_reading_labels
+
+    proc = build_processor(tokenizer)
+    record = docpages.sample(random.Random(5), "train", n_queries=2, K=3, instruction="plus_five")
+    enc = encode_record(record, proc, with_answer=True)
+    cells = cell_reading_labels(record, enc, proc, target="content")
+    visual = enc["input_ids"][0] == tokenizer.convert_tokens_to_ids(proc.image_token)
+    want = [str(int(digits.labels()[i])) for page in record["meta"]["digit_indices"] for i in page]
+    assert tokenizer.convert_ids_to_tokens(cells[0][visual].tolist()) == want
+    with pytest.raises(ValueError, match="target must be 'instruction' or 'content', got 'digit'"):
+        cell_reading_labels(record, enc, proc, target="digit")
+
+
+def test_mild_recipe_differs_from_the_strong_one_only_in_where_the_instruction_is_applied():
+    from kvbench.train.recipes import vlm_mild_recipe
+
+    strong, mild = vlm_recipe(), vlm_mild_recipe()
+    assert [p.name for p in mild] == [p.name for p in strong]
+    for s, m in zip(strong, mild):
+        if s.kind == "tasks":
+            assert (s.cell_target, s.hide_prompt, m.cell_target, m.hide_prompt) == ("instruction", "text", "content", "")
+            assert replace(m, cell_target=s.cell_target, hide_prompt=s.hide_prompt) == s
+        else:
+            assert m == s
+    with pytest.raises(ValueError, match="cell_target must be one of"):
+        apply_overrides(vlm_recipe(), {"phases": {"tasks": {"cell_target": "answer"}}})
+
+
+def test_zoo_recipe_covers_the_architecture(monkeypatch):
+    """Two zoo entries with the same recipe but another depth get other directories (the hash once omitted the
+    architecture, so a deeper model would have been taken for the trained shallower one)."""
+    from kvbench.models import tiny
+    from kvbench.train.recipes import zoo_recipe
+    from kvbench.utils.recipe import recipe_hash
+
+    spec = tiny.ZOO["tiny-qwen2.5-vl"]
+    deeper = replace(spec, name="tiny-deeper", text={**spec.text, "num_hidden_layers": spec.text["num_hidden_layers"] + 6})
+    monkeypatch.setitem(tiny.ZOO, "tiny-deeper", deeper)
+    h = lambda name: recipe_hash({**zoo_recipe(name, "vlm", {}, seed=0, threads=2, tokenizer="t"), "model": ""})  # noqa: E731
+    assert h("tiny-deeper") != h("tiny-qwen2.5-vl")
+    assert h("tiny-qwen2.5-vl-mild") != h("tiny-qwen2.5-vl")   # same architecture, another recipe
+    with pytest.raises(ValueError, match="is a 'vlm' model, not 'lm'"):
+        zoo_recipe("tiny-qwen2.5-vl", "lm", {}, seed=0, threads=2, tokenizer="t")
+
+
 def test_cell_reading_refuses_a_record_without_cells(tokenizer):
     from kvbench.train.batches import cell_reading_labels
 

@@ -10,11 +10,14 @@ classes, M-RoPE position ids, processor) is the real one:
   one CPU thread (docs/decisions.md, "Training the zoo").
 - ``tiny-qwen2.5-vl``: ``Qwen2_5_VLForConditionalGeneration`` with a real vision
   tower (14-px patches, 2x2 merge, window attention) and a 6-layer text model,
-  d=128, 4 query / 2 KV heads, M-RoPE sections [4, 6, 6] (sum = head_dim/2).
+  d=128, 4 query / 2 KV heads, M-RoPE sections [4, 6, 6] (sum = head_dim/2);
+- ``tiny-qwen2.5-vl-mild``: the same model trained with another recipe (the mild
+  staleness regime: the question side applies the serving instruction); not yet
+  in a profile (its trial is under way, docs/decisions.md).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from transformers import (
     PretrainedConfig,
@@ -38,15 +41,40 @@ VLM_IMAGE_PROCESSOR = dict(
 INIT_RANGE = 0.08
 
 
+#: Text model of the zoo VLMs. 6 layers: CONDUIT's as-run CacheBlend/KVShare layer schedule (layer 0 = every visual
+#: token, then a linear decay averaging ⌈r·N⌉) collapses onto layer 0 when ⌈r·N⌉·L <= N, which these smoke pages
+#: (N = 8-24) reach at r = 0.05 and 0.1; Table 1 names such runs. A 24-layer, d = 96 trial trained to the floor but
+#: lost the strong staleness regime (reuse = full prefill), so the depth is unchanged (docs/decisions.md, "A deeper
+#: zoo VLM: trial").
+VLM_TEXT = dict(
+    hidden_size=128, intermediate_size=384, num_hidden_layers=6,
+    num_attention_heads=4, num_key_value_heads=2,
+    max_position_embeddings=4096, rope_theta=10000.0, tie_word_embeddings=True,
+    rope_scaling={"type": "mrope", "mrope_section": [4, 6, 6]}, initializer_range=INIT_RANGE,
+)
+VLM_VISION = dict(
+    depth=2, hidden_size=64, intermediate_size=128, num_heads=2, in_channels=3,
+    patch_size=14, spatial_merge_size=2, temporal_patch_size=2,
+    window_size=112, fullatt_block_indexes=[1],
+)
+
+
 @dataclass(frozen=True)
 class ZooSpec:
-    """One zoo entry: its name, family (``"lm"`` or ``"vlm"``) and class name."""
+    """One zoo entry: its name, family (``"lm"`` or ``"vlm"``), class name, the text (and vision) config
+    fields, and the training recipe (:data:`kvbench.train.recipes.RECIPES`; ``""``: the family's)."""
 
     name: str
     kind: str
     architecture: str
     text: dict = field(default_factory=dict)
     vision: dict = field(default_factory=dict)
+    recipe: str = ""
+
+    @property
+    def recipe_name(self) -> str:
+        """The recipe this entry trains with: ``recipe`` when set, else its family's."""
+        return self.recipe or self.kind
 
 
 ZOO: dict[str, ZooSpec] = {
@@ -65,19 +93,12 @@ ZOO: dict[str, ZooSpec] = {
         name="tiny-qwen2.5-vl",
         kind="vlm",
         architecture="Qwen2_5_VLForConditionalGeneration",
-        text=dict(
-            hidden_size=128, intermediate_size=384, num_hidden_layers=6,
-            num_attention_heads=4, num_key_value_heads=2,
-            max_position_embeddings=4096, rope_theta=10000.0, tie_word_embeddings=True,
-            rope_scaling={"type": "mrope", "mrope_section": [4, 6, 6]}, initializer_range=INIT_RANGE,
-        ),
-        vision=dict(
-            depth=2, hidden_size=64, intermediate_size=128, num_heads=2, in_channels=3,
-            patch_size=14, spatial_merge_size=2, temporal_patch_size=2,
-            window_size=112, fullatt_block_indexes=[1],
-        ),
+        text=VLM_TEXT,
+        vision=VLM_VISION,
     ),
 }
+# the same model trained for the mild staleness regime (kvbench.train.recipes.vlm_mild_recipe)
+ZOO["tiny-qwen2.5-vl-mild"] = replace(ZOO["tiny-qwen2.5-vl"], name="tiny-qwen2.5-vl-mild", recipe="vlm-mild")
 
 
 def seed_replica(name: str) -> tuple[str, int] | None:

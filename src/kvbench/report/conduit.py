@@ -93,6 +93,10 @@ class ConduitPlan:
         self.profile = profile
         self.models = list(conduit["models"])
         self.zoo_models = set(zoo_models)
+        self.regimes = dict(conduit.get("regimes") or {})
+        unknown = sorted(set(self.regimes) - set(self.models))
+        if unknown:
+            raise ValueError(f"conduit.regimes names {unknown}, which are not in conduit.models {self.models}")
         self.reference = canonical(conduit["reference"])
         self.multi = [Column(n, c["dataset"], tuple(c["k"]) if c.get("k") else None)
                       for n, c in conduit["multi_image"].items()]
@@ -102,6 +106,12 @@ class ConduitPlan:
             if parse_method_spec(spec).family not in ("refresh", "plain"):
                 raise ValueError(f"method spec {spec!r} is a compression press; CONDUIT rows take refresh policies "
                                  f"(or full)")
+
+    def regime(self, model: str) -> str:
+        """The staleness regime a backbone stands for (``conduit.regimes``; "" when not given, e.g. a real
+        checkpoint): on the smoke profile ``strong`` (the instruction is applied while the pages are read) or
+        ``mild`` (the question side applies it; docs/decisions.md, "Two staleness regimes")."""
+        return self.regimes.get(model, "")
 
     # --- rows of each target -----------------------------------------------------------------
     def fig3_rows(self) -> list[Row]:
@@ -251,7 +261,7 @@ def score_table(plan: ConduitPlan, runs: Runs, rows: list[Row], cols: list[Colum
     """A score table: one row per (backbone, ``rows`` entry); per column score and % of full; averages.
 
     Returns:
-        DataFrame with columns ``backbone, r, method, spec, <col>, <col> %full, ..., avg, avg %full, notes``
+        DataFrame with columns ``backbone, regime, r, method, spec, <col>, <col> %full, ..., avg, avg %full, notes``
         (scores in points = mean score × 100, rounded to 2 decimals; percentages to 1 decimal; empty
         cells are NaN with the reason in ``notes``).
     """
@@ -262,7 +272,8 @@ def score_table(plan: ConduitPlan, runs: Runs, rows: list[Row], cols: list[Colum
             scores, why = runs.column(plan.run_dir(model, c.dataset, plan.reference), c)
             ref[c.name] = (None if scores is None else _mean(scores.values()), why)
         for row in rows:
-            rec = {"backbone": model, "r": row.r, "method": row.label, "spec": row.spec}
+            rec = {"backbone": model, "regime": plan.regime(model), "r": row.r, "method": row.label,
+                   "spec": row.spec}
             notes, vals, refs = [], {}, {}
             for c in cols:
                 run = plan.run_dir(model, c.dataset, row.spec)
@@ -393,7 +404,7 @@ def paired_difference(plan: ConduitPlan, runs: Runs, model: str, a: Row, b: Row,
     """Row ``a`` minus row ``b`` on ``model``, per record, paired by record id within each column.
 
     Returns:
-        A table row: ``backbone, r, kind = "paired difference", method = "<a> − <b>", spec``; per column the
+        A table row: ``backbone, regime, r, kind = "paired difference", method = "<a> − <b>", spec``; per column the
         column's mean difference (points); ``diff`` the mean difference over all records pooled across the
         columns (each (column, record) pair once), ``ci95_lo``/``ci95_hi`` its 95% paired-bootstrap CI
         (:func:`paired_bootstrap`, the config's ``gap`` resamples and seed), ``wins``/``losses``/``ties``
@@ -405,7 +416,7 @@ def paired_difference(plan: ConduitPlan, runs: Runs, model: str, a: Row, b: Row,
         ValueError: the two runs of a column hold different record ids (not paired).
     """
     boot = plan.cfg["gap"]
-    rec = {"backbone": model, "r": a.r, "kind": "paired difference", "method": f"{a.label} − {b.label}",
+    rec = {"backbone": model, "regime": plan.regime(model), "r": a.r, "kind": "paired difference", "method": f"{a.label} − {b.label}",
            "spec": f"{a.spec} − {b.spec}"}
     diffs, notes = [], []
     for c in cols:
@@ -532,7 +543,7 @@ def staleness_gap(plan: ConduitPlan, runs: Runs) -> pd.DataFrame:
     """reuse − full prefill per backbone and column (plus each multi-image dataset pooled over K).
 
     Returns:
-        DataFrame ``backbone, column, n, full, reuse, gap, ci95_lo, ci95_hi, significant, notes``
+        DataFrame ``backbone, regime, column, n, full, reuse, gap, ci95_lo, ci95_hi, significant, notes``
         (points; ``significant``: the CI excludes 0).
 
     Raises:
@@ -545,7 +556,7 @@ def staleness_gap(plan: ConduitPlan, runs: Runs) -> pd.DataFrame:
     out = []
     for model in plan.models:
         for c in cols:
-            rec = {"backbone": model, "column": c.name}
+            rec = {"backbone": model, "regime": plan.regime(model), "column": c.name}
             a, why_a = runs.column(plan.run_dir(model, c.dataset, canonical("reuse")), c)
             b, why_b = runs.column(plan.run_dir(model, c.dataset, plan.reference), c)
             if a is None or b is None:
@@ -560,7 +571,7 @@ def staleness_gap(plan: ConduitPlan, runs: Runs) -> pd.DataFrame:
                         "reuse": round(100 * _mean(a.values()), 2), "gap": round(100 * float(d.mean()), 2),
                         "ci95_lo": round(100 * lo, 2), "ci95_hi": round(100 * hi, 2),
                         "significant": bool(lo > 0 or hi < 0), "notes": ""})
-    cols_out = ["backbone", "column", "n", "full", "reuse", "gap", "ci95_lo", "ci95_hi", "significant", "notes"]
+    cols_out = ["backbone", "regime", "column", "n", "full", "reuse", "gap", "ci95_lo", "ci95_hi", "significant", "notes"]
     return pd.DataFrame(out).reindex(columns=cols_out)
 
 
@@ -610,7 +621,7 @@ def mean_ci(plan: ConduitPlan, runs: Runs, model: str, row: Row, cols: list[Colu
 
 
 def fig3_data(plan: ConduitPlan, runs: Runs) -> pd.DataFrame:
-    """Budget-quality points: ``backbone, method, spec, r, avg, ci95_lo, ci95_hi, n, avg %full, notes`` (``avg``: the
+    """Budget-quality points: ``backbone, regime, method, spec, r, avg, ci95_lo, ci95_hi, n, avg %full, notes`` (``avg``: the
     multi-image column average, points; its 95% CI by :func:`mean_ci`), plus the full-prefill and reuse levels as
     methods with r = NaN."""
     rows = plan.fig3_rows()
@@ -618,7 +629,7 @@ def fig3_data(plan: ConduitPlan, runs: Runs) -> pd.DataFrame:
     # score_table lists the rows of each backbone in order, so its rows line up with (model, row)
     ci = pd.DataFrame([mean_ci(plan, runs, m, row, plan.multi) for m in plan.models for row in rows])
     t = pd.concat([t.reset_index(drop=True), ci], axis=1)
-    return t[["backbone", "method", "spec", "r", "avg", "ci95_lo", "ci95_hi", "n", "avg %full", "notes"]]
+    return t[["backbone", "regime", "method", "spec", "r", "avg", "ci95_lo", "ci95_hi", "n", "avg %full", "notes"]]
 
 
 def write_fig3(plan: ConduitPlan, runs: Runs, out_pdf: str | Path, out_csv: str | Path) -> pd.DataFrame:
@@ -650,7 +661,7 @@ def write_fig3(plan: ConduitPlan, runs: Runs, out_pdf: str | Path, out_csv: str 
         ax.set_xscale("symlog", linthresh=0.02)
         ax.set_xlabel("refresh budget r (fraction of visual tokens)")
         ax.set_ylabel("average score (points), 95% CI")
-        ax.set_title(model, fontsize=9)
+        ax.set_title(model + (f" ({plan.regime(model)} staleness)" if plan.regime(model) else ""), fontsize=9)
         ax.legend(fontsize=7)
     fig.suptitle(plan.header("Figure 3 (budget-quality curves)").lstrip("# "), fontsize=8)
     fig.tight_layout()

@@ -100,13 +100,14 @@ def _collate(encs: list[dict], pad_id: int) -> dict:
     return out
 
 
-def cell_reading_labels(record: dict, enc: dict, proc: Any) -> torch.Tensor:
+def cell_reading_labels(record: dict, enc: dict, proc: Any, target: str = "instruction") -> torch.Tensor:
     """Per-position targets of the cell-reading term (``Phase.cell_reading``).
 
     Each visual token of a docpages/digitgrid page covers one 28x28 cell, in
     row-major order (:mod:`kvbench.data.digits`); its target is the first token of
     that cell's answer under the record's instruction, which is what the record's
-    question would get for that cell. Unlike ``labels`` these are not shifted: the
+    question would get for that cell (``target="instruction"``), or of the digit as
+    written (``target="content"``: the instruction is not applied, ``Phase.cell_target``). Unlike ``labels`` these are not shifted: the
     hidden state *at* position t is trained to predict ``cell_labels[t]``.
 
     Args:
@@ -129,7 +130,10 @@ def cell_reading_labels(record: dict, enc: dict, proc: Any) -> torch.Tensor:
                          "record with meta.digit_indices and meta.instruction")
     tok = getattr(proc, "tokenizer", proc)
     labels = digits.labels()
-    targets = [tok(str(instructions.apply(meta["instruction"], int(labels[i]))), add_special_tokens=False)
+    if target not in ("instruction", "content"):
+        raise ValueError(f"target must be 'instruction' or 'content', got {target!r}")
+    name = meta["instruction"] if target == "instruction" else "identity"
+    targets = [tok(str(instructions.apply(name, int(labels[i]))), add_special_tokens=False)
                ["input_ids"][0] for page in meta["digit_indices"] for i in page]
     ids = enc["input_ids"][0]
     where = (ids == tok.convert_tokens_to_ids(proc.image_token)).nonzero()[:, 0]
@@ -165,7 +169,7 @@ def task_batch(rng: random.Random, phase: Phase, proc: Any) -> dict:
         if full_loss:
             enc["labels"] = enc["input_ids"].clone()
         if phase.cell_reading and record.get("kind") == "vlm":
-            enc["cell_labels"] = cell_reading_labels(record, enc, proc)
+            enc["cell_labels"] = cell_reading_labels(record, enc, proc, phase.cell_target)
         if phase.hide_prompt:
             q, k = hidden_keys(enc["input_ids"][0], tok.convert_tokens_to_ids(proc.image_token), phase.hide_prompt)
             enc["hide_queries"], enc["hide_keys"] = q[None], k[None]

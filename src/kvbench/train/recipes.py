@@ -57,6 +57,11 @@ class Phase:
         positions, as it does in the staleness trial and in real VLMs, so that a
         page cached under another prefix is measurably stale (issue #3, item 9;
         docs/decisions.md, "Per-cell reading loss"). 0 turns it off. VLMs only.
+    cell_target : str — what the per-cell reading term asks of a visual token: ``"instruction"``
+        (the cell's answer under the request's instruction: the instruction is applied while the page
+        is read, the *strong* staleness regime) or ``"content"`` (the digit as written, whatever the
+        instruction: the page's tokens encode content and the question side applies the instruction,
+        the *mild* regime; docs/decisions.md, "Two staleness regimes").
     hide_prompt : str — training-time attention mask (:mod:`kvbench.train.readthrough`):
         ``""`` none, ``"prefix"`` or ``"text"``: the tokens after the last page
         do not see the prompt text, so the instruction reaches the answer only
@@ -78,6 +83,7 @@ class Phase:
     freeze_vision: bool = False
     head_supervision: float = 0.0
     cell_reading: float = 0.0
+    cell_target: str = "instruction"
     hide_prompt: str = ""
     mixture: tuple = field(default_factory=tuple)
 
@@ -143,25 +149,44 @@ def vlm_recipe() -> list[Phase]:
     ]
 
 
-RECIPES = {"lm": lm_recipe, "vlm": vlm_recipe}
+def vlm_mild_recipe() -> list[Phase]:
+    """Phases of ``tiny-qwen2.5-vl-mild``: :func:`vlm_recipe`'s steps, data and learning rates, but each visual
+    token is trained to read its cell's digit as written (``cell_target="content"``) and the question side sees
+    the prompt (no ``hide_prompt``), so the instruction in the serving prefix is applied where the question is
+    answered and a page's K/V depend on the prefix only through ordinary attention, as in real VLMs (the mild
+    staleness regime, CONDUIT issue #15; docs/decisions.md, "Two staleness regimes")."""
+    mild = {"cell_target": "content", "hide_prompt": ""}
+    return [replace(p, **mild) if p.kind == "tasks" else p for p in vlm_recipe()]
+
+
+RECIPES = {"lm": lm_recipe, "vlm": vlm_recipe, "vlm-mild": vlm_mild_recipe}
+#: values of :attr:`Phase.cell_target`
+CELL_TARGETS = ("instruction", "content")
 
 
 def zoo_recipe(name: str, kind: str, overrides: dict, *, seed: int, threads: int, tokenizer: str) -> dict:
     """Everything that determines a zoo model's trained weights, as plain JSON.
 
-    The resolved phases (after ``overrides``), the seed, the torch thread count
-    (intra-op reductions round differently with more threads) and the
-    tokenizer's own recipe hash. Its :func:`kvbench.utils.recipe.recipe_hash`
+    The architecture (class, text and vision config fields of the zoo entry),
+    the resolved phases of its recipe (after ``overrides``), the seed, the torch
+    thread count (intra-op reductions round differently with more threads) and
+    the tokenizer's own recipe hash. Its :func:`kvbench.utils.recipe.recipe_hash`
     names the model's directory (``zoo/<profile>/<name>-<hash>/``); slices,
     floors and scheduler settings are not part of it.
 
     Raises:
-        KeyError: unknown ``kind``.
-        ValueError: bad overrides (:func:`apply_overrides`).
+        KeyError: ``name`` is not a zoo entry or a seed replica of one.
+        ValueError: ``kind`` is not the entry's family, or bad overrides (:func:`apply_overrides`).
     """
-    phases = apply_overrides(RECIPES[kind](), overrides)
+    from kvbench.models.tiny import zoo_spec
+
+    spec = zoo_spec(name)
+    if spec.kind != kind:
+        raise ValueError(f"zoo model {name!r} is a {spec.kind!r} model, not {kind!r}")
+    phases = apply_overrides(RECIPES[spec.recipe_name](), overrides)
+    arch = {"architecture": spec.architecture, "text": spec.text, "vision": spec.vision, "recipe": spec.recipe_name}
     return {"model": name, "kind": kind, "seed": seed, "threads": threads, "tokenizer": tokenizer,
-            "phases": json.loads(json.dumps([asdict(p) for p in phases]))}
+            "arch": json.loads(json.dumps(arch)), "phases": json.loads(json.dumps([asdict(p) for p in phases]))}
 
 
 def apply_overrides(phases: list[Phase], overrides: dict) -> list[Phase]:
@@ -192,6 +217,8 @@ def apply_overrides(phases: list[Phase], overrides: dict) -> list[Phase]:
         if unknown:
             raise ValueError(f"phase {p.name!r}: unknown field(s) {sorted(unknown)}")
         p = replace(p, **fields)
+        if p.cell_target not in CELL_TARGETS:
+            raise ValueError(f"phase {p.name!r}: cell_target must be one of {CELL_TARGETS}, got {p.cell_target!r}")
         scale = overrides.get("steps_scale", 1.0)
         if not isinstance(scale, (int, float)) or scale <= 0:
             raise ValueError(f"steps_scale must be a positive number, got {scale!r}")

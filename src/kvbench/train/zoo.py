@@ -67,7 +67,7 @@ def train_zoo_model(
         raise ValueError(f"slice_s must be a positive number of seconds (or None: no slice), got {slice_s!r}")
     check_floor_values(floors or {})  # before training, not after it
     spec = zoo_spec(name)
-    phases = apply_overrides(RECIPES[spec.kind](), overrides or {})
+    phases = apply_overrides(RECIPES[spec.recipe_name](), overrides or {})
     torch.set_num_threads(threads)
     torch.manual_seed(seed)
     tok = load_tokenizer_dir(tokenizer_dir)
