@@ -139,3 +139,35 @@ def test_top_k_ties_are_deterministic():
     s = torch.tensor([1.0, 2.0, 2.0, 0.5, 2.0])
     assert top_k(s, 2).tolist() == [1, 2]
     assert top_k(s, 0).tolist() == []
+
+
+def test_scoring_pass_projects_queries_for_the_trailing_rows_only(vlm, req, monkeypatch):
+    """§3.3 reads the attention mass of the query tokens alone: the pass projects only their queries (not every
+    text row's), with the same α as the mass of those rows' queries computed over every row."""
+    from kvbench.reuse.scoring import _ScoringSchedule
+
+    want = scoring_pass(vlm, req)
+    seen = []
+    original = type(vlm).queries
+
+    def counted(self, layer, x, cos, sin):
+        seen.append(x.shape[1])
+        return original(self, layer, x, cos, sin)
+    monkeypatch.setattr(type(vlm), "queries", counted)
+    monkeypatch.setattr(_ScoringSchedule, "query_mask", lambda self, rows: None)   # the former pass: every row's
+    # queries projected, then the trailing rows' taken
+
+    def former_observe(self, state):
+        qrow = torch.isin(state.rows, self.req.query_index)
+        mass = attention_mass(state.queries[:, :, qrow], state.keys, state.rows[qrow], state.scale)
+        self.attn.append(mass[self.req.visual_index])
+        self.vnorm.append(value_norms(state.values)[self.req.visual_index])
+    monkeypatch.setattr(_ScoringSchedule, "observe", former_observe)
+    every = scoring_pass(vlm, req)
+    assert set(seen) == {len(req.text_index)} and len(req.query_index) < len(req.text_index)
+    torch.testing.assert_close(every.attn, want.attn, rtol=0, atol=1e-6)
+    seen.clear()
+    monkeypatch.undo()
+    monkeypatch.setattr(type(vlm), "queries", counted)
+    again = scoring_pass(vlm, req)
+    assert seen == [len(req.query_index)] * vlm.n_layers and torch.equal(again.attn, want.attn)

@@ -40,7 +40,9 @@ class LayerState:
         active_visual: int64 visual rows computed at this layer, ascending.
         keys, values: ``[1, n_kv, T, hd]`` the layer's K/V after this layer's writes (post-RoPE K).
         old_keys, old_values: the layer's base K/V (stale cache) before the writes.
-        queries: ``[1, n_heads, n, hd]`` post-RoPE queries of ``rows``, or None unless the schedule asked.
+        queries: ``[1, n_heads, m, hd]`` post-RoPE queries of ``query_rows``, or None unless the schedule asked.
+        query_rows: int64 ``[m]`` sequence indices of ``queries``: ``rows``, or the subset the schedule named
+            (:meth:`LayerSchedule.query_mask`), so rows nobody reads get no query projection.
         scale: the attention's softmax scale.
     """
 
@@ -53,6 +55,7 @@ class LayerState:
     old_values: torch.Tensor
     queries: torch.Tensor | None = None
     scale: float = 1.0
+    query_rows: torch.Tensor | None = None
 
 
 class LayerSchedule:
@@ -79,6 +82,11 @@ class LayerSchedule:
     def wants_queries(self, layer: int) -> bool:
         """Whether :class:`LayerState` at ``layer`` must carry queries."""
         return False
+
+    def query_mask(self, rows: torch.Tensor) -> torch.Tensor | None:
+        """Bool ``[n]`` over this layer's computed ``rows``: whose queries :class:`LayerState` carries when
+        :meth:`wants_queries` holds (None: every row's)."""
+        return None
 
     def observe(self, state: LayerState) -> None:
         """Called after each layer with the final K/V of that layer."""
@@ -186,8 +194,14 @@ def execute(adapter: VLMAdapter, req: AssembledRequest, schedule: LayerSchedule,
         cos, sin = req.cos[:, rows], req.sin[:, rows]
         hook = None
         if schedule.wants_queries(li):
-            def grab(_m, _args, kwargs, _st=state, _li=li, _cos=cos, _sin=sin):
-                _st.queries = adapter.queries(_li, kwargs["hidden_states"], _cos, _sin)
+            sel = schedule.query_mask(rows)
+            state.query_rows = rows if sel is None else rows[sel]
+
+            def grab(_m, _args, kwargs, _st=state, _li=li, _cos=cos, _sin=sin, _sel=sel):
+                x = kwargs["hidden_states"]
+                if _sel is not None:   # only the rows the schedule reads: no query projection for the others
+                    x, _cos, _sin = x[:, _sel], _cos[:, _sel], _sin[:, _sel]
+                _st.queries = adapter.queries(_li, x, _cos, _sin)
             hook = attn.register_forward_pre_hook(grab, with_kwargs=True)
         try:
             out = layer(h, attention_mask=causal_rows_mask(rows, T, h.dtype), position_embeddings=(cos, sin),

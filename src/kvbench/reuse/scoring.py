@@ -44,19 +44,23 @@ def attention_mass(q: torch.Tensor, k: torch.Tensor, query_pos: torch.Tensor, sc
         float32 ``[T]``: softmax weight on each key, averaged over queries and heads
         (rows sum to 1, so the result sums to 1).
 
+    GQA without repeating K: query head h reads KV head h // (n_heads / n_kv_heads), as HF's ``repeat_kv``, so the
+    queries are grouped per KV head and multiplied by that head's keys once (no ``[n_heads, T, hd]`` copy of K).
+
     Raises:
         ValueError: n_heads is not a multiple of n_kv_heads, or no query.
     """
     n_heads, n_kv = q.shape[1], k.shape[1]
     if n_heads % n_kv:
         raise ValueError(f"n_heads ({n_heads}) must be a multiple of n_kv_heads ({n_kv})")
-    if q.shape[2] == 0:
+    n_q = q.shape[2]
+    if n_q == 0:
         raise ValueError("attention_mass needs at least one query")
-    kk = k.float().repeat_interleave(n_heads // n_kv, dim=1)  # query head h ↔ kv head h // group
-    logits = torch.matmul(q.float(), kk.transpose(-1, -2)) * scale  # [1, H, n_q, T]
-    T = k.shape[2]
-    invalid = torch.arange(T, device=q.device)[None, :] > query_pos[:, None]
-    logits = logits.masked_fill(invalid[None, None], float("-inf"))
+    T, hd = k.shape[2], k.shape[3]
+    qg = q[0].float().reshape(n_kv, (n_heads // n_kv) * n_q, hd)   # heads h = j·g + i of KV head j, then queries
+    logits = torch.bmm(qg, k[0].float().transpose(1, 2)) * scale   # [n_kv, g·n_q, T]
+    invalid = torch.arange(T, device=q.device)[None, :] > query_pos[:, None]   # [n_q, T]
+    logits = logits.view(n_kv, -1, n_q, T).masked_fill(invalid, float("-inf"))
     return torch.softmax(logits, dim=-1).mean(dim=(0, 1, 2))
 
 
@@ -151,9 +155,12 @@ class _ScoringSchedule(LayerSchedule):
     def wants_queries(self, layer: int) -> bool:
         return True
 
+    def query_mask(self, rows: torch.Tensor) -> torch.Tensor:
+        """Only the trailing text's rows need queries (§3.3: the attention mass of the query tokens)."""
+        return torch.isin(rows, self.req.query_index)
+
     def observe(self, state: LayerState) -> None:
-        qrow = torch.isin(state.rows, self.req.query_index)
-        mass = attention_mass(state.queries[:, :, qrow], state.keys, state.rows[qrow], state.scale)
+        mass = attention_mass(state.queries, state.keys, state.query_rows, state.scale)
         self.attn.append(mass[self.req.visual_index])
         self.vnorm.append(value_norms(state.values)[self.req.visual_index])
 
