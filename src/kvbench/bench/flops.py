@@ -17,7 +17,7 @@ one decoder layer for ``n_q`` computed rows attending over ``n_k`` keys:
     gated MLP        2·3·n_q·d·d_ff
 
 plus the LM head (2·d·V per output position) and the scoring pass's extras:
-query recomputation (2·n·d·H·hd) and attention mass (2·n_q·n_k·H·hd, QKᵀ only).
+query recomputation of the query span (2·n_q·d·H·hd) and attention mass (2·n_q·n_k·H·hd, QKᵀ only).
 Norms, RoPE, softmax and elementwise ops are not counted (nor by the counter).
 Units: FLOPs as Python ints; divide by 1e12 for TFLOPs.
 """
@@ -127,8 +127,9 @@ def executor_flops(s: DecoderShape, seq_len: int, rows_per_layer: list[int]) -> 
 
 def scoring_flops(s: DecoderShape, seq_len: int, n_text: int, n_query: int) -> int:
     """The CONDUIT scoring pass: text rows at every layer over the stale cache, plus per layer the
-    queries of all computed rows again and the query span's attention mass over all keys."""
-    extra = s.n_layers * (query_flops(s, n_text) + mass_flops(s, n_query, seq_len))
+    query span's queries again (``n_query`` rows; ``LayerSchedule.query_mask``) and their attention mass over
+    all keys. ``n_text`` rows are computed."""
+    extra = s.n_layers * (query_flops(s, n_query) + mass_flops(s, n_query, seq_len))
     return executor_flops(s, seq_len, [n_text] * s.n_layers) + extra
 
 
