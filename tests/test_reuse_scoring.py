@@ -171,3 +171,15 @@ def test_scoring_pass_projects_queries_for_the_trailing_rows_only(vlm, req, monk
     monkeypatch.setattr(type(vlm), "queries", counted)
     again = scoring_pass(vlm, req)
     assert seen == [len(req.query_index)] * vlm.n_layers and torch.equal(again.attn, want.attn)
+
+
+@pytest.mark.parametrize("heads,kv,n_q,T,hd", [(4, 2, 5, 40, 32), (16, 2, 9, 700, 128), (12, 12, 3, 100, 64)])
+def test_grouped_attention_mass_is_bitwise_the_repeated_k_form(heads, kv, n_q, T, hd):
+    """Grouping the query heads per KV head (no copy of K per query head) changes no bit of α here."""
+    g = torch.Generator().manual_seed(heads + T)
+    q, k = torch.randn(1, heads, n_q, hd, generator=g), torch.randn(1, kv, T, hd, generator=g)
+    pos = torch.sort(torch.randint(T // 2, T, (n_q,), generator=g)).values
+    kk = k.repeat_interleave(heads // kv, dim=1)
+    logits = (q @ kk.transpose(-1, -2)) * hd ** -0.5
+    logits = logits.masked_fill((torch.arange(T)[None, :] > pos[:, None])[None, None], float("-inf"))
+    assert torch.equal(attention_mass(q, k, pos, hd ** -0.5), torch.softmax(logits, -1).mean(dim=(0, 1, 2)))

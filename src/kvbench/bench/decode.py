@@ -362,6 +362,7 @@ def measure_decode_throughput(model_name_or_dir: str, contexts: Sequence[int] = 
     if full_layers is None:
         full_layers = (full_layers_of(model_name_or_dir) if model_name_or_dir in TIMING_LMS
                        else full_layers_for(tc.num_hidden_layers))
+    codec_kind = "trained" if codec_dir else "RANDOM"
     machine = bandwidth.copy_gb_s(dev, mib=copy_mib)
     wbytes, peak = bandwidth.weight_bytes(model), bandwidth.peak_gb_s(dev)
     rows = []
@@ -398,12 +399,11 @@ def measure_decode_throughput(model_name_or_dir: str, contexts: Sequence[int] = 
             if on_context is not None and done + 1 < len(contexts):
                 part = [dict(x) for x in rows]
                 add_ratios(part)
-                on_context(part, header_line(model_name_or_dir, weights, "trained" if codec_dir else "RANDOM",
-                                             contexts, decode_steps, warmup_steps, repeats, part)
+                on_context(part, header_line(model_name_or_dir, weights, codec_kind, contexts, decode_steps,
+                                             warmup_steps, repeats, part)
                            + f"; PARTIAL: {done + 1} of {len(contexts)} contexts measured so far")
     add_ratios(rows)
-    head = header_line(model_name_or_dir, weights, "trained" if codec_dir else "RANDOM", contexts, decode_steps,
-                       warmup_steps, repeats, rows)
+    head = header_line(model_name_or_dir, weights, codec_kind, contexts, decode_steps, warmup_steps, repeats, rows)
     return rows, head
 
 

@@ -83,9 +83,9 @@ def run(device: str, out_dir: str | Path, budget_s: float, contexts: Sequence[in
 
     import torch
 
-    from kvbench.bench.settings import check_contexts
+    from kvbench.bench.settings import DEVICE_PATTERN, check_contexts
 
-    if not re.fullmatch(r"cpu|cuda(:\d+)?", device):
+    if device == "auto" or not re.fullmatch(DEVICE_PATTERN, device):   # `kvbench bench`'s pattern, less `auto`
         raise ValueError(f"device must be cpu, cuda or cuda:<index>, got {device!r}")
     kind = device.split(":")[0]
     if not (budget_s > 0 and math.isfinite(budget_s)):

@@ -1,12 +1,13 @@
-"""Preallocated tensors that grow by doubling, written in place: the storage of the compressed caches.
+"""Preallocated tensors that grow geometrically, written in place: the storage of the compressed caches.
 
 A decode step adds one token to a cache of n. ``torch.cat`` of the whole cache per step copies O(n) bytes
 to add O(1); a buffer with spare capacity writes the new rows in place and copies everything only when it
-doubles (O(1) amortised per token), as a paged or static KV cache does. Views (``[..., :n, ...]``) of the
+grows by an eighth (O(1) amortised per token), as a paged or static KV cache does. Views (``[..., :n, ...]``) of the
 buffer are what attention reads, so the full cache reads its keys once per step.
 
 Resident bytes (:func:`~kvbench.compress.accounting.held_bytes`) count a view's whole storage, so a
-buffer's spare capacity (at most the stored length, doubling) is counted as held: it is allocated.
+buffer's spare capacity (at most an eighth of the stored length, or :data:`MIN_GROWTH` rows) is counted as held: it
+is allocated.
 """
 from __future__ import annotations
 
@@ -45,7 +46,7 @@ class Growable:
         exactly ``n``; a later growth adds at least an eighth of the capacity (and :data:`MIN_GROWTH` rows), so
         appends cost O(1) amortised (about 8 rows copied per row appended) while the spare capacity a cache holds
         between steps, which its resident bytes count, stays within 1/8 of its rows for a long context (doubling
-        had held up to twice: KR_resident of the smoke Table III rose by a quarter to a half)."""
+        held up to as much again: docs/decisions.md, "One contiguous store per layer")."""
         if self.data is not None and n <= self.capacity:
             return
         cap = n if self.data is None else max(n, self.capacity + max(self.capacity // 8, MIN_GROWTH))

@@ -149,7 +149,7 @@ class LayerContext:
 
 class StoreLayer(CacheLayerMixin):
     """One decoder layer of a compressed KV cache. The default stores every token exactly (the full cache),
-    in a preallocated buffer that grows by doubling (:class:`~kvbench.compress.buffers.KVBuffer`): a step's
+    in a preallocated buffer that grows by an eighth (:class:`~kvbench.compress.buffers.KVBuffer`): a step's
     chunk is written in place after the stored tokens and attention reads one view of the buffer, so the
     full cache every method is compared to reads its cache once per step and copies it only when it grows.
     A subclass that overrides :meth:`history` gets ``history() + chunk`` (:meth:`KVView.cat`) instead.
@@ -168,7 +168,7 @@ class StoreLayer(CacheLayerMixin):
         self.ctx = ctx
         self.cache = cache
         self.seen = 0                      # tokens written to this layer (the logical length)
-        self._buf = KVBuffer()           # the stored tokens (preallocated, doubling: buffers.py)
+        self._buf = KVBuffer()           # the stored tokens (preallocated, grown by an eighth: buffers.py)
         self._pending: KVView | None = None
         self._view: KVView | None = None
         self._query_pos: torch.Tensor | None = None

@@ -12,8 +12,8 @@ classes, M-RoPE position ids, processor) is the real one:
   tower (14-px patches, 2x2 merge, window attention) and a 6-layer text model,
   d=128, 4 query / 2 KV heads, M-RoPE sections [4, 6, 6] (sum = head_dim/2);
 - ``tiny-qwen2.5-vl-mild``: the same model trained with another recipe (the mild
-  staleness regime: the question side applies the serving instruction); not yet
-  in a profile (its trial is under way, docs/decisions.md).
+  staleness regime: the question side applies the serving instruction); in no
+  profile yet (docs/decisions.md, "A deeper zoo VLM and two staleness regimes").
 """
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ INIT_RANGE = 0.08
 #: token, then a linear decay averaging ⌈r·N⌉) collapses onto layer 0 when ⌈r·N⌉·L <= N, which these smoke pages
 #: (N = 8-24) reach at r = 0.05 and 0.1; Table 1 names such runs. A 24-layer, d = 96 trial trained to the floor but
 #: lost the strong staleness regime (reuse = full prefill), so the depth is unchanged (docs/decisions.md, "A deeper
-#: zoo VLM: trial").
+#: zoo VLM and two staleness regimes").
 VLM_TEXT = dict(
     hidden_size=128, intermediate_size=384, num_hidden_layers=6,
     num_attention_heads=4, num_key_value_heads=2,

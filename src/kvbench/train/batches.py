@@ -130,8 +130,10 @@ def cell_reading_labels(record: dict, enc: dict, proc: Any, target: str = "instr
                          "record with meta.digit_indices and meta.instruction")
     tok = getattr(proc, "tokenizer", proc)
     labels = digits.labels()
-    if target not in ("instruction", "content"):
-        raise ValueError(f"target must be 'instruction' or 'content', got {target!r}")
+    from kvbench.train.recipes import CELL_TARGETS
+
+    if target not in CELL_TARGETS:
+        raise ValueError(f"target must be one of {CELL_TARGETS}, got {target!r}")
     name = meta["instruction"] if target == "instruction" else "identity"
     targets = [tok(str(instructions.apply(name, int(labels[i]))), add_special_tokens=False)
                ["input_ids"][0] for page in meta["digit_indices"] for i in page]

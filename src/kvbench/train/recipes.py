@@ -61,7 +61,7 @@ class Phase:
         (the cell's answer under the request's instruction: the instruction is applied while the page
         is read, the *strong* staleness regime) or ``"content"`` (the digit as written, whatever the
         instruction: the page's tokens encode content and the question side applies the instruction,
-        the *mild* regime; docs/decisions.md, "Two staleness regimes").
+        the *mild* regime; docs/decisions.md, "A deeper zoo VLM and two staleness regimes").
     hide_prompt : str — training-time attention mask (:mod:`kvbench.train.readthrough`):
         ``""`` none, ``"prefix"`` or ``"text"``: the tokens after the last page
         do not see the prompt text, so the instruction reaches the answer only
@@ -154,7 +154,7 @@ def vlm_mild_recipe() -> list[Phase]:
     token is trained to read its cell's digit as written (``cell_target="content"``) and the question side sees
     the prompt (no ``hide_prompt``), so the instruction in the serving prefix is applied where the question is
     answered and a page's K/V depend on the prefix only through ordinary attention, as in real VLMs (the mild
-    staleness regime, CONDUIT issue #15; docs/decisions.md, "Two staleness regimes")."""
+    staleness regime, CONDUIT issue #15; docs/decisions.md, "A deeper zoo VLM and two staleness regimes")."""
     mild = {"cell_target": "content", "hide_prompt": ""}
     return [replace(p, **mild) if p.kind == "tasks" else p for p in vlm_recipe()]
 

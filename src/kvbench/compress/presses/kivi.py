@@ -18,7 +18,7 @@ Every token is attended (CR 100%); KR ≈ bits/16 + 2/group plus the raw residua
 Decode attention: the torch path reads the dequantised rows (decoded once, kept in the layer's store). Where
 ``kernels.use_triton`` says so for the device (CUDA with Triton; ``KVBENCH_KERNELS``), a one-token step at 2/4/8
 bits runs :func:`kvbench.kernels.kivi_attend` instead, which dequantises the packed codes in registers
-(``KIVILayer._attend_kernel``); ``KVBENCH_KERNELS=torch`` switches back for comparison.
+(``KIVILayer.attend``); ``KVBENCH_KERNELS=torch`` switches back for comparison.
 """
 from __future__ import annotations
 

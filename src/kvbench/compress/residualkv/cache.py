@@ -528,8 +528,8 @@ class ResidualKVLayer(StoreLayer):
         return (held + len(self.pool) + len(self.codes)) / self.seen
 
     def held_tensors(self):
-        """Every storage held, each at its allocated capacity (the doubling buffers keep up to as much
-        again spare): sinks, raw window, reference pool, code store, the step's k_proj rows."""
+        """Every storage held, each at its allocated capacity (the buffers keep up to an eighth spare, or 64
+        rows): sinks, raw window, reference pool, code store, the step's k_proj rows."""
         yield from super().held_tensors()
         if self.sink is not None:
             yield from self.sink.tensors()
