@@ -30,6 +30,8 @@ def tiny_vlm(tokenizer, seed: int = 0, **text_overrides):
     cfg = build_config("tiny-qwen2.5-vl", tokenizer)
     for k, v in text_overrides.items():
         setattr(cfg.text_config, k, v)
+    if "num_hidden_layers" in text_overrides and getattr(cfg.text_config, "layer_types", None):
+        cfg.text_config.layer_types = cfg.text_config.layer_types[: text_overrides["num_hidden_layers"]]
     torch.manual_seed(seed)
     model = transformers.Qwen2_5_VLForConditionalGeneration(cfg).eval()
     return model, build_processor(tokenizer)

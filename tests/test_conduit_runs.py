@@ -17,7 +17,9 @@ from _zoo_fixtures import write_png, write_split
 from test_workflow import (
     CI_CONFIG,
     PAPER_CONFIG,
+    REPO,
     _fake_paper_root,
+    load,
     planned_jobs,
     snakemake,
     write_config,
@@ -543,7 +545,8 @@ def test_conduit_targets_dry_run(tmp_path, configfile):
     assert r.returncode == 0, r.stdout[-3000:]
     jobs = planned_jobs(r.stdout)
     assert jobs["table"] == 5 and jobs["conduit_table_alias"] == 4  # Tables 1, 2, 4, 5 and the staleness gap
-    assert jobs["conduit_fig3"] == 1 and jobs["conduit_cache"] == 2
+    n_models = 2 if configfile is None else 1   # the smoke profile: the strong and the mild regime's VLM
+    assert jobs["conduit_fig3"] == 1 and jobs["conduit_cache"] == 2 * n_models
     n_test = 300 if configfile is None else 8
     assert f"--limit {n_test}" in r.stdout and "--method conduit@0.1:lam=0.5 " in r.stdout
     assert not (tmp_path / "results").exists()
@@ -646,3 +649,44 @@ def test_a_press_in_a_conduit_row_is_refused():
     """Review finding: `snapkv:keep=0.3` as a Table 2 row passed the dry run and failed at run time."""
     with pytest.raises(ValueError, match=r"'snapkv:keep=0.3' is a compression press; CONDUIT rows take refresh"):
         ConduitPlan(_cfg(single_image_rows=[{"label": "a", "method": "snapkv:keep=0.3"}]), "syn", ["m"])
+
+
+def test_conduit_diagnose_cli_captures_from_the_read_only_cache(runs, vlm_dir, tmp_path, capsys):
+    import pandas as pd
+
+    from kvbench.models.tiny import VLM_TEXT
+
+    before = sorted(p.name for p in runs["cache"].rglob("*"))
+    out = tmp_path / "cap.csv"
+    args = ["conduit-diagnose", "--model", str(vlm_dir), "--model-name", "v", "--dataset", "toydoc",
+            "--split", str(runs["split"]), "--cache-dir", str(runs["cache"]), "--out", str(out), "--n", "2"]
+    assert main(args) == 0
+    df = pd.read_csv(out)
+    assert df["record"].unique().tolist() == ["d0", "d1"] and set(df["model"]) == {"v"}
+    assert df.groupby("record")["layer"].nunique().tolist() == [VLM_TEXT["num_hidden_layers"]] * 2
+    assert df["k"].tolist()[0] == 2 and (df["evidence_image"] == -1).all()  # the toy records name no page
+    assert sorted(p.name for p in runs["cache"].rglob("*")) == before      # read-only
+    with pytest.raises(SystemExit):                                          # bad input: argparse names it
+        main([*args[:-2], "--n", "0"])
+    assert "--n" in capsys.readouterr().err
+
+
+def test_diagnostics_targets_dry_run(tmp_path):
+    """Tables 11-13: one capture per backbone x dataset (reading that pair's image cache), three table jobs; the
+    `conduit` aggregate includes them; a section the caches cannot serve fails the DAG naming the key."""
+    r = snakemake(tmp_path, "-n", "-p", "results/conduit/table11.csv", "results/conduit/table12.csv",
+                  "results/conduit/table13.csv")
+    assert r.returncode == 0, r.stdout[-3000:]
+    jobs = planned_jobs(r.stdout)
+    assert jobs["conduit_diag_capture"] == 4 and jobs["table"] == 3 and jobs["conduit_cache"] == 4
+    assert "kvbench conduit-diagnose --model " in r.stdout and "--n 64 --m 5 --seed 0" in r.stdout
+    r = snakemake(tmp_path, "-n", "conduit")
+    assert r.returncode == 0 and planned_jobs(r.stdout)["conduit_diag_capture"] == 4
+    cfg = load(REPO / "config" / "config.yaml")
+    cfg["conduit_diagnostics"]["n_records"] = 301
+    r = snakemake(tmp_path, "-n", "conduit", "--configfile", str(write_config(tmp_path / "bad.yaml", cfg)))
+    assert r.returncode != 0 and "n_records (301) exceeds conduit.n_test (300)" in r.stdout
+    cfg["conduit_diagnostics"]["n_records"] = 8
+    cfg["conduit_diagnostics"]["datasets"] = {"niah_1k": "text"}
+    r = snakemake(tmp_path, "-n", "conduit", "--configfile", str(write_config(tmp_path / "bad.yaml", cfg)))
+    assert r.returncode != 0 and "'niah_1k' must be a vlm dataset" in r.stdout

@@ -302,10 +302,23 @@ def test_linear_layer_counts_are_the_authors(L):
             assert linear_layer_counts(L, N, k) == _authors_layer_counts(L, N, k), (L, N, r)
 
 
+@pytest.fixture(scope="module")
+def shallow(tokenizer, store_dir):
+    """A 6-layer zoo VLM (the depth of the former zoo model) and its request: (adapter, request, reuse output)."""
+    vlm = adapter_for(*tiny_vlm(tokenizer, num_hidden_layers=6))
+    rec = record([1, 2, 3])
+    req = prepare(vlm, ImageKVStore(store_dir / "shallow", vlm, rec["generic_system"]), rec)
+    return vlm, req, refresh(vlm, req, "reuse", 0.0).output
+
+
 @pytest.mark.parametrize("policy", ["cacheblend-conduit", "kvshare-conduit"])
-def test_as_run_schedule_says_when_it_is_degenerate(vlm, req, reuse, policy):
+def test_as_run_schedule_says_when_it_is_degenerate(shallow, vlm, req, policy):
     """6 layers, 18 visual tokens: at r = 0.05 the budget ⌈0.9⌉ = 1 times 6 layers is below N, so the whole budget
-    goes to layer 0 and the run equals plain reuse; the plan says so. At r = 0.4 it does not."""
+    goes to layer 0 and the run equals plain reuse; the plan says so. At r = 0.4 it does not. The 24-layer zoo
+    VLM is not degenerate at r = 0.05 (1 x 24 > 18)."""
+    assert not refresh(vlm, req, policy, 0.05).plan.info["degenerate"]
+    vlm, req, reuse = shallow
+    assert vlm.n_layers == 6
     low = refresh(vlm, req, policy, 0.05)
     assert low.output.layer_counts == [req.n_visual] + [0] * (vlm.n_layers - 1) and low.plan.info["degenerate"]
     torch.testing.assert_close(low.output.logits, reuse.logits, rtol=1e-5, atol=1e-5)

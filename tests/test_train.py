@@ -96,6 +96,12 @@ def test_state_of_another_model_is_refused(tokenizer, tmp_path):
     vlm = transformers.Qwen2_5_VLForConditionalGeneration(cfg)
     with pytest.raises(ValueError, match="does not match the model"):
         run_phases(vlm, build_processor(tokenizer), PHASES, tmp_path, seed=0)
+    # the same names at another width (a zoo entry whose d changed): named, not a RuntimeError from torch
+    narrow = _lm(tokenizer)
+    wide = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**{**narrow.config.to_dict(), "hidden_size": 64,
+                                                                       "head_dim": 16}))
+    with pytest.raises(ValueError, match="saved shape"):
+        run_phases(wide, tokenizer, PHASES, tmp_path, seed=0)
 
 
 def test_vision_probe_phase_learns_digits(tokenizer, tmp_path):
@@ -250,8 +256,9 @@ def test_mild_recipe_differs_from_the_strong_one_only_in_where_the_instruction_i
     assert [p.name for p in mild] == [p.name for p in strong]
     for s, m in zip(strong, mild):
         if s.kind == "tasks":
-            assert (s.cell_target, s.hide_prompt, m.cell_target, m.hide_prompt) == ("instruction", "text", "content", "")
-            assert replace(m, cell_target=s.cell_target, hide_prompt=s.hide_prompt) == s
+            assert (s.cell_target, s.hide_prompt, s.stale_pages) == ("instruction", "text", 0.5)
+            assert (m.cell_target, m.hide_prompt, m.stale_pages) == ("content", "", 0.0)
+            assert replace(m, cell_target=s.cell_target, hide_prompt=s.hide_prompt, stale_pages=s.stale_pages) == s
         else:
             assert m == s
     with pytest.raises(ValueError, match="cell_target must be one of"):

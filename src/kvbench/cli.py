@@ -119,6 +119,14 @@ def _cache(a: argparse.Namespace) -> None:
     print(json.dumps({k: v for k, v in index.items() if k != "stores"}, indent=2))
 
 
+def _diagnose(a: argparse.Namespace) -> None:
+    from kvbench.eval.diagnose import diagnose_split
+
+    df = diagnose_split(a.model, a.split, a.cache_dir, a.out, model_name=a.model_name, dataset=a.dataset, n=a.n,
+                        m=a.m, seed=a.seed, threads=a.threads)
+    print(json.dumps({"out": a.out, "records": int(df["record"].nunique()), "rows": len(df)}, indent=2))
+
+
 def _replay(a: argparse.Namespace) -> int:
     from kvbench.eval.refresh import replay
 
@@ -356,6 +364,20 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--limit", type=int, default=None, help="only the first N records")
     s.add_argument("--threads", type=_positive_int, default=1)
     s.set_defaults(func=_cache)
+
+    s = sub.add_parser("conduit-diagnose", help="capture CONDUIT's premise diagnostics over a split (Tables 11-13; "
+                                                "reads the image caches of `kvbench cache`)")
+    s.add_argument("--model", required=True, help="HF checkpoint directory or zoo name (a VLM)")
+    s.add_argument("--model-name", required=True, help="the config's name of the model (written into each row)")
+    s.add_argument("--dataset", required=True, help="the config's name of the dataset (written into each row)")
+    s.add_argument("--split", required=True, help="JSONL split of VLM records with generic_system")
+    s.add_argument("--cache-dir", required=True, help="image-cache root built by `kvbench cache` (read-only)")
+    s.add_argument("--out", required=True, help="capture CSV (written atomically)")
+    s.add_argument("--n", type=_positive_int, default=16, help="records captured (the first N)")
+    s.add_argument("--m", type=_positive_int, default=5, help="Monte Carlo directions per token (paper: 5)")
+    s.add_argument("--seed", type=int, default=0, help="seed of the Monte Carlo directions")
+    s.add_argument("--threads", type=_positive_int, default=1)
+    s.set_defaults(func=_diagnose)
 
     s = sub.add_parser("replay", help="re-run the recorded refresh plan of one sample and compare the prediction")
     s.add_argument("--run", required=True, help="run directory of a refresh method (predictions.jsonl with plans)")

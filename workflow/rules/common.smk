@@ -343,7 +343,8 @@ def conduit_targets():
     is empty (e.g. no `conduit.single_image` for Table 2) is left out; asked for by name, it fails naming the key."""
     tables = [t for t in TABLES.values() if t.section == "conduit"
               and (t.columns == "all" or config.get("conduit", {}).get(t.columns))]
-    return [t.path for t in tables] + ["figures/conduit/fig3.pdf"]
+    diagnostics = [t.path for t in TABLES.values() if t.section == "conduit_diagnostics" and "conduit_diagnostics" in config]
+    return [t.path for t in tables] + diagnostics + ["figures/conduit/fig3.pdf"]
 
 
 def model_resource(key, zoo_default, checkpoint_default):
@@ -535,6 +536,37 @@ def configured_tables():
     return names
 
 
+def diag_captures():
+    """Capture CSVs of Tables 11-13: one per backbone of `conduit.models` x dataset of `conduit_diagnostics.datasets`."""
+    section = config["conduit_diagnostics"]
+    return [f"results/conduit/diag/{PROFILE}/{m}/{d}.csv" for m in conduit_plan().models for d in section["datasets"]]
+
+
+def diag_capture_args():
+    """`kvbench conduit-diagnose` flags from `conduit_diagnostics` (n_records, m, seed), as one shell string."""
+    s = config["conduit_diagnostics"]
+    return f"--n {int(s['n_records'])} --m {int(s['m'])} --seed {int(s['seed'])}"
+
+
+def _check_diagnostics():
+    """Fail at DAG time on a `conduit_diagnostics` section the captures could not serve."""
+    if "conduit_diagnostics" not in config:
+        return
+    if "conduit" not in config:
+        raise ValueError("config conduit_diagnostics needs a `conduit:` section (its backbones and image caches)")
+    section = config["conduit_diagnostics"]
+    for d in section["datasets"]:
+        if d not in DATASETS or DATASETS[d]["kind"] != "vlm":
+            raise ValueError(f"config conduit_diagnostics.datasets: {d!r} must be a vlm dataset under `datasets`")
+    n_test = config["conduit"].get("n_test")
+    if n_test is not None and section["n_records"] > n_test:
+        raise ValueError(f"config conduit_diagnostics.n_records ({section['n_records']}) exceeds conduit.n_test "
+                         f"({n_test}): the image caches hold only the first {n_test} records")
+
+
+_check_diagnostics()
+
+
 def table_inputs(wc):
     """Input function of the `table` rule: what table `wc.table` reads (runs and splits, or a raw CSV)."""
     table = table_of(wc.table)
@@ -545,6 +577,8 @@ def table_inputs(wc):
         return conduit_run_inputs(table.key)(wc)
     if table.section == "residualkv":
         return rkv_run_inputs(table.key)(wc)
+    if table.section == "conduit_diagnostics":
+        return diag_captures()
     return [f"results/bench/{PROFILE}/conduit_latency.csv"]
 
 
@@ -555,6 +589,10 @@ def table_spec(wc):
         return conduit_report_spec(table.key)
     if table.section == "residualkv":
         return rkv_report_spec()
+    if table.section == "conduit_diagnostics":
+        return json.dumps({"profile": PROFILE, "conduit_diagnostics": config["conduit_diagnostics"],
+                           "captures": diag_captures(), "regimes": config["conduit"].get("regimes", {}),
+                           "zoo_models": ZOO_MODELS}, sort_keys=True)
     return json.dumps({"profile": PROFILE, "raw": f"results/bench/{PROFILE}/conduit_latency.csv"}, sort_keys=True)
 
 

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from kvbench.models.prompting import IGNORE_INDEX, encode_record
-from kvbench.train.readthrough import hidden_keys
+from kvbench.train.readthrough import hidden_keys, stale_page_block
 from kvbench.train.recipes import Phase
 
 
@@ -87,9 +87,10 @@ def _collate(encs: list[dict], pad_id: int) -> dict:
     out["labels"] = pad("labels", IGNORE_INDEX)
     if "mm_token_type_ids" in encs[0]:
         out["mm_token_type_ids"] = pad("mm_token_type_ids", 0)
-    for key in ("hide_queries", "hide_keys"):
-        if key in encs[0]:
-            out[key] = pad(key, False)
+    if "hide_block" in encs[0]:
+        out["hide_block"] = torch.stack([torch.nn.functional.pad(e["hide_block"], (0, T - e["hide_block"].shape[1],
+                                                                                    0, T - e["hide_block"].shape[0]))
+                                         for e in encs])
     if any("cell_labels" in e for e in encs):
         for e in encs:
             e.setdefault("cell_labels", torch.full_like(e["input_ids"], IGNORE_INDEX))
@@ -147,13 +148,61 @@ def cell_reading_labels(record: dict, enc: dict, proc: Any, target: str = "instr
     return out
 
 
+def decoy_tokens(record: dict, enc: dict, proc: Any) -> torch.Tensor:
+    """Bool ``[T]``: the tokens of ``enc`` (the encoding of a :func:`stale_page_record`) that carry its decoy
+    instruction, found by character offsets in the rendered prompt (a token is the decoy's when its characters
+    overlap the decoy text, so a token merged across the boundary counts as the decoy's).
+
+    Raises:
+        ValueError: the record has no decoy, or the prompt's tokens before the first image differ from the
+            processor's (a template the offsets cannot be mapped onto).
+    """
+    from kvbench.models.prompting import vlm_messages
+
+    tok = getattr(proc, "tokenizer", proc)
+    true_system, decoy = record["meta"].get("true_system"), record["meta"].get("decoy_system")
+    if not true_system or not decoy:
+        raise ValueError(f"record {record.get('id')!r} is not a stale-page record (no meta.decoy_system)")
+    text = proc.apply_chat_template(vlm_messages(record), tokenize=False, add_generation_prompt=True)
+    c0 = text.index(record["system"]) + len(true_system)
+    c1 = c0 + len(" " + decoy)
+    plain = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids = enc["input_ids"][0]
+    first = int((ids == tok.convert_tokens_to_ids(proc.image_token)).nonzero()[0])
+    if plain["input_ids"][:first] != ids[:first].tolist():
+        raise ValueError(f"record {record.get('id')!r}: the prompt's text tokens differ from the processor's; "
+                         "cannot locate the decoy instruction")
+    out = torch.zeros(len(ids), dtype=torch.bool)
+    for i, (a, b) in enumerate(plain["offset_mapping"][:first]):
+        out[i] = a < c1 and b > c0
+    return out
+
+
+def stale_page_record(rng: random.Random, record: dict) -> dict:
+    """``record`` with a decoy serving instruction appended to its system prompt (``meta.decoy_instruction``).
+
+    The decoy is another instruction than the record's (its header drawn too, as a serving prefix is); the
+    answer and the per-cell targets stay the record's own instruction's, and :func:`task_batch` hides the decoy
+    from the pages and the true instruction from the question side (:func:`kvbench.train.readthrough.stale_page_block`).
+    """
+    from kvbench.data import instructions
+
+    true = record["meta"]["instruction"]
+    name, text = instructions.sample_system(rng, rng.choice([n for n in sorted(instructions.INSTRUCTIONS)
+                                                               if n != true]))
+    meta = dict(record["meta"], decoy_instruction=name, true_system=record["system"], decoy_system=text)
+    return dict(record, system=record["system"] + " " + text, meta=meta)
+
+
 def task_batch(rng: random.Random, phase: Phase, proc: Any) -> dict:
     """A batch of smoke-task records drawn from the train pools by mixture weight.
 
     A mixture entry with ``full_loss: True`` (code) trains on every token
     (language modelling); the others only on answer tokens. With
     ``phase.cell_reading`` the batch also holds ``cell_labels`` (int64
-    ``[B, T]``, see :func:`cell_reading_labels`).
+    ``[B, T]``, see :func:`cell_reading_labels`); with ``phase.hide_prompt``
+    ``hide_block`` (bool ``[B, T, T]``, :func:`kvbench.train.readthrough.hide_prompt`), where a share
+    ``phase.stale_pages`` of the VLM records are stale-page records (:func:`stale_page_record`).
     """
     from kvbench.data import smoke
 
@@ -167,14 +216,23 @@ def task_batch(rng: random.Random, phase: Phase, proc: Any) -> dict:
         p = dict(params[fam])
         full_loss = p.pop("full_loss", False)
         record = smoke.sample(fam, rng, "train", tokenizer=tok, **p)
+        # drawn only when the phase has stale pages, so other recipes' batches are unchanged
+        stale = (phase.stale_pages > 0 and record.get("kind") == "vlm" and rng.random() < phase.stale_pages)
+        if stale:
+            record = stale_page_record(rng, record)
         enc = encode_record(record, proc, with_answer=True)
         if full_loss:
             enc["labels"] = enc["input_ids"].clone()
         if phase.cell_reading and record.get("kind") == "vlm":
             enc["cell_labels"] = cell_reading_labels(record, enc, proc, phase.cell_target)
         if phase.hide_prompt:
-            q, k = hidden_keys(enc["input_ids"][0], tok.convert_tokens_to_ids(proc.image_token), phase.hide_prompt)
-            enc["hide_queries"], enc["hide_keys"] = q[None], k[None]
+            img = tok.convert_tokens_to_ids(proc.image_token)
+            ids = enc["input_ids"][0]
+            if stale:
+                enc["hide_block"] = stale_page_block(ids, img, phase.hide_prompt, decoy_tokens(record, enc, proc))
+            else:
+                q, k = hidden_keys(ids, img, phase.hide_prompt)
+                enc["hide_block"] = q[:, None] & k[None, :]
         encs.append(enc)
     return _collate(encs, tok.pad_token_id)
 

@@ -122,12 +122,12 @@ def task_loss(model: Any, batch: dict, labels: torch.Tensor, phase: Phase,
     if phase.cell_reading and cell_labels is None:
         raise ValueError(f"phase {phase.name!r}: cell_reading needs cell_labels in the batch "
                          "(VLM grid records only)")
-    hide = batch.pop("hide_queries", None), batch.pop("hide_keys", None)
+    hide = batch.pop("hide_block", None)
     with contextlib.ExitStack() as stack:
         if phase.head_supervision:
             stack.enter_context(supervise_heads(model))
-        if hide[0] is not None:
-            stack.enter_context(hide_prompt(model, *hide, batch.get("attention_mask")))
+        if hide is not None:
+            stack.enter_context(hide_prompt(model, hide, batch.get("attention_mask")))
         hidden = model.model(**batch).last_hidden_state
         loss, acc = head_loss(model, hidden, _shifted(labels), output_ids)
         if phase.head_supervision:

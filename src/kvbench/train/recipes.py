@@ -66,6 +66,9 @@ class Phase:
         ``""`` none, ``"prefix"`` or ``"text"``: the tokens after the last page
         do not see the prompt text, so the instruction reaches the answer only
         through the pages. VLMs only.
+    stale_pages : float — share (0..1) of the VLM records trained as stale-page records
+        (:func:`kvbench.train.batches.stale_page_record`): a decoy instruction the question side sees
+        but must not follow, hidden from the pages. Needs ``hide_prompt``; 0 turns it off.
     mixture : tuple — ``(family, weight, params)`` triples for ``tasks`` phases;
         ``params`` go to :func:`kvbench.data.smoke.sample`.
     """
@@ -85,6 +88,7 @@ class Phase:
     cell_reading: float = 0.0
     cell_target: str = "instruction"
     hide_prompt: str = ""
+    stale_pages: float = 0.0
     mixture: tuple = field(default_factory=tuple)
 
 
@@ -132,14 +136,19 @@ def lm_recipe() -> list[Phase]:
 
 
 def vlm_recipe() -> list[Phase]:
-    """Phases of ``tiny-qwen2.5-vl`` (1,950 steps, about 15 minutes on 2 cores)."""
+    """Phases of ``tiny-qwen2.5-vl`` (1,950 steps), the *strong* staleness regime: the prompt text is hidden from
+    the question side and half the records carry a decoy instruction, so the instruction reaches the answer
+    through the pages."""
     # Cell lookup is learned on one image first (digitgrid), then across pages, with the
     # probe-trained vision tower frozen as a stand-in for a pretrained one. The per-cell reading
     # term and the hidden prompt make the instruction reach the answer through the pages, so a
     # page cached under another prefix is stale (docs/decisions.md, "Per-cell reading loss").
     grid = (("digitgrid", 1.0, {"n_queries": 8}),)
     mix = (("docpages", 1.0, {"n_queries": 8}), ("digitgrid", 0.3, {"n_queries": 8}))
-    read = {"freeze_vision": True, "cell_reading": 1.0, "hide_prompt": "text"}
+    # Half the records are stale-page records (a decoy instruction the question side sees and must not
+    # follow): without them a 24-layer model read the serving instruction from the prompt text at evaluation
+    # and reuse scored as full prefill (docs/decisions.md, "A deeper zoo VLM and two staleness regimes").
+    read = {"freeze_vision": True, "cell_reading": 1.0, "hide_prompt": "text", "stale_pages": 0.5}
     return [
         Phase("vision_probe", "vision_probe", steps=150, lr=3e-3, warmup=10, batch=16),
         # The one-page lookup broke through about 600 steps into this phase (with the reading
@@ -155,7 +164,7 @@ def vlm_mild_recipe() -> list[Phase]:
     the prompt (no ``hide_prompt``), so the instruction in the serving prefix is applied where the question is
     answered and a page's K/V depend on the prefix only through ordinary attention, as in real VLMs (the mild
     staleness regime, CONDUIT issue #15; docs/decisions.md, "A deeper zoo VLM and two staleness regimes")."""
-    mild = {"cell_target": "content", "hide_prompt": ""}
+    mild = {"cell_target": "content", "hide_prompt": "", "stale_pages": 0.0}
     return [replace(p, **mild) if p.kind == "tasks" else p for p in vlm_recipe()]
 
 
@@ -186,7 +195,17 @@ def zoo_recipe(name: str, kind: str, overrides: dict, *, seed: int, threads: int
     phases = apply_overrides(RECIPES[spec.recipe_name](), overrides)
     arch = {"architecture": spec.architecture, "text": spec.text, "vision": spec.vision, "recipe": spec.recipe_name}
     return {"model": name, "kind": kind, "seed": seed, "threads": threads, "tokenizer": tokenizer,
-            "arch": json.loads(json.dumps(arch)), "phases": json.loads(json.dumps([asdict(p) for p in phases]))}
+            "arch": json.loads(json.dumps(arch)), "phases": json.loads(json.dumps([_hashed(p) for p in phases]))}
+
+
+#: Phase fields added after zoo models were trained, with the value those models had: left out of the recipe
+#: while they hold it, so that adding a field does not rename (and retrain) every trained model.
+LATER_FIELDS = {"stale_pages": 0.0}
+
+
+def _hashed(phase: Phase) -> dict:
+    """The phase's fields as they enter the recipe hash (:data:`LATER_FIELDS` at their old value left out)."""
+    return {k: v for k, v in asdict(phase).items() if not (k in LATER_FIELDS and v == LATER_FIELDS[k])}
 
 
 def apply_overrides(phases: list[Phase], overrides: dict) -> list[Phase]:
@@ -217,6 +236,10 @@ def apply_overrides(phases: list[Phase], overrides: dict) -> list[Phase]:
         if unknown:
             raise ValueError(f"phase {p.name!r}: unknown field(s) {sorted(unknown)}")
         p = replace(p, **fields)
+        if not (isinstance(p.stale_pages, (int, float)) and 0 <= p.stale_pages <= 1):
+            raise ValueError(f"phase {p.name!r}: stale_pages must be a share in [0, 1], got {p.stale_pages!r}")
+        if p.stale_pages and not p.hide_prompt:
+            raise ValueError(f"phase {p.name!r}: stale_pages needs hide_prompt ('prefix' or 'text')")
         if p.cell_target not in CELL_TARGETS:
             raise ValueError(f"phase {p.name!r}: cell_target must be one of {CELL_TARGETS}, got {p.cell_target!r}")
         scale = overrides.get("steps_scale", 1.0)

@@ -15,6 +15,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, load_model, save_file, save_model
 
 
@@ -61,7 +62,17 @@ def load_state(state_dir: str | Path, modules: dict[str, torch.nn.Module], optim
             return None
         state_dir = old
     for name, module in modules.items():
-        missing, unexpected = load_model(module, str(state_dir / f"{name}.safetensors"), strict=False)
+        path = str(state_dir / f"{name}.safetensors")
+        # Shapes first: a tensor of another shape makes load_model raise a RuntimeError deep in torch instead
+        # of naming the state directory (a state of a same-named model of another width).
+        own = {k: tuple(v.shape) for k, v in module.state_dict().items()}
+        with safe_open(path, framework="pt") as f:
+            for key in f.keys():
+                saved = tuple(f.get_slice(key).get_shape())
+                if key in own and own[key] != saved:
+                    raise ValueError(f"{state_dir}: saved state of {name!r} does not match the model ({key}: saved "
+                                     f"shape {list(saved)}, model {list(own[key])})")
+        missing, unexpected = load_model(module, path, strict=False)
         if missing or unexpected:
             raise ValueError(f"{state_dir}: saved state of {name!r} does not match the model "
                              f"(missing {sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]})")
