@@ -623,14 +623,18 @@ def test_conduit_targets_real_run(tmp_path, vlm_dir):
                                                      {"label": "CONDUIT", "method": "conduit"},
                                                      {"label": "Full prefill", "method": "full"}],
                        "lambda": {"values": [1]}, "ablation": [{"label": "Composite", "method": "conduit@0.1"}],
-                       "curve": {"methods": ["CONDUIT"], "r": [0.1]}, "gap": {"resamples": 200}}}
+                       "curve": {"methods": ["CONDUIT"], "r": [0.1]}, "gap": {"resamples": 200}},
+           "conduit_diagnostics": {"n_records": 3, "layers": [1, 2], "budgets": [0.1],
+                                   "datasets": {"docpages": "page", "digitgrid": "grid"}}}
     r = snakemake(tmp_path, "conduit", "--cores", "2", "--configfile", str(write_config(tmp_path / "t.yaml", cfg)),
                   timeout=3600)
     assert r.returncode == 0, r.stdout[-5000:]
-    for name in ("table1", "table2", "table4", "table5", "staleness_gap"):
+    for name in ("table1", "table2", "table4", "table5", "staleness_gap", "table11", "table12", "table13", "table14",
+                 "table15"):
         header, df = _read(tmp_path / "results" / "conduit" / f"{name}.csv")
         assert header[0].startswith("# CONDUIT") and len(df) >= 1
-    assert (tmp_path / "figures" / "conduit" / "fig3.pdf").read_bytes().startswith(b"%PDF")
+    for n in (3, 4):
+        assert (tmp_path / "figures" / "conduit" / f"fig{n}.pdf").read_bytes().startswith(b"%PDF")
     run = tmp_path / "results" / "runs" / "tiny" / "rand-vl" / "docpages" / "conduit" / "conduit_r0.1"
     rid = read_jsonl(run / "predictions.jsonl")[0]["id"]
     assert main(["replay", "--run", str(run), "--id", rid]) == 0

@@ -138,7 +138,7 @@ def _replay(a: argparse.Namespace) -> int:
 def _report(a: argparse.Namespace) -> None:
     from kvbench.report import zoo
 
-    figures = {"zoo-figure", "conduit-fig3", *(f"residualkv-fig{n}" for n in (5, 6, 8, 10, 11, 12))}
+    figures = {"zoo-figure", "conduit-fig3", "conduit-fig4", *(f"residualkv-fig{n}" for n in (5, 6, 8, 10, 11, 12))}
     if a.what in figures and not str(a.out).endswith(".pdf"):
         raise ValueError(f"--out of {a.what} must end in .pdf, got {a.out!r}")
     if "/" in a.what:  # a table target, e.g. conduit/table1 (kvbench.report.tables)
@@ -173,7 +173,7 @@ def _report(a: argparse.Namespace) -> None:
         zoo.write_zoo_table(a.runs, a.train, a.out, timing_csv=a.timing_out)
     elif a.what == "zoo-figure":
         zoo.plot_training_curves(a.train, a.out)
-    elif a.what == "conduit-fig3":
+    elif a.what in ("conduit-fig3", "conduit-fig4"):
         from kvbench.report import conduit
 
         if not a.conduit:
@@ -183,7 +183,7 @@ def _report(a: argparse.Namespace) -> None:
         spec = _json_object(a.conduit, "--conduit")
         if a.allow_missing:
             spec["allow_missing"] = True
-        conduit.report_fig3(spec, a.out, a.data_out)
+        (conduit.report_fig3 if a.what == "conduit-fig3" else conduit.report_fig4)(spec, a.out, a.data_out)
     else:
         raise ValueError(f"unknown report {a.what!r}; expected a table (conduit/table1, residualkv/tableIII, ...: "
                          f"kvbench.report.tables), zoo, or a figure {sorted(figures)}")
@@ -389,13 +389,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("what", help="a table target (conduit/table1, conduit/table2, conduit/table3, "
                    "conduit/table4, conduit/table5, conduit/staleness_gap, residualkv/tableIII, residualkv/tableVI, "
                    "residualkv/tableVII, residualkv/tableVIII: see kvbench.report.tables), zoo, zoo-figure, "
-                   "conduit-fig3, or residualkv-fig{5,6,8,10,11,12}")
+                   "conduit-fig3, conduit-fig4, or residualkv-fig{5,6,8,10,11,12}")
     s.add_argument("--runs", nargs="*", default=[], help="run directories (eval outputs)")
     s.add_argument("--train", nargs="*", default=[], help="training work directories (curves, summary)")
     s.add_argument("--spec", default="", help="tables: the workflow's JSON (profile and the paper's config section)")
     s.add_argument("--conduit", default="",
-                   help="conduit-fig3: JSON {profile, conduit: config section, splits, zoo_models}")
-    s.add_argument("--data-out", default=None, help="conduit-fig3, residualkv-fig{5,10,11,12}: CSV of the plotted numbers")
+                   help="conduit-fig3, conduit-fig4: JSON {profile, conduit: config section, splits, zoo_models}")
+    s.add_argument("--data-out", default=None, help="conduit-fig3, conduit-fig4, residualkv-fig{5,10,11,12}: CSV of the plotted numbers")
     s.add_argument("--residualkv", default="", help="residualkv-*: JSON {profile, residualkv: config section}")
     s.add_argument("--raw", default=None, help="residualkv-fig8 / -fig6: the profiling CSV to plot; "
                    "residualkv-fig11: the `bench rkv-variants` CSV (throughput panel)")

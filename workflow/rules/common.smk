@@ -243,7 +243,7 @@ def residualkv_table_numerals():
     from kvbench.report.residualkv import TABLES
 
     return [t.key.removeprefix("table") for t in TABLES.values()]
-CONDUIT_FIGURES = ["3"]
+CONDUIT_FIGURES = ["3", "4"]
 
 
 def ambiguous_figure(wc):
@@ -321,7 +321,7 @@ def conduit_run_inputs(target):
     """
     def inputs(wc):
         plan = conduit_plan()
-        group = "multi_image" if target == "fig3" else table_of(f"conduit/{target}").columns
+        group = "multi_image" if target in ("fig3", "fig4") else table_of(f"conduit/{target}").columns
         if group != "all" and not config["conduit"].get(group):
             raise ValueError(f"config conduit.{group} is empty, so CONDUIT {target} has no column to average; "
                              f"name at least one dataset there (config/config.yaml shows how)")
@@ -344,7 +344,7 @@ def conduit_targets():
     tables = [t for t in TABLES.values() if t.section == "conduit"
               and (t.columns == "all" or config.get("conduit", {}).get(t.columns))]
     diagnostics = [t.path for t in TABLES.values() if t.section == "conduit_diagnostics" and "conduit_diagnostics" in config]
-    return [t.path for t in tables] + diagnostics + ["figures/conduit/fig3.pdf"]
+    return [t.path for t in tables] + diagnostics + ["figures/conduit/fig3.pdf", "figures/conduit/fig4.pdf"]
 
 
 def model_resource(key, zoo_default, checkpoint_default):
@@ -622,6 +622,7 @@ def report_items():
     items += [[table_of(t).path] for t in configured_tables() if table_of(t).section != "conduit"]
     if CONDUIT:
         items.append(["figures/conduit/fig3.pdf", "results/conduit/fig3.csv"])
+        items.append(["figures/conduit/fig4.pdf", "results/conduit/fig4.csv"])
     if RKV:
         items += [["results/residualkv/fig11_throughput.csv"]]
         for n in RESIDUALKV_ONLY_FIGURES:

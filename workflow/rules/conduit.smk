@@ -7,6 +7,7 @@
 #   -> results/runs/<profile>/<model>/<dataset>/conduit/<slug>/ (predictions with plans); the tables
 #   (results/conduit/table{1,2,4,5}.csv, staleness_gap.csv) are `table` jobs (tables.smk).
 #   conduit_fig3   figures/conduit/fig3.pdf (+ results/conduit/fig3.csv, the plotted numbers).
+#   conduit_fig4   figures/conduit/fig4.pdf (+ results/conduit/fig4.csv): the case study of Table 15.
 # Which runs a target reads is decided by kvbench.report.conduit.ConduitPlan, for the rules and the
 # report alike (helpers: common.smk, "CONDUIT accuracy targets"). A config without a `conduit:`
 # section has no CONDUIT targets (asking for one fails naming the missing section).
@@ -69,11 +70,45 @@ rule conduit_fig3:
         "kvbench report conduit-fig3 --conduit {params.spec:q} --out {output.pdf:q} --data-out {output.csv:q} > {log:q} 2>&1"
 
 
+rule conduit_fig4:
+    input:
+        conduit_run_inputs("fig4"),
+    output:
+        pdf=report(
+            "figures/conduit/fig4.pdf",
+            caption="../report/conduit_fig4.rst",
+            category="CONDUIT",
+            subcategory="Figures",
+        ),
+        csv=report(
+            "results/conduit/fig4.csv",
+            caption="../report/conduit_fig4_data.rst",
+            category="CONDUIT",
+            subcategory="Figure data",
+        ),
+    params:
+        spec=lambda wc: conduit_report_spec("fig4"),
+    log:
+        "logs/conduit/fig4.log",
+    benchmark:
+        "benchmarks/conduit/fig4.tsv"
+    threads: 1
+    resources:
+        mem_mb=2000,
+        runtime=10,
+        gpu=0,
+    conda:
+        "../../envs/kvbench.yaml"
+    shell:
+        "kvbench report conduit-fig4 --conduit {params.spec:q} --out {output.pdf:q} --data-out {output.csv:q} > {log:q} 2>&1"
+
+
 localrules:
     conduit,
 
 
 rule conduit:
-    """Every CONDUIT accuracy target of the config (Tables 1, 2, 4, 5, the staleness gap, Figure 3)."""
+    """Every CONDUIT accuracy target of the config (Tables 1, 2, 4, 5, 14, 15, the staleness gap, Figures 3 and 4; with a
+    `conduit_diagnostics:` section also Tables 11-13)."""
     input:
         lambda wc: conduit_plan() and conduit_targets(),

@@ -29,14 +29,15 @@ import numpy as np
 import pandas as pd
 
 from kvbench.eval.registry import canonical, parse_method_spec, run_slugs, slug, with_budget
+from kvbench.report import conduit_evidence as evidence
 from kvbench.report.plan import Run, Table, load_spec
 from kvbench.utils.io import atomic_path, read_jsonl
 
 
 
 def targets() -> list[str]:
-    """Every target a ConduitPlan reads runs for: its tables (:data:`TABLES`, by key) and Figure 3."""
-    return [t.key for t in TABLES.values()] + ["fig3"]
+    """Every target a ConduitPlan reads runs for: its tables (:data:`TABLES`, by key) and Figures 3 and 4."""
+    return [t.key for t in TABLES.values()] + ["fig3", "fig4"]
 
 
 @dataclass(frozen=True)
@@ -132,11 +133,13 @@ class ConduitPlan:
         """
         if target == "fig3":
             return self.fig3_rows()
+        if target == "fig4":
+            return _case_rows(self)
         return table_of(target).rows(self)
 
     def columns(self, target: str) -> list[Column]:
         """The columns a target averages over (its table's column group; Figure 3: the multi-image ones)."""
-        group = "multi_image" if target == "fig3" else table_of(target).columns
+        group = "multi_image" if target in ("fig3", "fig4") else table_of(target).columns
         return {"multi_image": self.multi, "single_image": self.single, "all": self.multi + self.single}[group]
 
     # --- runs --------------------------------------------------------------------------------
@@ -698,6 +701,51 @@ def _gap(key: str, spec: str | dict, out: str | Path, root: str | Path = ".") ->
     return write_staleness_gap(plan, runs, out)
 
 
+def _table14_rows(plan: ConduitPlan) -> list[Row]:
+    names = {"conduit": "CONDUIT", "raw": "raw-attention top-k (ProphetKV)", "attention": "attention gap source",
+             "recover": "CONDUIT at the recovery budget"}
+    specs = evidence.evidence_specs(plan, plan.cfg.get("evidence", {}))
+    return [Row(names[k], s, parse_method_spec(s).r) for k, s in specs.items() if k != "full"]
+
+
+def _case_rows(plan: ConduitPlan) -> list[Row]:
+    return [Row(label, spec, parse_method_spec(spec).r) for label, spec in evidence.case_rows(plan)]
+
+
+def _evidence_table(key: str, spec: str | dict, out: str | Path, root: str | Path = ".") -> pd.DataFrame:
+    """Tables 14 and 15 (:mod:`kvbench.report.conduit_evidence`) with the profile header."""
+    plan, runs = plan_and_runs(spec, root)
+    if key == "table14":
+        cfg = {**evidence.EVIDENCE_DEFAULTS, **plan.cfg.get("evidence", {})}
+        df = evidence.table14(plan, runs, cfg)
+        notes = [f"# allocation: records of {[c.name for c in evidence.evidence_columns(plan, cfg)]} in quartiles of the "
+                 "attention gap (evidence page minus the strongest distractor, image coefficients of "
+                 f"conduit@{cfg['r']}:use_v_norm=false); scores minus full prefill in points; evidence share = the "
+                 "share of refreshed token-layers on the answer-bearing page (meta.page).",
+                 f"# audit: records where CONDUIT@{cfg['r']} and full prefill answer differently; classes in order: low "
+                 f"page coverage (<= {cfg['coverage']:.0%} of the evidence page's tokens refreshed), near-tied "
+                 f"(CONDUIT's evidence and best distractor page scores within {cfg['tie']:.0%}), other; recovered = "
+                 f"the CONDUIT@{cfg['recover_r']} answer equals full prefill's."]
+    else:
+        df = evidence.table15(plan, runs)
+        notes = ["# the case record is the first record of its column in split order that the runs evaluated "
+                 "(chosen before any answer is read); figures/conduit/fig4.pdf draws where each method refreshed."]
+    _write_csv(df, [plan.header(table_of(key).title), *notes], out)
+    return df
+
+
+def report_fig4(spec: str | dict, out: str | Path, out_csv: str | Path, root: str | Path = ".") -> pd.DataFrame:
+    """Entry point of ``kvbench report conduit-fig4``: the case study's refreshed tokens, page by page
+    (:func:`kvbench.report.conduit_evidence.draw_fig4`); the plotted numbers go to ``out_csv``."""
+    plan, runs = plan_and_runs(spec, root)
+    col, rid = evidence.case_record(plan, runs, plan.cfg.get("case_study", {}))
+    df = evidence.fig4_data(plan, runs)
+    # image paths are relative to the split's directory, which Runs reads as given
+    evidence.draw_fig4(df, runs.records(col.dataset)[rid], Path(runs.splits[col.dataset]).parent, out)
+    _write_csv(df, [plan.header("Figure 4 data (case study: refreshed visual tokens per page)")], out_csv)
+    return df
+
+
 def _table1_rows(plan: ConduitPlan) -> list[Row]:
     return [Row(m["label"], with_budget(m["method"], r), r) for r in plan.cfg["budgets"] for m in plan.cfg["methods"]]
 
@@ -752,6 +800,20 @@ TABLES: dict[str, Table] = {t.name: t for t in (
           _score_table, rows=lambda plan: [_row(m) for m in plan.cfg["ablation"]], columns="multi_image",
           contrasts=table5_contrasts,
           contrast_text="a = the composite (the row that is plain conduit@r), b = each other ablation row"),
+    Table("conduit/table14", "CONDUIT", "conduit",
+          "Table 14 (evidence allocation by attention-gap quartile; failure audit)",
+          "**CONDUIT Table 14** (paper App. D.4): records in quartiles of the attention gap between the "
+          "answer-bearing page and the strongest distractor; per quartile CONDUIT's and raw-attention top-k's "
+          "(ProphetKV) score minus full prefill and share of the refresh budget on the evidence page; then a failure "
+          "audit of the records where CONDUIT and full prefill answer differently (low page coverage / near-tied / "
+          f"other) and how many recover at r = 0.2. Computed from the runs' audit records. {_NOT_THE_PAPER}",
+          _evidence_table, rows=_table14_rows, columns="multi_image"),
+    Table("conduit/table15", "CONDUIT", "conduit",
+          "Table 15 (case study: one multi-page record, every method at the case budget)",
+          "**CONDUIT Table 15** (paper App. D.4, with Figure 4): one multi-page record (the first of its column in "
+          "split order), every method's answer at r = 0.10 against full prefill, and the share of each method's "
+          f"refresh spent on the answer-bearing page. {_NOT_THE_PAPER}",
+          _evidence_table, rows=_case_rows, columns="multi_image"),
     Table("conduit/staleness_gap", "CONDUIT", "conduit",
           "staleness gap: cache reuse (stale per-image KV, r = 0) minus full prefill",
           "**CONDUIT staleness gap** (the premise of paper §1 and the cache-reuse protocol of §4.1; not a table of "
