@@ -219,45 +219,51 @@ def case_rows(plan: Any) -> list[tuple[str, str]]:
     return out + [("Full prefill", plan.reference)]
 
 
-def table15(plan: Any, runs: Any) -> pd.DataFrame:
-    """Table 15: the case record's answer under every method at the case budget, per backbone, with where each
-    method spent its refresh (share and coverage of the evidence page; per-page mean refreshed tokens per layer)."""
+def _case_rows_of(plan: Any, runs: Any):
+    """Yield ``(backbone, label, spec, record, prediction row)`` of the case record under every case method.
+
+    Raises:
+        ValueError: a run without the case record.
+    """
     col, rid = case_record(plan, runs, plan.cfg.get("case_study", {}))
     rec = runs.records(col.dataset)[rid]
-    ev = evidence_image(rec)
-    out = []
     for model in plan.models:
         for label, spec in case_rows(plan):
             row = _row(runs, plan, model, col.dataset, spec).get(rid)
             if row is None:
                 raise ValueError(f"run {plan.run_dir(model, col.dataset, spec)} has no record {rid!r}")
-            p = row.get("plan") or {}
-            share, cov = allocation(p, ev) if p and not p.get("full_prefill") else (math.nan, math.nan)
-            out.append({"backbone": model, "regime": plan.regime(model), "record": rid, "K": rec["meta"].get("K"),
-                        "evidence page": ev + 1, "question": rec.get("question"), "gold": rec.get("answer"),
-                        "method": label, "spec": spec, "answer": row.get("prediction"),
-                        "correct": float(row.get("score") or 0.0) == 1.0,
-                        "evidence share %": round(100 * share, 1) if not math.isnan(share) else math.nan,
-                        "evidence coverage %": round(100 * cov, 1) if not math.isnan(cov) else math.nan,
-                        "refreshed per page": "" if not p else str(p.get("per_image_refreshed"))})
+            yield model, label, spec, rec, row
+
+
+def table15(plan: Any, runs: Any) -> pd.DataFrame:
+    """Table 15: the case record's answer under every method at the case budget, per backbone, with where each
+    method spent its refresh (share and coverage of the evidence page; per-page mean refreshed tokens per layer)."""
+    out = []
+    for model, label, spec, rec, row in _case_rows_of(plan, runs):
+        ev = evidence_image(rec)
+        p = row.get("plan") or {}
+        share, cov = allocation(p, ev) if p and not p.get("full_prefill") else (math.nan, math.nan)
+        out.append({"backbone": model, "regime": plan.regime(model), "record": rec["id"], "K": rec["meta"].get("K"),
+                    "evidence page": ev + 1, "question": rec.get("question"), "gold": rec.get("answer"),
+                    "method": label, "spec": spec, "answer": row.get("prediction"),
+                    "correct": float(row.get("score") or 0.0) == 1.0,
+                    "evidence share %": round(100 * share, 1) if not math.isnan(share) else math.nan,
+                    "evidence coverage %": round(100 * cov, 1) if not math.isnan(cov) else math.nan,
+                    "refreshed per page": "" if not p else str(p.get("per_image_refreshed"))})
     return pd.DataFrame(out)
 
 
 def fig4_data(plan: Any, runs: Any) -> pd.DataFrame:
     """Per backbone, method and visual token of the case record: page, token, refresh depth and layers."""
-    col, rid = case_record(plan, runs, plan.cfg.get("case_study", {}))
-    rec = runs.records(col.dataset)[rid]
-    ev = evidence_image(rec)
     out = []
-    for model in plan.models:
-        for label, spec in case_rows(plan):
-            p = _row(runs, plan, model, col.dataset, spec)[rid].get("plan")
-            if not p:  # full prefill: every token at every layer, no audit record
-                continue
-            for page, toks in enumerate(page_tokens(p)):
-                for j, t in enumerate(toks):
-                    out.append({"backbone": model, "record": rid, "method": label, "page": page + 1, "token": j,
-                                "depth": p["depth"][t], "n_layers": p["n_layers"], "evidence": page == ev})
+    for model, label, spec, rec, row in _case_rows_of(plan, runs):
+        p, ev = row.get("plan"), evidence_image(rec)
+        if not p:  # full prefill: every token at every layer, no audit record
+            continue
+        for page, toks in enumerate(page_tokens(p)):
+            for j, t in enumerate(toks):
+                out.append({"backbone": model, "record": rec["id"], "method": label, "page": page + 1, "token": j,
+                            "depth": p["depth"][t], "n_layers": p["n_layers"], "evidence": page == ev})
     return pd.DataFrame(out)
 
 
