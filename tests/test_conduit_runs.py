@@ -573,7 +573,7 @@ def test_confirm_profile_dry_run(tmp_path):
     r = snakemake(tmp_path, "-n", "-p", "conduit", "--configfile", str(CONFIRM_CONFIG))
     assert r.returncode == 0, r.stdout[-3000:]
     jobs = planned_jobs(r.stdout)
-    assert jobs["train"] == 3 and jobs["conduit_cache"] == 6 and jobs["table"] == 5
+    assert jobs["train"] == 3 and jobs["conduit_cache"] == 6 and jobs["table"] == 7  # + Tables 14, 15
     assert jobs["eval"] == 3 * 48  # per backbone: 48 refresh runs, as on the default profile
     dirs = set(re.findall(r"--out (zoo/confirm/tiny-qwen2\.5-vl-s(\d)-([0-9a-f]{8}))", r.stdout))
     assert {(d[1]) for d in dirs} == {"0", "1", "2"} and len({d[2] for d in dirs}) == 3  # three recipe hashes

@@ -26,6 +26,7 @@ SUBCATEGORIES = {"Tables", "Figures", "Figure data"}
 NOT_REPORTED = {
     "results/runs/*": "per-run metrics and predictions",
     "results/bench/*": "raw per-repeat timings, summarised by CONDUIT Table 3",
+    "results/conduit/diag/*": "per-token diagnostic captures, summarised by CONDUIT Tables 11-13",
     "results/*/zoo.timing.csv": "training wall-clock beside the zoo table (differs between runs by design)",
 }
 SHORT_NAMES = "targets.smk"  # results/table<N>.csv, figures/fig<N>.pdf: copies of the canonical targets

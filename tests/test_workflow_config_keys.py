@@ -50,6 +50,7 @@ NOT_DEFAULTED = {
     "conduit.multi_image.*.k": ("smoke", ["conduit"], None),
     "conduit.single_image.*.k": ("smoke", ["conduit"], None),
     "conduit_latency": ("smoke", ["results/conduit/table3.csv"], "no `conduit_latency:` section"),
+    "conduit_diagnostics": ("smoke", ["results/conduit/table11.csv"], "no `conduit_diagnostics:` section"),
     "residualkv": ("smoke", ["residualkv"], "no `residualkv:` section"),
     "residualkv.variants": ("smoke", ["residualkv"], "residualkv.variants does not configure"),
     **{f"residualkv.variants.*.{k}": ("smoke", ["residualkv"], None)
@@ -89,6 +90,7 @@ def _get_all(cfg, path: str) -> list:
 
 #: Targets that read a top-level section's keys.
 SECTION_TARGETS = {"conduit": ["conduit"], "conduit_latency": ["results/conduit/table3.csv"],
+                   "conduit_diagnostics": ["conduit"],
                    "residualkv": ["residualkv"]}
 
 

@@ -49,8 +49,9 @@ def _hostile_config(tmp_path: Path) -> tuple[dict, Path]:
                             "text-jsonl": {"kind": "text", "jsonl": TEXT_JSONL}})
     cfg["eval"]["matrix"] = {"tiny-qwen2-lm": ["niah_1k"], "tiny-qwen2.5-vl": ["docpages"],
                              "ckpt-lm": ["text-jsonl"], "ckpt-vlm": ["doc-jsonl"]}
-    cfg["conduit"].update(models=["ckpt-vlm"], multi_image={"K8": {"dataset": "doc-jsonl"}},
+    cfg["conduit"].update(models=["ckpt-vlm"], regimes={}, multi_image={"K8": {"dataset": "doc-jsonl"}},
                           single_image={"K1": {"dataset": "doc-jsonl"}})
+    cfg["conduit_diagnostics"]["datasets"] = {"doc-jsonl": "page"}
     cfg["conduit_latency"]["model"] = "ckpt-vlm"
     cfg["residualkv"].update(model="ckpt-lm", tasks=["text-jsonl"])
     cfg["residualkv"]["fig8"].update(model=str(root / LM_CKPT), codec_dir=str(root / "codec dir;touch pwned"))

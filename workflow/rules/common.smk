@@ -550,13 +550,18 @@ def diag_capture_args():
 
 def _check_diagnostics():
     """Fail at DAG time on a `conduit_diagnostics` section the captures could not serve."""
+    from kvbench.data.smoke import TASKS
+
     if "conduit_diagnostics" not in config:
         return
     if "conduit" not in config:
-        raise ValueError("config conduit_diagnostics needs a `conduit:` section (its backbones and image caches)")
+        raise ValueError("this config has no `conduit:` section, which conduit_diagnostics needs (its backbones and "
+                         "image caches); add one or drop conduit_diagnostics")
     section = config["conduit_diagnostics"]
     for d in section["datasets"]:
-        if d not in DATASETS or DATASETS[d]["kind"] != "vlm":
+        # the kind is optional: a smoke dataset's generator knows it, a JSONL's records are checked when captured
+        kind = DATASETS.get(d, {}).get("kind") or (TASKS[d].kind if d in TASKS else None)
+        if d not in DATASETS or kind not in (None, "vlm"):
             raise ValueError(f"config conduit_diagnostics.datasets: {d!r} must be a vlm dataset under `datasets`")
     n_test = config["conduit"].get("n_test")
     if n_test is not None and section["n_records"] > n_test:

@@ -802,7 +802,7 @@ TABLES: dict[str, Table] = {t.name: t for t in (
           contrast_text="a = the composite (the row that is plain conduit@r), b = each other ablation row"),
     Table("conduit/table14", "CONDUIT", "conduit",
           "Table 14 (evidence allocation by attention-gap quartile; failure audit)",
-          "**CONDUIT Table 14** (paper App. D.4): records in quartiles of the attention gap between the "
+          "**CONDUIT Table 14** (paper §D.4): records in quartiles of the attention gap between the "
           "answer-bearing page and the strongest distractor; per quartile CONDUIT's and raw-attention top-k's "
           "(ProphetKV) score minus full prefill and share of the refresh budget on the evidence page; then a failure "
           "audit of the records where CONDUIT and full prefill answer differently (low page coverage / near-tied / "
@@ -810,7 +810,7 @@ TABLES: dict[str, Table] = {t.name: t for t in (
           _evidence_table, rows=_table14_rows, columns="multi_image"),
     Table("conduit/table15", "CONDUIT", "conduit",
           "Table 15 (case study: one multi-page record, every method at the case budget)",
-          "**CONDUIT Table 15** (paper App. D.4, with Figure 4): one multi-page record (the first of its column in "
+          "**CONDUIT Table 15** (paper §D.4, with Figure 4): one multi-page record (the first of its column in "
           "split order), every method's answer at r = 0.10 against full prefill, and the share of each method's "
           f"refresh spent on the answer-bearing page. {_NOT_THE_PAPER}",
           _evidence_table, rows=_case_rows, columns="multi_image"),

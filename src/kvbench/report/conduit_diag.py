@@ -246,14 +246,18 @@ def write(key: str, spec: str | dict, out: str, root: str = ".") -> pd.DataFrame
 TABLES: dict[str, Table] = {t.name: t for t in (
     Table("conduit/table11", "CONDUIT", "conduit_diagnostics",
           "Table 11 (projected residual error of each selection rule vs random, surrogate ordering)",
-          "Projected residual error reduction of each selection rule against random selection, per layer and "
-          "budget, with the Monte Carlo staleness estimator (App. D.1).", write),
+          "**CONDUIT Table 11** (paper §D.3, estimator of §D.1): projected residual error reduction of each "
+          "selection rule against random selection, per layer and budget, with the Monte Carlo staleness estimator, "
+          "and the surrogate-ordering Spearman. On the smoke profile the backbones are the tiny zoo VLMs (strong and "
+          "mild regime): these are not the paper's numbers.", write),
     Table("conduit/table12", "CONDUIT", "conduit_diagnostics",
           "Table 12 (cached value-norm stability across shifted prefixes, rank overlaps)",
-          "Spearman of cached vs fresh value norms, and decile overlaps of attention, key-norm and low-value-norm "
-          "rankings against the independent baseline (App. D.3).", write),
+          "**CONDUIT Table 12** (paper §D.3): Spearman of cached vs fresh value norms over shifted-prefix pairs, and "
+          "decile overlaps of attention, key-norm and low-value-norm rankings against the independent baseline. On "
+          "the smoke profile the backbones are the tiny zoo VLMs: these are not the paper's numbers.", write),
     Table("conduit/table13", "CONDUIT", "conduit_diagnostics",
           "Table 13 (scale similarity of squared throughput across image types)",
-          "Kolmogorov-Smirnov distance between image types of within-image squared throughput, before and after "
-          "normalising by the image scale g_j (App. D.3).", write),
+          "**CONDUIT Table 13** (paper §D.3): Kolmogorov-Smirnov distance between image types of within-image "
+          "squared throughput, before and after normalising by the image scale g_j. On the smoke profile the types "
+          "are docpages pages and digitgrid grids of the tiny zoo VLMs: these are not the paper's numbers.", write),
 )}
