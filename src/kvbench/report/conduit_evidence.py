@@ -316,9 +316,9 @@ def draw_fig4(df: pd.DataFrame, record: dict, base_dir: str | Path, out_pdf: str
                     ax.set_title(f"page {k + 1}" + (" (evidence)" if k + 1 == meta.get("page") else ""), fontsize=8)
                 if k == 0:
                     ax.set_ylabel(f"{method}" + (f"\n{model}" if len(backbones) > 1 else ""), fontsize=7)
-    fig.suptitle(f"CONDUIT Fig. 4 (case study): record {record.get('id')}, refreshed visual tokens "
-                 "(shade: share of layers)", fontsize=9)
-    fig.tight_layout()
+    fig.suptitle(f"CONDUIT Fig. 4: record {record.get('id')}\nrefreshed visual tokens (shade: share of layers)",
+                 fontsize=8)
+    fig.tight_layout(rect=(0, 0, 1, 0.96))  # room for the two-line title above the page titles
     with atomic_path(out_pdf) as tmp:
         fig.savefig(tmp, format="pdf", metadata={"CreationDate": None})
     plt.close(fig)
