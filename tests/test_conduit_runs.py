@@ -560,6 +560,7 @@ def test_conduit_targets_dry_run_paper(tmp_path):
     jobs = planned_jobs(r.stdout)
     # 2 backbones x (4 K=8 sets + 4 single-image sets) caches; no training, no data materialisation
     assert jobs["conduit_cache"] == 16 and "train" not in jobs and "data" not in jobs
+    assert jobs["conduit_diag_capture"] == 6  # 2 backbones x pages, slides, natural images (Table 13's types)
     assert f"--split {root}/benchmarks/mmlongbench/longdocurl_K8.jsonl" in r.stdout
 
 
