@@ -30,7 +30,7 @@ import pandas as pd
 
 from kvbench.eval.registry import canonical, parse_method_spec, run_slugs, slug, with_budget
 from kvbench.report import conduit_evidence as evidence
-from kvbench.report.plan import Run, Table, load_spec
+from kvbench.report.plan import Run, Table, load_spec, write_csv
 from kvbench.utils.io import atomic_path, read_jsonl
 
 
@@ -356,7 +356,7 @@ def write_score_table(plan: ConduitPlan, runs: Runs, target: str, out: str | Pat
             if c in df:
                 df[c] = df[c].astype("Int64")
         df = df[[c for c in df.columns if c != "notes"] + ["notes"]]
-    _write_csv(df, header, out)
+    write_csv(df, header, out)
     return df
 
 
@@ -509,12 +509,6 @@ def flatness_line(df: pd.DataFrame, cols: list[Column]) -> str:
     return f"# spread across rows (max - min, points): {text}"
 
 
-def _write_csv(df: pd.DataFrame, header: list[str], out: str | Path) -> None:
-    with atomic_path(out) as tmp, open(tmp, "w", encoding="utf-8") as f:
-        f.write("\n".join(header) + "\n")
-        df.to_csv(f, index=False)
-
-
 # --- staleness gap -----------------------------------------------------------------------------
 
 def paired_bootstrap(diff: np.ndarray, resamples: int, seed: int, strata: np.ndarray | None = None
@@ -595,7 +589,7 @@ def write_staleness_gap(plan: ConduitPlan, runs: Runs, out: str | Path) -> pd.Da
         f"# gap significant at 95% (CI excludes 0): {name(sig)}",
         f"# gap NOT significant at 95% (CI includes 0): {name(nonsig)}",
     ]
-    _write_csv(df, header, out)
+    write_csv(df, header, out)
     return df
 
 
@@ -675,7 +669,7 @@ def write_fig3(plan: ConduitPlan, runs: Runs, out_pdf: str | Path, out_csv: str 
               (f"# ci95_lo, ci95_hi: 95% CI of avg (error bars; bands for the full-prefill and reuse levels): "
                f"bootstrap of the mean per point, not paired, records resampled within each column, percentile "
                f"method, {boot['resamples']} resamples, seed {boot['seed']}; n = records over the columns")]
-    _write_csv(df, header, out_csv)
+    write_csv(df, header, out_csv)
     return df
 
 
@@ -730,7 +724,7 @@ def _evidence_table(key: str, spec: str | dict, out: str | Path, root: str | Pat
         df = evidence.table15(plan, runs)
         notes = ["# the case record is the first record of its column in split order that the runs evaluated "
                  "(chosen before any answer is read); figures/conduit/fig4.pdf draws where each method refreshed."]
-    _write_csv(df, [plan.header(table_of(key).title), *notes], out)
+    write_csv(df, [plan.header(table_of(key).title), *notes], out)
     return df
 
 
@@ -742,7 +736,7 @@ def report_fig4(spec: str | dict, out: str | Path, out_csv: str | Path, root: st
     df = evidence.fig4_data(plan, runs)
     # image paths are relative to the split's directory, which Runs reads as given
     evidence.draw_fig4(df, runs.records(col.dataset)[rid], Path(runs.splits[col.dataset]).parent, out)
-    _write_csv(df, [plan.header("Figure 4 data (case study: refreshed visual tokens per page)")], out_csv)
+    write_csv(df, [plan.header("Figure 4 data (case study: refreshed visual tokens per page)")], out_csv)
     return df
 
 

@@ -30,9 +30,9 @@ import numpy as np
 import pandas as pd
 from scipy import stats
 
-from kvbench.report.plan import Table, load_spec
+from kvbench.report.plan import Table, load_spec, write_csv
 from kvbench.reuse.diagnostics import COLUMNS
-from kvbench.utils.io import atomic_path
+from kvbench.reuse.validate import budget_count
 
 #: Selection rules of Table 11, in column order.
 RULES = ("attention", "value_norm", "key_norm", "conduit", "oracle")
@@ -103,14 +103,15 @@ def table11(df: pd.DataFrame, layers: list[int], budgets: list[float]) -> pd.Dat
             groups = [g for _, g in dl.groupby("record", sort=False)]
             rho = np.nanmean([_spearman((g["attn"] * g["vnorm_cached"]).to_numpy(),
                                         (g["attn"] * np.sqrt(g["drift_mc"])).to_numpy()) for g in groups])
+            # per record: the residual terms attn^2 * drift and every rule's scores (independent of the budget)
+            per_record = [((g["attn"] ** 2 * g["drift_mc"]).to_numpy(), _rule_scores(g)) for g in groups]
             for r in budgets:
                 totals = dict.fromkeys(("random", *RULES), 0.0)
-                for g in groups:
-                    n = len(g)
-                    k = min(n, math.ceil(r * n - 1e-9))
-                    term = (g["attn"] ** 2 * g["drift_mc"]).to_numpy()
+                for term, rule_scores in per_record:
+                    n = len(term)
+                    k = budget_count(r, n)  # the refresh runs' ⌈r·N⌉
                     totals["random"] += (1 - k / n) * term.sum()
-                    for rule, scores in _rule_scores(g).items():
+                    for rule, scores in rule_scores.items():
                         totals[rule] += term[~_top(scores, k)].sum()
                 row = {"model": model, "dataset": dataset, "layer": layer, "r": r, "records": len(groups)}
                 for rule in RULES:
@@ -237,9 +238,7 @@ def write(key: str, spec: str | dict, out: str, root: str = ".") -> pd.DataFrame
     regimes = spec.get("regimes", {})
     table.insert(table.columns.get_loc("model") + 1, "regime", table["model"].map(lambda m: regimes.get(m, "")))
     header = _header(spec, TABLES[f"conduit/{key}"].title, df) + NOTES[key]
-    with atomic_path(out) as tmp, open(tmp, "w", encoding="utf-8") as f:
-        f.write("\n".join(header) + "\n")
-        table.to_csv(f, index=False)
+    write_csv(table, header, out)
     return table
 
 

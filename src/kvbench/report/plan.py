@@ -115,3 +115,13 @@ def load_spec(spec: str | dict, section: str) -> dict:
         raise ValueError(f"the report spec must be a JSON object with `profile` and a `{section}` mapping (the "
                          f"config section), got {str(spec)[:80]!r}")
     return spec
+
+
+def write_csv(df: Any, header: list[str], out: str) -> None:
+    """Write DataFrame ``df`` to ``out`` atomically under ``#`` header lines (read back with
+    ``pd.read_csv(path, comment="#")``): the one writer of the CONDUIT tables' CSVs."""
+    from kvbench.utils.io import atomic_path
+
+    with atomic_path(out) as tmp, open(tmp, "w", encoding="utf-8") as f:
+        f.write("\n".join(header) + "\n")
+        df.to_csv(f, index=False)
