@@ -58,6 +58,17 @@ def test_pages_set_the_context_size():
         bench_record(2, 100)
 
 
+def test_requests_longer_than_a_docpages_record():
+    """The paper's latency contexts need 16-64 pages; docpages has 24 field codes (6 pages). Bug: 16 pages raised
+    "no field code for page 7"."""
+    rec = bench_record(16, 56)
+    pages = [p["image"] for p in rec["content"] if p["type"] == "image"]
+    labels = [p["text"] for p in rec["content"] if p["type"] == "text"]
+    assert len(pages) == 16 and labels == [f"Page {k}:" for k in range(1, 17)]
+    assert len({p.tobytes() for p in pages}) == 16   # distinct pages: no image cache shared between spans
+    assert rec["meta"]["page"] <= 6 and rec["question"] == bench_record(16, 56)["question"]
+
+
 def test_layer_flops_formula_by_hand():
     s = flops.DecoderShape(n_layers=1, hidden=8, n_heads=2, n_kv_heads=1, head_dim=4, intermediate=16, vocab=10)
     # qkv 2*3*8*(2+2)*4=768, attn 2*2*3*5*2*4=480, out 2*3*2*4*8=384, mlp 2*3*3*8*16=2304
@@ -132,6 +143,9 @@ def test_run_and_table(tokenizer_dir, tmp_path):
     assert list(table["method"].unique()) == ["full", "reuse", "conduit"]
     full = table[table["method"] == "full"]
     assert (full["speedup"] == 1).all() and (full["pct_of_full_flops"] == 100).all()
+    assert (full["flop_bound_share"] == 1).all()
+    assert table["flop_bound_share"].tolist() == pytest.approx(   # the CSV keeps 6 significant digits
+        (table["speedup"] * table["pct_of_full_flops"] / 100).tolist(), rel=1e-4)
     assert table["flops_rel_err"].abs().max() < FLOPS_RTOL
     conduit = table[(table["method"] == "conduit") & (table["pages"] != "mean")]
     assert (conduit["scoring_ms_median"] > 0).all() and (conduit["scoring_tflops"] > 0).all()

@@ -21,7 +21,7 @@ def test_smoke_job_uses_the_timing_model_and_tokenizer():
     job = latency_job(_config("config"), lambda m: f"zoo/{m}", "zoo/tokenizer")
     assert job.input == "zoo/tokenizer/tokenizer.json"
     args = build_parser().parse_args(["bench", "conduit-latency", "--out", "x.csv", *job.args.split()])
-    assert args.model == "timing-qwen2.5-vl-wide" and args.sizes == [2, 4, 6] and args.r == 0.1
+    assert args.model == "timing-qwen2.5-vl-wide" and args.sizes == [4, 8, 16] and args.r == 0.1
     assert "conduit" in args.methods and args.repeats >= 3
 
 

@@ -137,6 +137,47 @@ def test_reusable_cache_is_byte_identical_after_runs(vlm, req, store_dir):
     assert _digest(req.stale_k + req.stale_v + [req.embeds]) == stale
 
 
+@pytest.mark.parametrize("policy", BUDGETED + ["reuse"])
+@pytest.mark.parametrize("r", [0.1, 0.4])
+def test_in_place_refresh_equals_the_copying_one(vlm, req, store_dir, policy, r):
+    """The serving path (no second copy of the stale cache) computes exactly what the copying path does: same
+    logits, same recomputed rows, same K/V; the request is then consumed and refused, the image cache untouched.
+    r = 0.1 makes the shrinking schedules (CacheBlend, KVShare) read old K/V at layers after layer 0."""
+    ref = refresh(vlm, req, policy, r)
+    mem = _digest([t for im in req.images for t in (*im.keys, *im.values, im.embeds)])
+    rec = record([1, 2, 3])   # the `req` fixture's record, assembled afresh
+    own = prepare(vlm, ImageKVStore(store_dir, vlm, rec["generic_system"]), rec)
+    got = refresh(vlm, own, policy, r, in_place=True)
+    assert torch.equal(got.output.logits, ref.output.logits)
+    assert got.output.layer_counts == ref.output.layer_counts
+    for a, b in zip(got.output.computed_visual, ref.output.computed_visual):
+        assert torch.equal(a, b)
+    for a, b in zip(got.output.keys + got.output.values, ref.output.keys + ref.output.values):
+        assert torch.equal(a, b)
+    assert got.output.keys[0] is own.stale_k[0]   # written into the request's own cache, not a copy
+    assert own.consumed == (policy != "reuse")
+    if own.consumed:
+        with pytest.raises(ValueError, match="refreshed in place"):
+            refresh(vlm, own, "conduit", r)
+    assert _digest([t for im in req.images for t in (*im.keys, *im.values, im.embeds)]) == mem
+
+
+def test_in_place_scoring_pass_leaves_the_visual_entries_and_the_request_usable(vlm, store_dir):
+    from kvbench.reuse.scoring import scoring_pass
+
+    rec = record([1, 2, 3])
+    own = prepare(vlm, ImageKVStore(store_dir, vlm, rec["generic_system"]), rec)
+    vis = own.visual_index
+    before = [k[:, :, vis].clone() for k in own.stale_k + own.stale_v]
+    copy_sp, sp = scoring_pass(vlm, own), scoring_pass(vlm, own, in_place=True)
+    assert torch.equal(sp.attn, copy_sp.attn) and torch.equal(sp.vnorm, copy_sp.vnorm)
+    assert all(torch.equal(k[:, :, vis], b) for k, b in zip(own.stale_k + own.stale_v, before))
+    assert not own.consumed
+    assert torch.equal(refresh(vlm, own, "conduit", 0.4).output.logits,
+                      refresh(vlm, prepare(vlm, ImageKVStore(store_dir, vlm, rec["generic_system"]), rec),
+                              "conduit", 0.4).output.logits)
+
+
 @pytest.mark.parametrize("policy", ["conduit", "cacheblend", "kvshare-conduit"])
 def test_same_seed_same_result(tokenizer, tmp_path, policy):
     outs = []

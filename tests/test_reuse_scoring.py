@@ -34,6 +34,17 @@ def req(vlm, tmp_path_factory):
     return prepared_request(vlm, tmp_path_factory.mktemp("c"), [1, 2, 3])
 
 
+def test_attention_mass_in_query_chunks_equals_one_block():
+    """KVShare's mass reads every computed row (n_q = T): chunked so no [n_heads, T, T] block is built."""
+    g = torch.Generator().manual_seed(3)
+    q, k = torch.randn(1, 4, 37, 8, generator=g), torch.randn(1, 2, 37, 8, generator=g)
+    pos = torch.arange(37)
+    whole = attention_mass(q, k, pos, 0.35)
+    for chunk in (4 * 37, 4 * 37 * 5, 1):   # one query, five queries, and below one query per block
+        torch.testing.assert_close(attention_mass(q, k, pos, 0.35, chunk_elements=chunk), whole)
+    assert abs(float(attention_mass(q, k, pos, 0.35, chunk_elements=100).sum()) - 1.0) < 1e-5
+
+
 def test_attention_mass_matches_bruteforce_with_gqa():
     torch.manual_seed(0)
     H, Hkv, nq, T, d = 4, 2, 3, 7, 5

@@ -23,8 +23,8 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 #: (about 4 minutes on 2 idle CPU cores).
 BENCH_DEFAULTS = {
     "model": "timing-qwen2.5-vl-wide",
-    "sizes": [2, 4, 6],
-    "page_px": 280,
+    "sizes": [4, 8, 16],
+    "page_px": 448,
     "r": 0.10,
     "methods": TABLE3_METHODS,
     "repeats": 5,

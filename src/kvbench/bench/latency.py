@@ -6,14 +6,16 @@ first token (CONDUIT §4.3, batch size 1):
 - refresh policies: processor encoding and assembly (stale keys re-rotated to
   the new positions, :func:`~kvbench.reuse.assemble.assemble`), the scoring
   pass where the policy has one, Phase 2, argmax of the last logits
-  (:func:`serve_cached`);
+  (:func:`serve_cached`). Both passes write into the assembled request's own
+  K/V (``refresh(..., in_place=True)``): a serving engine holds one copy of
+  the request's cache, not a second one per pass;
 - full prefill: processor encoding and the model's own forward, vision tower
   included, with logits of the last position only (``logits_to_keep=1``, as a
   serving engine and ``generate`` do), argmax (:func:`serve_full`).
 
 The image caches are built before timing and held in memory: the disk load of
 a cache hit is not part of TTFT. The scoring pass is also timed on its own
-(``scoring_ms``). Every configuration is run ``warmup`` times untimed, then
+(``scoring_ms``, on a request assembled afresh, untimed). Every configuration is run ``warmup`` times untimed, then
 ``repeats`` times; the methods of one context size are interleaved round-robin
 within each repeat, so drifting machine load affects them alike. FLOPs come
 from one extra, untimed run under ``FlopCounterMode`` and are checked against
@@ -169,21 +171,23 @@ def serve_full(adapter: VLMAdapter, record: dict) -> Served:
 
 
 def serve_cached(adapter: VLMAdapter, record: dict, images: list[ImageKV], policy: str, r: float) -> Served:
-    """``record`` served from in-memory image caches under ``policy`` at ratio ``r``: assemble, refresh, argmax."""
+    """``record`` served from in-memory image caches under ``policy`` at ratio ``r``: assemble, refresh in place,
+    argmax (``Served.req`` is then consumed: assemble again to rerun it)."""
     dev = adapter.device
     t0 = clock.now(dev)
     req = assemble(adapter, record, images)
     t1 = clock.now(dev)
-    res = refresh(adapter, req, policy, r)
+    res = refresh(adapter, req, policy, r, in_place=True)
     token = int(res.output.logits.argmax())
     t2 = clock.now(dev)
     return Served(token=token, ttft_ms=(t2 - t0) * 1e3, assemble_ms=(t1 - t0) * 1e3, req=req, result=res)
 
 
-def time_scoring(adapter: VLMAdapter, req) -> float:
-    """Wall time (ms) of the scoring pass alone on an assembled request."""
+def time_scoring(adapter: VLMAdapter, record: dict, images: list[ImageKV]) -> float:
+    """Wall time (ms) of the scoring pass alone (in place, as served) on ``record`` assembled afresh (untimed)."""
+    req = assemble(adapter, record, images)
     t0 = clock.now(adapter.device)
-    scoring_pass(adapter, req)
+    scoring_pass(adapter, req, in_place=True)
     return (clock.now(adapter.device) - t0) * 1e3
 
 
@@ -198,7 +202,8 @@ def measure_flops(adapter: VLMAdapter, record: dict, images: list[ImageKV], meth
         return {"flops": fc.total, "flops_scoring": 0, "flops_vision": fc.under(".visual"),
                 "flops_analytic": ana.total, "flops_analytic_scoring": 0, "refreshed_visual": ana.mean_visual_rows}
     served, fc = flops.count_flops(lambda: serve_cached(adapter, record, images, method, r))
-    fs = flops.count_flops(lambda: scoring_pass(adapter, served.req))[1].total if served.result.scoring else 0
+    fresh = assemble(adapter, record, images)
+    fs = flops.count_flops(lambda: scoring_pass(adapter, fresh, in_place=True))[1].total if served.result.scoring else 0
     ana = analytic_cost(method, served.req, r, shape)
     return {"flops": fc.total, "flops_scoring": fs, "flops_vision": 0,
             "flops_analytic": ana.total, "flops_analytic_scoring": ana.scoring, "refreshed_visual": ana.mean_visual_rows}
@@ -248,7 +253,7 @@ def run_conduit_latency(cfg: LatencyConfig, cache_dir: str | Path | None = None,
                         scoring_ms = None
                     else:
                         s = serve_cached(adapter, record, images, m, cfg.r)
-                        scoring_ms = time_scoring(adapter, s.req) if s.result.scoring is not None else None
+                        scoring_ms = time_scoring(adapter, record, images) if s.result.scoring is not None else None
                     if rep < 0:
                         continue
                     rows.append({**meta, "pages": int(pages), **facts, "method": m, "repeat": rep,

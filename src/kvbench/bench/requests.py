@@ -6,6 +6,13 @@ visual tokens per page, at most 256 with the zoo processor (``max_pixels``).
 With 336 px, 2 / 4 / 6 pages give about 340 / 640 / 940 tokens, 85-92% of them
 visual, as in CONDUIT's document setting. The serving prefix, page labels and
 question are the record's own.
+
+A docpages record has at most 6 pages (24 printed field codes). Longer
+requests (the paper's 4k/8k/16k contexts: 16/32/64 pages of 256 tokens) keep
+that record's first 6 pages and question and append further distinct pages of
+test-split scans, labelled with their page number only: the question cannot
+name a cell on them, which does not matter for what the benchmark measures
+(FLOPs and TTFT depend on the token counts, not on the page content).
 """
 from __future__ import annotations
 
@@ -13,7 +20,7 @@ import random
 
 from PIL import Image
 
-from kvbench.data import docpages
+from kvbench.data import digits, docpages
 from kvbench.data.digits import CELL_PX
 
 #: Largest page side the zoo processor keeps unchanged (``max_pixels`` = 256 visual tokens).
@@ -35,9 +42,17 @@ def bench_record(n_pages: int, page_px: int, seed: int = 0) -> dict:
         raise ValueError(f"page_px must be a multiple of {CELL_PX} in {CELL_PX}..{MAX_PAGE_PX}, got {page_px}")
     if n_pages < 1:
         raise ValueError(f"n_pages must be >= 1, got {n_pages}")
-    rec = docpages.sample(random.Random(seed * 1000 + n_pages), "test", K=n_pages)
+    rng = random.Random(seed * 1000 + n_pages)
+    rec = docpages.sample(rng, "test", K=min(n_pages, docpages.K_RANGE[1]))
+    parts = list(rec["content"])
+    scans = digits.pool("test")
+    for k in range(docpages.K_RANGE[1] + 1, n_pages + 1):
+        cells = docpages.ROWS * docpages.COLS
+        page = digits.render_page([rng.choice(scans) for _ in range(cells)], docpages.ROWS, docpages.COLS,
+                                  labels=[f"{k % 10} "] * cells)
+        parts += [{"type": "text", "text": f"Page {k}:"}, {"type": "image", "image": page}]
     content = []
-    for part in rec["content"]:
+    for part in parts:
         if part["type"] == "image":
             part = {**part, "image": part["image"].resize((page_px, page_px), Image.NEAREST)}
         content.append(part)

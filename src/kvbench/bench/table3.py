@@ -12,7 +12,10 @@ paper averages over contexts (§4.3: 90.36 → 12.24 TFLOPs, TTFT 0.519 → 0.17
   measurement) and the relative difference of the measured count from it;
 - ``ttft_ms_median``, ``_q1``, ``_q3``, ``_min``, ``_max`` over the repeats;
   ``speedup``: full prefill's median TTFT / the method's (mean rows: ratio of
-  the means of the medians, as the paper's 0.519 / 0.174);
+  the means of the medians, as the paper's 0.519 / 0.174); ``flop_bound_share``:
+  speedup ÷ (1 / FLOP fraction) = speedup × pct_of_full_flops / 100, the share of
+  the speedup its FLOP saving would allow that the method realises (1 = TTFT
+  scales with FLOPs; the paper's mean: 2.99 × 13.5 % = 0.40);
 - ``scoring_ms_median`` and ``scoring_pct_of_ttft``: the scoring pass timed on its own.
 
 The first line of the CSV is a ``#`` header naming the profile, device,
@@ -35,7 +38,7 @@ from kvbench.utils.io import atomic_path
 TABLE3_COLUMNS = [
     "method", "label", "pages", "context_tokens", "n_visual", "r", "refreshed_visual", "prefill_tflops",
     "pct_of_full_flops", "scoring_tflops", "vision_tflops", "analytic_tflops", "flops_rel_err",
-    "ttft_ms_median", "ttft_ms_q1", "ttft_ms_q3", "ttft_ms_min", "ttft_ms_max", "speedup",
+    "ttft_ms_median", "ttft_ms_q1", "ttft_ms_q3", "ttft_ms_min", "ttft_ms_max", "speedup", "flop_bound_share",
     "scoring_ms_median", "scoring_pct_of_ttft", "repeats",
 ]
 
@@ -98,6 +101,7 @@ def build_table3(raw: pd.DataFrame) -> pd.DataFrame:
                                               if pd.notna(m["scoring_ms_median"]) else None),
                       "repeats": int(g["repeats"].min())})
     df = pd.concat([df, pd.DataFrame(means)], ignore_index=True)
+    df["flop_bound_share"] = df["speedup"] * df["pct_of_full_flops"] / 100
     df["_m"] = df["method"].map(lambda m: order.get(m, len(order)))
     df["_p"] = df["pages"].map(lambda p: float("inf") if p == "mean" else int(p))
     return df.sort_values(["_m", "_p"]).drop(columns=["_m", "_p"])[TABLE3_COLUMNS].reset_index(drop=True)

@@ -34,7 +34,8 @@ class AssembledRequest:
         cos, sin: ``[1, T, head_dim]`` (model dtype), RoPE at ``position_ids``.
         embeds: ``[1, T, hidden]`` layer-0 inputs (token embeddings; cached vision features at visual tokens).
         stale_k, stale_v: per layer ``[1, n_kv_heads, T, head_dim]``: cached K (rotated to the new
-            positions) and V at visual tokens, zeros at text tokens (never read there: text is computed).
+            positions) and V at visual tokens; zeros at text tokens, or the text K/V an in-place scoring pass
+            wrote there (never read as stale entries: text is computed at every layer).
         visual_index: int64 ``[N_visual]`` sequence indices of visual tokens, ascending.
         image_of_visual: int64 ``[N_visual]`` image number (0..K-1) of each visual token.
         image_spans: ``[(start, end)]`` per image (sequence indices, end exclusive).
@@ -44,6 +45,8 @@ class AssembledRequest:
         next_position: position of the first generated token (max position + 1).
         enc: the processor output of the full request (for the full-prefill reference).
         images: the cached entries, in prompt order.
+        consumed: True once an in-place refresh wrote visual rows into ``stale_k``/``stale_v``
+            (:func:`kvbench.reuse.executor.execute`); such a request is refused by later runs.
     """
 
     input_ids: torch.Tensor
@@ -61,6 +64,7 @@ class AssembledRequest:
     next_position: int
     enc: dict = field(repr=False)
     images: list[ImageKV] = field(repr=False)
+    consumed: bool = False
 
     @property
     def seq_len(self) -> int:

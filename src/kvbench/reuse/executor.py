@@ -13,7 +13,11 @@ all). Every other entry is reused as is. Text rows are computed at every layer
 a non-increasing nested set per layer (CacheBlend, KVShare), chosen up front or
 on the fly from the layer's new vs. old K/V.
 
-The base tensors are cloned per layer: the reusable cache is never modified.
+The base tensors are cloned per layer, so the reusable cache is never modified;
+with ``in_place=True`` the writes go straight into them instead, so no second
+copy of the stale cache exists (the timed serving path, where each request is
+assembled afresh). A request refreshed in place is marked consumed and refused
+afterwards (its visual entries are no longer the stale cache).
 
 Output (:class:`ExecResult`): float32 logits of the last position and the
 assembled post-RoPE K/V per layer, convertible to a ``DynamicCache`` for greedy
@@ -39,7 +43,9 @@ class LayerState:
         rows: int64 ``[n]`` rows computed at this layer, ascending (text + active visual).
         active_visual: int64 visual rows computed at this layer, ascending.
         keys, values: ``[1, n_kv, T, hd]`` the layer's K/V after this layer's writes (post-RoPE K).
-        old_keys, old_values: the layer's base K/V (stale cache) before the writes.
+        old_keys, old_values: ``[1, n_kv, n, hd]`` the base K/V (stale cache) at ``rows`` before this layer's
+            writes (read them with :meth:`old_at`), or None unless the schedule reads them
+            (:meth:`LayerSchedule.reads_old_kv`): only the computed rows are kept, never a copy of all T.
         queries: ``[1, n_heads, m, hd]`` post-RoPE queries of ``query_rows``, or None unless the schedule asked.
         query_rows: int64 ``[m]`` sequence indices of ``queries``: ``rows``, or the subset the schedule named
             (:meth:`LayerSchedule.query_mask`), so rows nobody reads get no query projection.
@@ -51,11 +57,24 @@ class LayerState:
     active_visual: torch.Tensor
     keys: torch.Tensor
     values: torch.Tensor
-    old_keys: torch.Tensor
-    old_values: torch.Tensor
+    old_keys: torch.Tensor | None = None
+    old_values: torch.Tensor | None = None
     queries: torch.Tensor | None = None
     scale: float = 1.0
     query_rows: torch.Tensor | None = None
+
+    def old_at(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Base K/V before this layer's writes at sequence indices ``idx`` (int64 ``[m]``, a subset of ``rows``):
+        two ``[1, n_kv, m, hd]`` tensors.
+
+        Raises:
+            RuntimeError: the schedule did not ask for them at this layer (:meth:`LayerSchedule.reads_old_kv`).
+        """
+        if self.old_keys is None or self.old_values is None:
+            raise RuntimeError(f"layer {self.layer}: old K/V were not kept; the schedule that reads them must say so "
+                               "in reads_old_kv(layer)")
+        pos = torch.searchsorted(self.rows, idx)
+        return self.old_keys[:, :, pos], self.old_values[:, :, pos]
 
 
 class LayerSchedule:
@@ -81,6 +100,11 @@ class LayerSchedule:
 
     def wants_queries(self, layer: int) -> bool:
         """Whether :class:`LayerState` at ``layer`` must carry queries."""
+        return False
+
+    def reads_old_kv(self, layer: int) -> bool:
+        """Whether :class:`LayerState` at ``layer`` must carry the computed rows' base K/V from before the
+        writes (deviation scores)."""
         return False
 
     def query_mask(self, rows: torch.Tensor) -> torch.Tensor | None:
@@ -155,10 +179,17 @@ def causal_rows_mask(rows: torch.Tensor, T: int, dtype: torch.dtype) -> torch.Te
     return mask.masked_fill(~allowed, torch.finfo(dtype).min)[None, None]
 
 
+def check_fresh(req: AssembledRequest) -> None:
+    """Raise ValueError when ``req`` was refreshed in place (its visual K/V are no longer the stale cache)."""
+    if req.consumed:
+        raise ValueError("this assembled request was refreshed in place (in_place=True), so its K/V are no longer "
+                         "the stale cache; assemble the request again")
+
+
 @torch.no_grad()
 def execute(adapter: VLMAdapter, req: AssembledRequest, schedule: LayerSchedule, *,
             base_keys: list[torch.Tensor] | None = None, base_values: list[torch.Tensor] | None = None,
-            text_rows: torch.Tensor | None = None) -> ExecResult:
+            text_rows: torch.Tensor | None = None, in_place: bool = False) -> ExecResult:
     """Run the decoder with the visual rows of ``schedule`` (plus text rows) computed, the rest reused.
 
     Args:
@@ -166,14 +197,19 @@ def execute(adapter: VLMAdapter, req: AssembledRequest, schedule: LayerSchedule,
         req: the assembled request.
         schedule: visual rows per layer.
         base_keys, base_values: per layer ``[1, n_kv, T, hd]`` entries for rows not computed
-            (default: ``req.stale_k`` / ``req.stale_v``). Never modified.
+            (default: ``req.stale_k`` / ``req.stale_v``). Not modified unless ``in_place``.
         text_rows: text rows computed at every layer (default: all text). Passing a subset
             (e.g. the trailing query) requires base K/V that are valid at the other text rows.
+        in_place: write the computed rows into the base tensors themselves (no per-layer copy); the output's
+            K/V are then those tensors. When the base is the request's own cache and visual rows are written,
+            ``req`` is marked consumed.
 
     Raises:
-        ValueError: a schedule set is not a subset of the visual tokens or of the previous layer's
-            set, or ``text_rows`` lacks the last position (its logits are the output).
+        ValueError: ``req`` was consumed by an earlier in-place run, a schedule set is not a subset of the
+            visual tokens or of the previous layer's set, or ``text_rows`` lacks the last position (its logits
+            are the output).
     """
+    check_fresh(req)
     base_keys = req.stale_k if base_keys is None else base_keys
     base_values = req.stale_v if base_values is None else base_values
     text_rows = req.text_index if text_rows is None else text_rows
@@ -185,11 +221,17 @@ def execute(adapter: VLMAdapter, req: AssembledRequest, schedule: LayerSchedule,
     rows = torch.sort(torch.cat([text_rows, vis])).values
     h = req.embeds[:, rows]
     keys, values, computed = [], [], []
+    mask, mask_rows = None, None
     for li, layer in enumerate(adapter.layers):
         attn = layer.self_attn
-        state = LayerState(layer=li, rows=rows, active_visual=vis, keys=base_keys[li].clone(),
-                           values=base_values[li].clone(), old_keys=base_keys[li], old_values=base_values[li],
+        if mask_rows is None or mask_rows.numel() != rows.numel():   # rows only ever shrink: same size = same set
+            mask, mask_rows = causal_rows_mask(rows, T, h.dtype), rows
+        bk, bv = base_keys[li], base_values[li]
+        state = LayerState(layer=li, rows=rows, active_visual=vis, keys=bk if in_place else bk.clone(),
+                           values=bv if in_place else bv.clone(),
                            scale=float(getattr(attn, "scaling", adapter.head_dim ** -0.5)))
+        if schedule.reads_old_kv(li):   # gathered before the writes (a copy of the computed rows only)
+            state.old_keys, state.old_values = bk[:, :, rows], bv[:, :, rows]
         writer = _RowWriter(state)
         cos, sin = req.cos[:, rows], req.sin[:, rows]
         hook = None
@@ -204,7 +246,7 @@ def execute(adapter: VLMAdapter, req: AssembledRequest, schedule: LayerSchedule,
                 _st.queries = adapter.queries(_li, x, _cos, _sin)
             hook = attn.register_forward_pre_hook(grab, with_kwargs=True)
         try:
-            out = layer(h, attention_mask=causal_rows_mask(rows, T, h.dtype), position_embeddings=(cos, sin),
+            out = layer(h, attention_mask=mask, position_embeddings=(cos, sin),
                         cache=writer, use_cache=True, position_ids=None)
         finally:
             if hook is not None:
@@ -219,6 +261,8 @@ def execute(adapter: VLMAdapter, req: AssembledRequest, schedule: LayerSchedule,
             _check_subset(nxt, vis, li + 1, "visual")
             keep = torch.isin(rows, torch.cat([text_rows, nxt]))
             h, rows, vis = h[:, keep], rows[keep], nxt
+    if in_place and base_keys[0] is req.stale_k[0] and any(c.numel() for c in computed):
+        req.consumed = True
     h = adapter.decoder.norm(h)
     logits = adapter.lm_head(h[:, -1]).float()[0]
     return ExecResult(logits=logits, keys=keys, values=values, computed_visual=computed,

@@ -31,7 +31,12 @@ from kvbench.reuse.executor import ExecResult, LayerSchedule, LayerState, execut
 from kvbench.reuse.validate import budget_count, check_strength
 
 
-def attention_mass(q: torch.Tensor, k: torch.Tensor, query_pos: torch.Tensor, scale: float) -> torch.Tensor:
+#: Largest logits block (elements) :func:`attention_mass` materialises at once; longer query sets go in chunks.
+MASS_CHUNK_ELEMENTS = 1 << 25
+
+
+def attention_mass(q: torch.Tensor, k: torch.Tensor, query_pos: torch.Tensor, scale: float,
+                   chunk_elements: int = MASS_CHUNK_ELEMENTS) -> torch.Tensor:
     """Mean causal attention mass of queries on every key.
 
     Args:
@@ -39,6 +44,9 @@ def attention_mass(q: torch.Tensor, k: torch.Tensor, query_pos: torch.Tensor, sc
         k: post-RoPE keys ``[1, n_kv_heads, T, hd]`` (all keys of the layer).
         query_pos: int64 ``[n_q]`` sequence index of each query (it sees keys 0..pos).
         scale: softmax scale (the attention module's ``scaling``).
+        chunk_elements: at most this many float32 logits exist at once: queries are taken in chunks, so
+            KVShare's mass from every computed row (n_q = T) never builds a ``[n_heads, T, T]`` map
+            (17 GB at 16k tokens and 16 heads). The result does not depend on it beyond float rounding.
 
     Returns:
         float32 ``[T]``: softmax weight on each key, averaged over queries and heads
@@ -56,12 +64,23 @@ def attention_mass(q: torch.Tensor, k: torch.Tensor, query_pos: torch.Tensor, sc
     n_q = q.shape[2]
     if n_q == 0:
         raise ValueError("attention_mass needs at least one query")
-    T, hd = k.shape[2], k.shape[3]
-    qg = q[0].float().reshape(n_kv, (n_heads // n_kv) * n_q, hd)   # heads h = j·g + i of KV head j, then queries
-    logits = torch.bmm(qg, k[0].float().transpose(1, 2)) * scale   # [n_kv, g·n_q, T]
-    invalid = torch.arange(T, device=q.device)[None, :] > query_pos[:, None]   # [n_q, T]
-    logits = logits.view(n_kv, -1, n_q, T).masked_fill(invalid, float("-inf"))
-    return torch.softmax(logits, dim=-1).mean(dim=(0, 1, 2))
+    T, hd, g = k.shape[2], k.shape[3], n_heads // n_kv
+    kt = k[0].float().transpose(1, 2)                               # [n_kv, hd, T]
+    keys = torch.arange(T, device=q.device)
+    step = max(1, chunk_elements // (n_heads * T))
+
+    def probs(a: int) -> torch.Tensor:   # [n_kv, g, m, T] for queries a..a+step
+        qc, pos = q[0, :, a:a + step].float(), query_pos[a:a + step]
+        m = qc.shape[1]
+        logits = torch.bmm(qc.reshape(n_kv, g * m, hd), kt) * scale   # heads h = j·g + i of KV head j, then queries
+        return torch.softmax(logits.view(n_kv, g, m, T).masked_fill(keys[None, :] > pos[:, None], float("-inf")), -1)
+
+    if step >= n_q:   # one block: the plain mean (bitwise the repeated-K form)
+        return probs(0).mean(dim=(0, 1, 2))
+    total = torch.zeros(T, dtype=torch.float32, device=q.device)
+    for a in range(0, n_q, step):
+        total += probs(a).sum(dim=(0, 1, 2))
+    return total / (n_heads * n_q)
 
 
 def value_norms(v: torch.Tensor) -> torch.Tensor:
@@ -162,17 +181,27 @@ class _ScoringSchedule(LayerSchedule):
     def observe(self, state: LayerState) -> None:
         mass = attention_mass(state.queries, state.keys, state.query_rows, state.scale)
         self.attn.append(mass[self.req.visual_index])
-        self.vnorm.append(value_norms(state.values)[self.req.visual_index])
+        self.vnorm.append(value_norms(state.values[:, :, self.req.visual_index]))
 
 
-def scoring_pass(adapter: VLMAdapter, req: AssembledRequest) -> ScoringPass:
+def scoring_pass(adapter: VLMAdapter, req: AssembledRequest, in_place: bool = False) -> ScoringPass:
     """Run Stage I on ``req`` (text computed over the stale visual cache) and collect α and ‖V‖ per layer.
 
+    Cost (§3.3, App. A.2): every text row runs through every layer, as in plain reuse; only the trailing
+    query rows get the extra query projection, and the attention mass is taken from those rows over all T
+    keys (``[n_kv, g·n_query, T]`` logits per layer, never a ``[T, T]`` map).
+
+    Args:
+        in_place: write the text rows' K/V into ``req.stale_k``/``stale_v`` instead of a per-layer copy
+            (no second copy of the stale cache; the visual entries are untouched, so ``req`` stays usable,
+            and ``stage1``'s K/V are then the request's own tensors).
+
     Raises:
-        ValueError: the request has no token after its last image (nothing to score with).
+        ValueError: the request has no token after its last image (nothing to score with), or it was
+            consumed by an in-place refresh.
     """
     if req.query_index.numel() == 0:
         raise ValueError("the request ends with an image: no trailing text to condition the scoring pass on")
     sched = _ScoringSchedule(req)
-    out = execute(adapter, req, sched)
+    out = execute(adapter, req, sched, in_place=in_place)
     return ScoringPass(request=req, attn=torch.stack(sched.attn), vnorm=torch.stack(sched.vnorm), stage1=out)

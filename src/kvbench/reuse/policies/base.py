@@ -174,20 +174,25 @@ def get_policy(name: str, **params: Any) -> RefreshPolicy:
 
 
 def refresh(adapter: VLMAdapter, req: AssembledRequest, policy: str | RefreshPolicy, r: float,
-            **params: Any) -> RefreshResult:
+            in_place: bool = False, **params: Any) -> RefreshResult:
     """Run ``policy`` at budget ratio ``r`` on an assembled request.
 
     ``r`` and the policy are validated before any model work.
 
+    Args:
+        in_place: the scoring pass and Phase 2 write into the request's own stale K/V instead of per-layer
+            copies (no second copy of the cache: the serving path of Table 3). Outputs are identical; ``req``
+            is consumed (refused by later runs) once Phase 2 recomputed a visual row.
+
     Raises:
         ValueError: ``r`` outside [0, 1], unknown policy or bad policy parameter, request without
-            visual tokens.
+            visual tokens, or a request already consumed by an in-place refresh.
     """
     r = check_ratio(r)
     pol = get_policy(policy, **params) if isinstance(policy, str) else policy
     if req.n_visual == 0:
         raise ValueError("request has no visual tokens; the reuse engine needs >= 1 image")
-    sp = scoring_pass(adapter, req) if pol.uses_scoring else None
+    sp = scoring_pass(adapter, req, in_place=in_place) if pol.uses_scoring else None
     plan = pol.plan(req, sp, r)
     if plan.schedule is None:
         out = full_prefill(adapter, req)
@@ -197,7 +202,8 @@ def refresh(adapter: VLMAdapter, req: AssembledRequest, policy: str | RefreshPol
             if sp is None:
                 raise RuntimeError(f"policy {pol.name}: base_from_stage1 needs the scoring pass")
             base_k, base_v = sp.stage1.keys, sp.stage1.values
-        out = execute(adapter, req, plan.schedule, base_keys=base_k, base_values=base_v, text_rows=plan.text_rows)
+        out = execute(adapter, req, plan.schedule, base_keys=base_k, base_values=base_v, text_rows=plan.text_rows,
+                      in_place=in_place)
     return RefreshResult(policy=pol.name, r=r, output=out, plan=plan, scoring=sp)
 
 

@@ -102,10 +102,12 @@ def degenerate(counts: list[int]) -> bool:
     return len(counts) >= 2 and counts[0] > 0 and not any(counts[1:])
 
 
-def flat_rows(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """One row per token: keys or values ``[1, n_kv, T, hd]`` at int64 sequence indices ``idx`` ``[n]`` →
-    float32 ``[n, n_kv·hd]`` (heads concatenated), the form the per-token deviation scores take norms of."""
-    return x[0, :, idx].float().transpose(0, 1).reshape(idx.numel(), -1)
+def flat_rows(x: torch.Tensor, idx: torch.Tensor | None = None) -> torch.Tensor:
+    """One row per token: keys or values ``[1, n_kv, T, hd]`` at int64 sequence indices ``idx`` ``[n]`` (None: every
+    token of ``x``) → float32 ``[n, n_kv·hd]`` (heads concatenated), the form the per-token deviation scores take
+    norms of."""
+    x = x[0] if idx is None else x[0, :, idx]
+    return x.float().transpose(0, 1).reshape(x.shape[1], -1)
 
 
 class ShrinkSchedule(LayerSchedule):
@@ -119,9 +121,14 @@ class ShrinkSchedule(LayerSchedule):
         self.needs_queries = needs_queries
         self._active = visual_index.numel()
 
+    def _shrinks_after(self, layer: int) -> bool:
+        return layer + 1 < len(self.counts) and 0 < min(self.counts[layer + 1], self._active) < self._active
+
     def wants_queries(self, layer: int) -> bool:
-        return (self.needs_queries and layer + 1 < len(self.counts)
-                and 0 < min(self.counts[layer + 1], self._active) < self._active)
+        return self.needs_queries and self._shrinks_after(layer)
+
+    def reads_old_kv(self, layer: int) -> bool:
+        return self._shrinks_after(layer)
 
     def advance(self, state: LayerState) -> torch.Tensor:
         active = state.active_visual
@@ -139,8 +146,9 @@ class ShrinkSchedule(LayerSchedule):
 def kv_deviation(state: LayerState) -> torch.Tensor:
     """‖k_new − k_old‖₂ + ‖v_new − v_old‖₂ per active visual token (CONDUIT's CacheBlend score)."""
     idx = state.active_visual
-    dk = (flat_rows(state.keys, idx) - flat_rows(state.old_keys, idx)).norm(dim=-1)
-    dv = (flat_rows(state.values, idx) - flat_rows(state.old_values, idx)).norm(dim=-1)
+    old_k, old_v = state.old_at(idx)
+    dk = (flat_rows(state.keys, idx) - flat_rows(old_k)).norm(dim=-1)
+    dv = (flat_rows(state.values, idx) - flat_rows(old_v)).norm(dim=-1)
     return dk + dv
 
 
@@ -163,12 +171,16 @@ class CheckLayerSchedule(LayerSchedule):
         self.k, self.check_layer, self.deviation = k, check_layer, deviation
         self.selected: torch.Tensor | None = None
 
+    def reads_old_kv(self, layer: int) -> bool:
+        return layer == self.check_layer
+
     def advance(self, state: LayerState) -> torch.Tensor:
         if state.layer != self.check_layer:
             return state.active_visual  # all before the check layer; the fixed set after it
         idx = state.active_visual
-        new, old = (state.values, state.old_values) if self.deviation == "v" else (state.keys, state.old_keys)
-        dev = ((flat_rows(new, idx) - flat_rows(old, idx)) ** 2).sum(dim=-1)
+        old_k, old_v = state.old_at(idx)
+        new, old = (state.values, old_v) if self.deviation == "v" else (state.keys, old_k)
+        dev = ((flat_rows(new, idx) - flat_rows(old)) ** 2).sum(dim=-1)
         self.selected = idx[top_k(dev, self.k)]
         return self.selected
 

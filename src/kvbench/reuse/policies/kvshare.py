@@ -25,7 +25,7 @@ def kvshare_score(state: LayerState) -> torch.Tensor:
     """attention mass(all computed rows → key) × ‖v_new − v_old‖₁ per active visual token."""
     idx = state.active_visual
     mass = attention_mass(state.queries, state.keys, state.rows, state.scale)[idx]
-    dv = (flat_rows(state.values, idx) - flat_rows(state.old_values, idx)).abs().sum(dim=-1)
+    dv = (flat_rows(state.values, idx) - flat_rows(state.old_at(idx)[1])).abs().sum(dim=-1)
     return mass * dv
 
 
