@@ -149,5 +149,41 @@ def test_run_and_table(tokenizer_dir, tmp_path):
     assert table["flops_rel_err"].abs().max() < FLOPS_RTOL
     conduit = table[(table["method"] == "conduit") & (table["pages"] != "mean")]
     assert (conduit["scoring_ms_median"] > 0).all() and (conduit["scoring_tflops"] > 0).all()
+    assert dict(zip(table["method"], table["r"])) == {"full": 1.0, "reuse": 0.0, "conduit": 0.1}   # fixed r of the refs
     with pytest.raises(ValueError, match="full"):
         build_table3(raw[raw["method"] != "full"])
+    # bug: with no scoring-pass method timed, the mean rows lost the scoring column ("spec lacks key ...")
+    raw[raw["method"] != "conduit"].to_csv(raw_csv, index=False)
+    no_scoring = write_table3(raw_csv, tmp_path / "table3.csv", "ci")
+    assert no_scoring["scoring_ms_median"].isna().all() and len(no_scoring) == 2 * 3
+
+
+@pytest.mark.parametrize("bad,match", [
+    ({"sizes": [4, 4]}, "distinct"),
+    ({"page_px": 100}, "multiple of 28"),
+    ({"methods": ["conduit@0.2"]}, "without a budget"),
+    ({"methods": ["conduit:nope=1"]}, "nope"),
+    ({"methods": ["nope"]}, "nope"),
+])
+def test_config_refused_before_model_work(bad, match):
+    with pytest.raises(ValueError, match=match):
+        LatencyConfig(**{"model": "timing-qwen2.5-vl-test", "tokenizer": "x", **bad}).validate()
+
+
+def test_missing_tokenizer_is_named(tmp_path):
+    cfg = LatencyConfig(model="timing-qwen2.5-vl-test", tokenizer=str(tmp_path / "none"), sizes=[1], page_px=56)
+    with pytest.raises(ValueError, match="has no tokenizer.json"):
+        run_conduit_latency(cfg, log=lambda *_: None)
+
+
+def test_as_run_phase2_is_a_table3_method(tokenizer_dir, tmp_path):
+    """The authors' as-run CONDUIT (query-only Phase 2) is timed as its own row; its analytic FLOPs follow the text
+    rows it really computes (flops_rel_err 0) and it costs less than the all-text form."""
+    cfg = LatencyConfig(model="timing-qwen2.5-vl-test", tokenizer=str(tokenizer_dir), sizes=[3], page_px=56,
+                        methods=["conduit", "conduit:phase2_text=query"], repeats=1, warmup=0, device="cpu")
+    raw = pd.DataFrame(run_conduit_latency(cfg, log=lambda *_: None), columns=RAW_COLUMNS)
+    raw.to_csv(tmp_path / "raw.csv", index=False)
+    table = write_table3(tmp_path / "raw.csv", tmp_path / "t3.csv", "ci").set_index(["method", "pages"])
+    as_run, ours = table.loc[("conduit:phase2_text=query", "3")], table.loc[("conduit", "3")]
+    assert as_run["label"] == "CONDUIT (phase2_text=query)"
+    assert abs(as_run["flops_rel_err"]) < FLOPS_RTOL and as_run["prefill_tflops"] < ours["prefill_tflops"]

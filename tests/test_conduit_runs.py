@@ -674,6 +674,13 @@ def test_conduit_diagnose_cli_captures_from_the_read_only_cache(runs, vlm_dir, t
     with pytest.raises(SystemExit):                                          # bad input: argparse names it
         main([*args[:-2], "--n", "0"])
     assert "--n" in capsys.readouterr().err
+    # review finding: an empty split wrote a 1-byte CSV, then failed with "error: record"
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    bad = [*args[:args.index("--split") + 1], str(empty), *args[args.index("--split") + 2:]]
+    bad[bad.index("--out") + 1] = str(tmp_path / "none.csv")
+    assert main(bad) != 0
+    assert "has no records" in capsys.readouterr().err and not (tmp_path / "none.csv").exists()
 
 
 def test_diagnostics_targets_dry_run(tmp_path):
@@ -695,3 +702,22 @@ def test_diagnostics_targets_dry_run(tmp_path):
     cfg["conduit_diagnostics"]["datasets"] = {"niah_1k": "text"}
     r = snakemake(tmp_path, "-n", "conduit", "--configfile", str(write_config(tmp_path / "bad.yaml", cfg)))
     assert r.returncode != 0 and "'niah_1k' must be a vlm dataset" in r.stdout
+
+
+@pytest.mark.parametrize("section, key, value, target, needle", [
+    # layers the 24-layer zoo VLMs do not have (the schema's old default [7, 14, 24] was one)
+    ("conduit_diagnostics", "layers", [5, 9, 24], "conduit", "[24] are not layers of 'tiny-qwen2.5-vl', which has 24"),
+    ("conduit_diagnostics", "datasets", {"docpages": "page", "digitgrid": "page"}, "results/conduit/table13.csv",
+     "Table 13 compares image types"),
+    ("evidence", "column", "K9", "results/conduit/table14.csv", "conduit.evidence.column 'K9' is not"),
+    ("evidence", "recover_r", 0.05, "conduit", "recover_r (0.05) must be above conduit.evidence.r (0.1)"),
+    ("case_study", "column", "K9", "figures/conduit/fig4.pdf", "conduit.case_study.column 'K9' is not"),
+    ("conduit_latency", "model", "tiny-qwen2-lm", "results/conduit/table3.csv", "is a 'lm' model; Table 3 times"),
+])
+def test_values_only_a_late_job_would_refuse_fail_the_dry_run(tmp_path, section, key, value, target, needle):
+    """Found by a new-user review: each of these passed `snakemake -n` and failed (or gave empty rows) only after
+    training and evaluation. They now fail while the DAG is built, naming the key."""
+    cfg = load(REPO / "config" / "config.yaml")
+    (cfg["conduit"].setdefault(section, {}) if section in ("evidence", "case_study") else cfg[section])[key] = value
+    r = snakemake(tmp_path, "-n", target, "--configfile", str(write_config(tmp_path / "bad.yaml", cfg)))
+    assert r.returncode != 0 and needle in r.stdout, r.stdout[-3000:]

@@ -386,8 +386,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=_replay)
 
     s = sub.add_parser("report", help="tables and figures from finished runs")
-    s.add_argument("what", help="a table target (conduit/table1, conduit/table2, conduit/table3, "
-                   "conduit/table4, conduit/table5, conduit/staleness_gap, residualkv/tableIII, residualkv/tableVI, "
+    s.add_argument("what", help="a table target (conduit/table1 ... conduit/table5, conduit/table11 ... "
+                   "conduit/table15, conduit/staleness_gap, residualkv/tableIII, residualkv/tableVI, "
                    "residualkv/tableVII, residualkv/tableVIII: see kvbench.report.tables), zoo, zoo-figure, "
                    "conduit-fig3, conduit-fig4, or residualkv-fig{5,6,8,10,11,12}")
     s.add_argument("--runs", nargs="*", default=[], help="run directories (eval outputs)")
@@ -437,7 +437,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"conduit-latency: page side in px (multiple of 28, <= 448; default {d['page_px']})")
     s.add_argument("--r", type=float, default=None,
                    help=f"conduit-latency: refresh ratio of the budgeted methods (default {d['r']})")
-    s.add_argument("--methods", nargs="+", default=None, help="refresh policies (full is always added); "
+    s.add_argument("--methods", nargs="+", default=None, help="conduit-latency: refresh policies, each <policy> or "
+                   "<policy>:key=value,... without a budget, e.g. conduit:phase2_text=query (full is always added); "
                    f"rkv-throughput: {', '.join(rkv.METHODS)} (default: all)")
     s.add_argument("--repeats", type=_positive_int, default=None,
                    help=f"timed runs per (size, method) (default: {d['repeats']}; rkv-throughput {fig8.repeats}, "

@@ -551,6 +551,7 @@ def diag_capture_args():
 def _check_diagnostics():
     """Fail at DAG time on a `conduit_diagnostics` section the captures could not serve."""
     from kvbench.data.smoke import TASKS
+    from kvbench.report.rkv_plan import known_model_shape
 
     if "conduit_diagnostics" not in config:
         return
@@ -563,6 +564,16 @@ def _check_diagnostics():
         kind = DATASETS.get(d, {}).get("kind") or (TASKS[d].kind if d in TASKS else None)
         if d not in DATASETS or kind not in (None, "vlm"):
             raise ValueError(f"config conduit_diagnostics.datasets: {d!r} must be a vlm dataset under `datasets`")
+    for model in config["conduit"]["models"]:
+        try:
+            shape = known_model_shape(model, MODELS[model], None if is_zoo(model) else model_dir(model))
+        except ValueError:  # a config.json without the head counts: the capture checks the depth when it starts
+            shape = None
+        bad = [i for i in section["layers"] if shape is not None and not i < shape[0]]
+        if bad:
+            raise ValueError(f"config conduit_diagnostics.layers: {bad} are not layers of {model!r}, which has "
+                             f"{shape[0]} (0..{shape[0] - 1}); the schema default [7, 14, 24] is the paper's for "
+                             "Qwen2.5-VL-3B")
     n_test = config["conduit"].get("n_test")
     if n_test is not None and section["n_records"] > n_test:
         raise ValueError(f"config conduit_diagnostics.n_records ({section['n_records']}) exceeds conduit.n_test "
@@ -583,6 +594,11 @@ def table_inputs(wc):
     if table.section == "residualkv":
         return rkv_run_inputs(table.key)(wc)
     if table.section == "conduit_diagnostics":
+        types = sorted(set(config["conduit_diagnostics"]["datasets"].values()))
+        if table.key == "table13" and len(types) < 2:
+            raise ValueError(f"config conduit_diagnostics.datasets: every dataset has the image type {types[0]!r}; "
+                             "Table 13 compares image types, so it needs two datasets of different types "
+                             "(Tables 11 and 12 do not)")
         return diag_captures()
     return [f"results/bench/{PROFILE}/conduit_latency.csv"]
 

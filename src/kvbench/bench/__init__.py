@@ -20,7 +20,7 @@ TABLE3_METHODS = ["full", "reuse", "cacheblend", "mpic", "kvshare-conduit", "pro
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 
 #: Defaults of ``kvbench bench conduit-latency`` and :class:`~kvbench.bench.latency.LatencyConfig`
-#: (about 4 minutes on 2 idle CPU cores).
+#: (4/8/16 pages of 448 px: about 1k/2k/4k tokens; about 8 minutes on 2 idle CPU cores).
 BENCH_DEFAULTS = {
     "model": "timing-qwen2.5-vl-wide",
     "sizes": [4, 8, 16],

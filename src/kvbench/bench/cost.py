@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from kvbench.bench import flops
 from kvbench.reuse.assemble import AssembledRequest
-from kvbench.reuse.policies import get_policy
+from kvbench.reuse.policies import RefreshPolicy, get_policy
 
 
 @dataclass(frozen=True)
@@ -50,15 +50,16 @@ def visual_rows(policy: str, req: AssembledRequest, r: float, n_layers: int, **p
     return get_policy(policy, **params).visual_rows(req, r, n_layers)
 
 
-def analytic_cost(policy: str, req: AssembledRequest, r: float, shape: flops.DecoderShape,
+def analytic_cost(policy: str | RefreshPolicy, req: AssembledRequest, r: float, shape: flops.DecoderShape,
                   **params) -> AnalyticCost:
-    """Analytic FLOPs of ``policy`` on ``req`` (decoder only; see the module docstring)."""
-    pol = get_policy(policy, **params)
+    """Analytic FLOPs of ``policy`` (a name with ``params``, or a policy instance) on ``req`` (decoder only;
+    see the module docstring)."""
+    pol = get_policy(policy, **params) if isinstance(policy, str) else policy
     T, n_text = req.seq_len, int(req.text_index.numel())
     vis = pol.visual_rows(req, r, shape.n_layers)
     if pol.model_forward:
         return AnalyticCost(scoring=0, executor=flops.full_prefill_flops(shape, T), visual_rows=tuple(vis))
-    rows = [n_text + v for v in vis]
+    rows = [pol.phase2_text_rows(req) + v for v in vis]
     executor = flops.executor_flops(shape, T, rows)
     executor += sum(flops.query_flops(shape, rows[layer]) + flops.mass_flops(shape, rows[layer], T)
                     for layer in pol.mass_layers(vis))

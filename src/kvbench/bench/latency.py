@@ -35,7 +35,8 @@ import torch
 
 from kvbench.bench import BENCH_DEFAULTS, DTYPES, TABLE3_METHODS, clock, flops
 from kvbench.bench.cost import analytic_cost
-from kvbench.bench.requests import bench_record
+from kvbench.bench.requests import MAX_PAGE_PX, bench_record
+from kvbench.data.digits import CELL_PX
 from kvbench.bench.timing_model import TIMING_MODELS, build_timing_vlm, n_params
 from kvbench.models.prompting import encode_record
 from kvbench.reuse import (
@@ -44,11 +45,12 @@ from kvbench.reuse import (
     VLMAdapter,
     adapter_for,
     assemble,
-    get_policy,
     refresh,
 )
+from kvbench.reuse.policies import REFRESH, RefreshPolicy
 from kvbench.reuse.scoring import scoring_pass
 from kvbench.reuse.validate import check_ratio
+from kvbench.utils.spec import parse
 
 #: Columns of the raw measurement CSV (units in the names: ms, FLOPs as integers).
 RAW_COLUMNS = [
@@ -58,6 +60,26 @@ RAW_COLUMNS = [
 ]
 
 _FULL_INPUTS = ("input_ids", "attention_mask", "pixel_values", "image_grid_thw", "mm_token_type_ids")
+
+
+def table3_policy(method: str, r: float) -> RefreshPolicy:
+    """The policy a Table 3 method names (its :attr:`~kvbench.reuse.policies.RefreshPolicy.label`, with the
+    parameters after it, is the table's row name): ``<policy>`` or ``<policy>:key=value,...`` (a refresh spec without a
+    budget: every method is timed at the run's ``r``), e.g. ``conduit:phase2_text=query`` (the authors' as-run
+    Phase 2).
+
+    Raises:
+        ValueError: a budget in the name, an unknown policy or a bad parameter (naming the method).
+    """
+    if not isinstance(method, str) or "@" in method:
+        raise ValueError(f"Table 3 method {method!r}: expected <policy>[:key=value,...] without a budget "
+                         f"(every method is timed at r = {r})")
+    name, _, params = method.partition(":")
+    spec = name + ("" if name in REFRESH.fixed_r else f"@{r}") + (f":{params}" if params else "")
+    try:
+        return parse(spec, REFRESH).build()
+    except ValueError as e:
+        raise ValueError(f"Table 3 method {method!r}: {e}") from None
 
 
 @dataclass
@@ -71,7 +93,8 @@ class LatencyConfig:
         sizes: pages per request, one context size each.
         page_px: page side in px (multiple of 28, at most 448).
         r: refresh ratio of the budgeted methods (Table 3: 0.10).
-        methods: policies to run; ``full`` is always added as the reference.
+        methods: policies to run (``<policy>[:key=value,...]``, :func:`table3_policy`); ``full`` is always added
+            as the reference.
         repeats, warmup: timed and untimed runs per configuration.
         threads: torch intra-op threads (None: leave as is).
         device: ``"auto"`` (CUDA when available, else CPU), ``"cpu"`` or ``"cuda[:i]"``.
@@ -96,15 +119,19 @@ class LatencyConfig:
         """Check every field before any model work.
 
         Raises:
-            ValueError: bad ratio, repeats, sizes, or unknown method (message names the value).
+            ValueError: bad ratio, repeats, sizes, page size or method (message names the value).
         """
         check_ratio(self.r)
         if self.repeats < 1 or self.warmup < 0:
             raise ValueError(f"repeats must be >= 1 and warmup >= 0, got {self.repeats}, {self.warmup}")
         if not self.sizes or any(int(s) < 1 for s in self.sizes):
             raise ValueError(f"sizes must be page counts >= 1, got {list(self.sizes)}")
+        if len(set(map(int, self.sizes))) != len(self.sizes):
+            raise ValueError(f"sizes must be distinct page counts, got {list(self.sizes)} (one context each)")
+        if self.page_px <= 0 or self.page_px % CELL_PX or self.page_px > MAX_PAGE_PX:
+            raise ValueError(f"page_px must be a multiple of {CELL_PX} in {CELL_PX}..{MAX_PAGE_PX}, got {self.page_px}")
         for m in self.methods:
-            get_policy(m)
+            table3_policy(m, self.r)
         if self.model in TIMING_MODELS and not self.tokenizer:
             raise ValueError(f"timing model {self.model!r} needs a tokenizer directory")
 
@@ -141,8 +168,15 @@ def resolve_device(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
 
 
 def load_adapter(cfg: LatencyConfig, device: torch.device, dtype: torch.dtype) -> VLMAdapter:
-    """The reuse adapter of ``cfg.model`` (a random-weight timing model or a local checkpoint)."""
+    """The reuse adapter of ``cfg.model`` (a random-weight timing model or a local checkpoint).
+
+    Raises:
+        ValueError: a timing model whose tokenizer directory has no ``tokenizer.json``.
+    """
     if cfg.model in TIMING_MODELS:
+        if not (Path(cfg.tokenizer) / "tokenizer.json").is_file():
+            raise ValueError(f"tokenizer directory {str(cfg.tokenizer)!r} has no tokenizer.json "
+                             "(expected the zoo tokenizer, e.g. zoo/smoke/tokenizer-<hash>)")
         from transformers import AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(cfg.tokenizer, local_files_only=True)
@@ -170,7 +204,8 @@ def serve_full(adapter: VLMAdapter, record: dict) -> Served:
     return Served(token=token, ttft_ms=(clock.now(dev) - t0) * 1e3)
 
 
-def serve_cached(adapter: VLMAdapter, record: dict, images: list[ImageKV], policy: str, r: float) -> Served:
+def serve_cached(adapter: VLMAdapter, record: dict, images: list[ImageKV], policy: str | RefreshPolicy,
+                 r: float) -> Served:
     """``record`` served from in-memory image caches under ``policy`` at ratio ``r``: assemble, refresh in place,
     argmax (``Served.req`` is then consumed: assemble again to rerun it)."""
     dev = adapter.device
@@ -195,16 +230,17 @@ def measure_flops(adapter: VLMAdapter, record: dict, images: list[ImageKV], meth
                   shape: flops.DecoderShape) -> dict[str, int]:
     """Measured and analytic FLOPs of one request under ``method`` (``flops*`` and ``refreshed_visual``
     columns of :data:`RAW_COLUMNS`)."""
+    pol = table3_policy(method, r)
     if method == "full":
         _, fc = flops.count_flops(lambda: serve_full(adapter, record))
         req = assemble(adapter, record, images)
-        ana = analytic_cost("full", req, r, shape)
+        ana = analytic_cost(pol, req, r, shape)
         return {"flops": fc.total, "flops_scoring": 0, "flops_vision": fc.under(".visual"),
                 "flops_analytic": ana.total, "flops_analytic_scoring": 0, "refreshed_visual": ana.mean_visual_rows}
-    served, fc = flops.count_flops(lambda: serve_cached(adapter, record, images, method, r))
+    served, fc = flops.count_flops(lambda: serve_cached(adapter, record, images, pol, r))
     fresh = assemble(adapter, record, images)
     fs = flops.count_flops(lambda: scoring_pass(adapter, fresh, in_place=True))[1].total if served.result.scoring else 0
-    ana = analytic_cost(method, served.req, r, shape)
+    ana = analytic_cost(pol, served.req, r, shape)
     return {"flops": fc.total, "flops_scoring": fs, "flops_vision": 0,
             "flops_analytic": ana.total, "flops_analytic_scoring": ana.scoring, "refreshed_visual": ana.mean_visual_rows}
 
@@ -252,7 +288,7 @@ def run_conduit_latency(cfg: LatencyConfig, cache_dir: str | Path | None = None,
                         s = serve_full(adapter, record)
                         scoring_ms = None
                     else:
-                        s = serve_cached(adapter, record, images, m, cfg.r)
+                        s = serve_cached(adapter, record, images, table3_policy(m, cfg.r), cfg.r)
                         scoring_ms = time_scoring(adapter, record, images) if s.result.scoring is not None else None
                     if rep < 0:
                         continue

@@ -3,14 +3,15 @@
 A docpages page is 84x84 px (9 visual tokens). For latency the pages are
 resized (nearest neighbour) to ``page_px`` x ``page_px``: ``(page_px / 28)²``
 visual tokens per page, at most 256 with the zoo processor (``max_pixels``).
-With 336 px, 2 / 4 / 6 pages give about 340 / 640 / 940 tokens, 85-92% of them
-visual, as in CONDUIT's document setting. The serving prefix, page labels and
+With 448 px (256 tokens per page), 4 / 8 / 16 pages give 1,091 / 2,140 / 4,262
+tokens, 94-96% of them visual, as in CONDUIT's document setting. The serving prefix, page labels and
 question are the record's own.
 
 A docpages record has at most 6 pages (24 printed field codes). Longer
 requests (the paper's 4k/8k/16k contexts: 16/32/64 pages of 256 tokens) keep
 that record's first 6 pages and question and append further distinct pages of
-test-split scans, labelled with their page number only: the question cannot
+test-split scans, each cell labelled with the page number's last two digits
+(``07``, ``16``; a label has two characters): the question cannot
 name a cell on them, which does not matter for what the benchmark measures
 (FLOPs and TTFT depend on the token counts, not on the page content).
 """
@@ -49,7 +50,7 @@ def bench_record(n_pages: int, page_px: int, seed: int = 0) -> dict:
     for k in range(docpages.K_RANGE[1] + 1, n_pages + 1):
         cells = docpages.ROWS * docpages.COLS
         page = digits.render_page([rng.choice(scans) for _ in range(cells)], docpages.ROWS, docpages.COLS,
-                                  labels=[f"{k % 10} "] * cells)
+                                  labels=[f"{k % 100:02d}"] * cells)
         parts += [{"type": "text", "text": f"Page {k}:"}, {"type": "image", "image": page}]
     content = []
     for part in parts:

@@ -30,9 +30,10 @@ import pandas as pd
 
 from kvbench.bench import TABLE3_METHODS
 from kvbench.bench.clock import summarise
+from kvbench.bench.latency import table3_policy
 from kvbench.bench.timing_model import TIMING_MODELS
 from kvbench.report.plan import Table
-from kvbench.reuse.policies import get_policy
+from kvbench.reuse.policies import REFRESH
 from kvbench.utils.io import atomic_path
 
 TABLE3_COLUMNS = [
@@ -53,7 +54,7 @@ def header(raw: pd.DataFrame, profile: str) -> str:
     return (f"# kvbench {profile} profile: CONDUIT Table 3 (prefill FLOPs and TTFT at r={first['r']:g}; batch 1) "
             f"on {first['device']} with {first['threads']} threads ({first['dtype']}; torch {first['torch']}); "
             f"timing model {model} ({kind}); docpages requests of {sizes} pages at {first['page_px']} px; "
-            "not the paper's numbers")
+            "mean rows: ratios of the means over contexts; not the paper's numbers")
 
 
 def _cell(g: pd.DataFrame) -> dict:
@@ -62,7 +63,8 @@ def _cell(g: pd.DataFrame) -> dict:
     first = g.iloc[0]
     vision = first["flops_vision"]
     return {
-        "context_tokens": int(first["seq_len"]), "n_visual": int(first["n_visual"]), "r": first["r"],
+        "context_tokens": int(first["seq_len"]), "n_visual": int(first["n_visual"]),
+        "r": REFRESH.fixed_r.get(first["method"], first["r"]),   # reuse and full at their own r, not the run's
         "refreshed_visual": first["refreshed_visual"], "prefill_tflops": first["flops"] / 1e12,
         "scoring_tflops": first["flops_scoring"] / 1e12, "vision_tflops": vision / 1e12,
         "analytic_tflops": (first["flops_analytic"] + vision) / 1e12,
@@ -83,7 +85,9 @@ def build_table3(raw: pd.DataFrame) -> pd.DataFrame:
     order = {m: i for i, m in enumerate(TABLE3_METHODS)}
     cells = []
     for (method, pages), g in raw.groupby(["method", "pages"], sort=False):
-        cells.append({"method": method, "label": get_policy(method).label, "pages": str(pages), **_cell(g)})
+        params = method.partition(":")[2]
+        label = table3_policy(method, g.iloc[0]["r"]).label + (f" ({params})" if params else "")
+        cells.append({"method": method, "label": label, "pages": str(pages), **_cell(g)})
     df = pd.DataFrame(cells)
     full = df[df["method"] == "full"].set_index("pages")
     df["pct_of_full_flops"] = 100 * df["prefill_tflops"] / df["pages"].map(full["prefill_tflops"])
@@ -94,15 +98,15 @@ def build_table3(raw: pd.DataFrame) -> pd.DataFrame:
     full_flops = full["prefill_tflops"].mean()
     for method, g in df.groupby("method", sort=False):
         m = g.mean(numeric_only=True)
+        scoring = m.get("scoring_ms_median")   # absent when no timed method has a scoring pass (all None)
         means.append({**m.to_dict(), "method": method, "label": g["label"].iloc[0], "pages": "mean",
                       "pct_of_full_flops": 100 * m["prefill_tflops"] / full_flops,
-                      "speedup": full_ttft / m["ttft_ms_median"],
-                      "scoring_pct_of_ttft": (100 * m["scoring_ms_median"] / m["ttft_ms_median"]
-                                              if pd.notna(m["scoring_ms_median"]) else None),
+                      "speedup": full_ttft / m["ttft_ms_median"], "scoring_ms_median": scoring,
+                      "scoring_pct_of_ttft": (100 * scoring / m["ttft_ms_median"] if pd.notna(scoring) else None),
                       "repeats": int(g["repeats"].min())})
     df = pd.concat([df, pd.DataFrame(means)], ignore_index=True)
     df["flop_bound_share"] = df["speedup"] * df["pct_of_full_flops"] / 100
-    df["_m"] = df["method"].map(lambda m: order.get(m, len(order)))
+    df["_m"] = df["method"].map(lambda m: (order.get(m.partition(":")[0], len(order)), m))
     df["_p"] = df["pages"].map(lambda p: float("inf") if p == "mean" else int(p))
     return df.sort_values(["_m", "_p"]).drop(columns=["_m", "_p"])[TABLE3_COLUMNS].reset_index(drop=True)
 

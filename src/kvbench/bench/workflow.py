@@ -31,7 +31,7 @@ def latency_job(config: dict, model_dir: Callable[[str], str], tokenizer_dir: st
 
     Raises:
         ValueError: no ``conduit_latency`` section, a model that is neither a timing model nor
-            defined under ``models``, or a value the bench would refuse (its counts and device, then
+            defined under ``models`` (or is defined there but not as a vlm), or a value the bench would refuse (its counts and device, then
             the refresh policy registry); the message names the config key and value. Raised while
             the DAG is built, before Snakemake removes the previous CSV.
     """
@@ -43,6 +43,10 @@ def latency_job(config: dict, model_dir: Callable[[str], str], tokenizer_dir: st
     if model in TIMING_MODELS:
         path, where = f"{tokenizer_dir}/tokenizer.json", ["--model", model, "--tokenizer", tokenizer_dir]
     elif model in config.get("models", {}):
+        kind = config["models"][model].get("kind")
+        if kind not in (None, "vlm"):
+            raise ValueError(f"config conduit_latency.model: {model!r} is a {kind!r} model; Table 3 times image "
+                             "reuse, so it needs a vlm (or a timing model)")
         path, where = os.path.join(model_dir(model), "config.json"), ["--model", model_dir(model)]
     else:
         raise ValueError(f"config conduit_latency.model: {model!r} is neither a timing model "
@@ -66,9 +70,8 @@ def _check_section(section: dict) -> None:
     Raises:
         ValueError: naming the config key, its value and what was expected.
     """
-    from kvbench.bench.latency import LatencyConfig
+    from kvbench.bench.latency import LatencyConfig, table3_policy
     from kvbench.bench.settings import DEVICE_PATTERN
-    from kvbench.reuse import get_policy
 
     expected = {"sizes": ("page counts >= 1", lambda v: isinstance(v, list) and v and all(_is_int(x, 1) for x in v)),
                 "page_px": ("an integer >= 1", lambda v: _is_int(v, 1)),
@@ -82,9 +85,9 @@ def _check_section(section: dict) -> None:
             raise ValueError(f"config conduit_latency.{key} = {section[key]!r}: expected {what}")
     for method in section["methods"]:
         try:
-            get_policy(method)
+            table3_policy(method, section["r"])
         except ValueError as e:
-            raise ValueError(f"config conduit_latency.methods: {method!r}: {e}") from None
+            raise ValueError(f"config conduit_latency.methods: {e}") from None
     try:
         LatencyConfig(model=section["model"], tokenizer="-", sizes=section["sizes"], page_px=section["page_px"],
                       r=section["r"], methods=section["methods"], repeats=section["repeats"],

@@ -33,7 +33,8 @@ def diagnose_split(model_spec: str | Path, split_path: str | Path, cache_dir: st
         seed: direction seed.
 
     Raises:
-        ValueError: ``n`` < 1, or a record that is not a VLM record with images and ``generic_system``.
+        ValueError: ``n`` < 1, an empty split, or a record that is not a VLM record with images and
+            ``generic_system`` (all before the model is loaded).
         kvbench.eval.refresh.MissingCacheEntry: the cache lacks an image of a record.
     """
     from kvbench.eval.refresh import RefreshMethod
@@ -44,6 +45,8 @@ def diagnose_split(model_spec: str | Path, split_path: str | Path, cache_dir: st
     if not isinstance(n, int) or n < 1:
         raise ValueError(f"n (records to capture) must be an integer >= 1, got {n!r}")
     records = read_jsonl(split_path)[:n]
+    if not records:
+        raise ValueError(f"split {str(split_path)!r} has no records: nothing to capture")
     torch.set_num_threads(int(threads))
     model, proc = load_model(model_spec, device=device or ("cuda" if torch.cuda.is_available() else "cpu"))
     method = RefreshMethod(spec="reuse", cache_dir=str(cache_dir), build_missing=False)

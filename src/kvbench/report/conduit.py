@@ -107,6 +107,7 @@ class ConduitPlan:
             if parse_method_spec(spec).family not in ("refresh", "plain"):
                 raise ValueError(f"method spec {spec!r} is a compression press; CONDUIT rows take refresh policies "
                                  f"(or full)")
+        evidence.check_config(self)
 
     def regime(self, model: str) -> str:
         """The staleness regime a backbone stands for (``conduit.regimes``; "" when not given, e.g. a real

@@ -182,12 +182,11 @@ def evidence_specs(plan: Any, cfg: dict) -> dict[str, str]:
 
 # --- case study ---------------------------------------------------------------------------------
 
-def case_record(plan: Any, runs: Any, cfg: dict) -> tuple[Any, str]:
-    """``(column, record id)`` of the case study: the first record of ``cfg["column"]`` (default: the multi-image
-    column with K = 4, else the last one) in split order that the reference run evaluated.
+def case_column(plan: Any, cfg: dict) -> Any:
+    """The case study's multi-image column: ``cfg["column"]``, or the one whose K range holds 4, else the last.
 
     Raises:
-        ValueError: no such record.
+        ValueError: a named column that is not a ``conduit.multi_image`` column.
     """
     cols = plan.multi
     name = cfg.get("column")
@@ -196,8 +195,34 @@ def case_record(plan: Any, runs: Any, cfg: dict) -> tuple[Any, str]:
         if col is None:
             raise ValueError(f"conduit.case_study.column {name!r} is not a conduit.multi_image column "
                              f"{[c.name for c in cols]}")
-    else:
-        col = next((c for c in cols if c.k and c.k[0] <= 4 <= c.k[1]), cols[-1])
+        return col
+    return next((c for c in cols if c.k and c.k[0] <= 4 <= c.k[1]), cols[-1])
+
+
+def check_config(plan: Any) -> None:
+    """Check ``conduit.evidence`` and ``conduit.case_study`` against the plan's columns while the DAG is built
+    (not after every run finished).
+
+    Raises:
+        ValueError: a column that is not a multi-image column, or ``evidence.recover_r`` not above ``evidence.r``.
+    """
+    cfg = {**EVIDENCE_DEFAULTS, **plan.cfg.get("evidence", {})}
+    evidence_columns(plan, cfg)
+    if cfg["recover_r"] <= cfg["r"]:
+        raise ValueError(f"conduit.evidence.recover_r ({cfg['recover_r']}) must be above conduit.evidence.r "
+                         f"({cfg['r']}): it is the larger budget at which a differing record may recover")
+    if plan.multi:
+        case_column(plan, plan.cfg.get("case_study", {}))
+
+
+def case_record(plan: Any, runs: Any, cfg: dict) -> tuple[Any, str]:
+    """``(column, record id)`` of the case study: the first record of ``cfg["column"]`` (default: the multi-image
+    column with K = 4, else the last one) in split order that the reference run evaluated.
+
+    Raises:
+        ValueError: no such record.
+    """
+    col = case_column(plan, cfg)
     ref = _row(runs, plan, plan.models[0], col.dataset, plan.reference)
     for i, rec in runs.records(col.dataset).items():
         if i in ref and col.keeps(rec) and evidence_image(rec) is not None:

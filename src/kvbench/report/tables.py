@@ -28,6 +28,7 @@ def write(name: str, spec: str | dict, out: str | Path, root: str | Path = ".") 
         raise ValueError(f"--allow-missing applies to CONDUIT's accuracy tables only, not {name}")
     try:
         return table.build(spec, str(out), str(root))
-    except KeyError as e:  # a spec written by hand that lacks a key the workflow always gives
-        raise ValueError(f"the --spec of {name} lacks key {e.args[0]!r} (the workflow's spec: `snakemake -n -p "
-                         f"{table.path}` prints it)") from None
+    except KeyError as e:  # most often a spec written by hand that lacks a key the workflow always gives
+        raise ValueError(f"building {name}: missing key {e.args[0]!r}. If the --spec was written by hand, it may "
+                         f"lack that key (the workflow's spec: `snakemake -n -p {table.path}` prints it); otherwise "
+                         "the input lacks it (traceback above)") from e

@@ -109,6 +109,10 @@ class RefreshPolicy(ABC):
         if bad:
             raise ValueError(f"layers {bad} outside the model's {n_layers} layers")
 
+    def phase2_text_rows(self, req: AssembledRequest) -> int:
+        """Text rows Phase 2 computes at every layer (the analytic cost): all of them by default."""
+        return int(req.text_index.numel())
+
     def mass_layers(self, rows: list[int]) -> list[int]:
         """Layers after which the policy also computes the queries of every computed row and their
         attention mass (KVShare's reselection); ``rows``: :meth:`visual_rows`. Default: none."""
@@ -137,6 +141,9 @@ class Phase2TextPolicy(RefreshPolicy):
         text) and ``base_from_stage1`` (the non-query text rows then come from Stage I's K/V)."""
         query_only = self.phase2_text == "query"
         return {"text_rows": req.query_index if query_only else None, "base_from_stage1": query_only}
+
+    def phase2_text_rows(self, req: AssembledRequest) -> int:
+        return int((req.query_index if self.phase2_text == "query" else req.text_index).numel())
 
 
 REGISTRY: dict[str, type[RefreshPolicy]] = {}
