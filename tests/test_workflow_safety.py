@@ -51,7 +51,7 @@ def _hostile_config(tmp_path: Path) -> tuple[dict, Path]:
                              "ckpt-lm": ["text-jsonl"], "ckpt-vlm": ["doc-jsonl"]}
     cfg["conduit"].update(models=["ckpt-vlm"], regimes={}, multi_image={"K8": {"dataset": "doc-jsonl"}},
                           single_image={"K1": {"dataset": "doc-jsonl"}})
-    cfg["conduit_diagnostics"]["datasets"] = {"doc-jsonl": "page"}
+    cfg["conduit_diagnostics"]["datasets"] = {"doc-jsonl": "page", "docpages": "grid"}   # Table 13 needs two types
     cfg["conduit_latency"]["model"] = "ckpt-vlm"
     cfg["residualkv"].update(model="ckpt-lm", tasks=["text-jsonl"])
     cfg["residualkv"]["fig8"].update(model=str(root / LM_CKPT), codec_dir=str(root / "codec dir;touch pwned"))

@@ -87,7 +87,7 @@ def _check_section(section: dict) -> None:
         try:
             table3_policy(method, section["r"])
         except ValueError as e:
-            raise ValueError(f"config conduit_latency.methods: {e}") from None
+            raise ValueError(f"config conduit_latency.methods: {method!r}: {e}") from None
     try:
         LatencyConfig(model=section["model"], tokenizer="-", sizes=section["sizes"], page_px=section["page_px"],
                       r=section["r"], methods=section["methods"], repeats=section["repeats"],
