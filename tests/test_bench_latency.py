@@ -58,6 +58,21 @@ def test_pages_set_the_context_size():
         bench_record(2, 100)
 
 
+def test_3b_timing_model_has_qwen25_vl_3b_text_shapes(tokenizer):
+    """The GPU Table 3 model (scripts/gpu_table3.sh): Qwen2.5-VL-3B's decoder (d 2048, 36 layers, 16/2 heads of 128,
+    MLP 11008), built on the meta device here (no memory): about 3.1B decoder parameters with the zoo vocabulary."""
+    import transformers
+
+    cfg = timing_config("timing-qwen2.5-vl-3b", tokenizer)
+    t = cfg.text_config
+    assert (t.hidden_size, t.num_hidden_layers, t.num_attention_heads, t.num_key_value_heads, t.intermediate_size) == \
+        (2048, 36, 16, 2, 11008)
+    with torch.device("meta"):
+        model = transformers.Qwen2_5_VLForConditionalGeneration(cfg)
+    layers = sum(p.numel() for n, p in model.named_parameters() if ".layers." in n and "visual" not in n)
+    assert 2.7e9 < layers < 2.8e9   # 36 x 77.1M: the 3B model's decoder layers (embeddings apart)
+
+
 def test_requests_longer_than_a_docpages_record():
     """The paper's latency contexts need 16-64 pages; docpages has 24 field codes (6 pages). Bug: 16 pages raised
     "no field code for page 7"."""

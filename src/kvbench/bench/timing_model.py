@@ -30,6 +30,13 @@ TIMING_MODELS: dict[str, dict[str, Any]] = {
         num_attention_heads=8, num_key_value_heads=2, head_dim=128,
         max_position_embeddings=32768, initializer_range=0.02, mrope_section=[16, 24, 24],
     ),
+    # Qwen2.5-VL-3B's text decoder exactly (the paper's latency backbone), for a GPU: 3.1B parameters, 12 GB in
+    # float32, so not for the CPU. scripts/gpu_table3.sh times it at 4k/8k/16k.
+    "timing-qwen2.5-vl-3b": dict(
+        hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
+        num_attention_heads=16, num_key_value_heads=2, head_dim=128,
+        max_position_embeddings=32768, initializer_range=0.02, mrope_section=[16, 24, 24],
+    ),
     # A small variant for unit tests of the benchmark code (fast, still the real class).
     "timing-qwen2.5-vl-test": dict(
         hidden_size=128, intermediate_size=256, num_hidden_layers=3,
@@ -72,7 +79,9 @@ def build_timing_vlm(name: str, tokenizer: Any, device: str | torch.device = "cp
     cfg = timing_config(name, tokenizer)
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(seed)
-    model = transformers.Qwen2_5_VLForConditionalGeneration(cfg).to(device=device, dtype=dtype).eval()
+    with torch.device(device):   # built where it runs: a 3B model's random init on a GPU takes seconds, not minutes
+        model = transformers.Qwen2_5_VLForConditionalGeneration(cfg)
+    model = model.to(dtype=dtype).eval()
     return model, build_processor(tokenizer)
 
 
