@@ -239,12 +239,44 @@ def test_paper_residualkv_targets_resolve(tmp_path):
     assert "--default base" in r.stdout and re.search(r"dc_high=codecs/paper/llama-3\.1-8b/dc_high-[0-9a-f]{8}/codec", r.stdout)
     # slice_s (one day) cuts each codec job, as a resource: runtime = slice + 30 min, not a param
     assert "--slice-s 86400 " in r.stdout and "runtime=1470" in r.stdout
+    # issue #16 item 1: the paper's codecs train on a GPU in bf16, the rule asks the scheduler for it
+    assert "--device cuda --dtype bfloat16 --checkpointing" in r.stdout and re.search(r"\bgpu=1\b", r.stdout)
     assert "full_kv_bits=4" in r.stdout
     # a checkpoint whose config.json lacks the KV fields is named while the DAG is built
     llama = root / cfg["models"][cfg["residualkv"]["model"]]["checkpoint"] / "config.json"
     llama.write_text("{}\n")
     r = snakemake(tmp_path, "-n", "residualkv", "--configfile", str(PAPER_CONFIG), "--config", f"paths={{root: {root}}}")
     assert r.returncode != 0 and "its config lacks 'num_attention_heads'" in r.stdout
+
+
+def test_paper_codec_training_on_several_gpus_and_a_local_corpus(tmp_path):
+    """Issue #16 item 1: `gpus: 2` with `batch: 4` launches torchrun with 2 processes accumulating 2 sequences each
+    and asks for 2 GPUs; `data_files` are inputs of the job (a missing one fails the dry run, naming it); a batch
+    that the GPUs do not divide is refused while the DAG is built."""
+    root = tmp_path / "kvbench-data"
+    cfg = _fake_paper_root(root)
+    (root / "fineweb").mkdir()
+    (root / "fineweb" / "000.parquet").write_bytes(b"")
+    cfg["paths"] = {"root": str(root)}
+    cfg["residualkv"]["variants"] = {}
+    cfg["residualkv"]["train"].update(gpus=2, batch=4, data_files=["fineweb/000.parquet"])
+    for key in ("tableVII", "tableVIII", "stride_sweep"):
+        cfg["residualkv"].pop(key, None)
+    configfile = tmp_path / "paper.yaml"
+    configfile.write_text(yaml.safe_dump(cfg))
+    r = snakemake(tmp_path, "-n", "-p", "results/residualkv/tableIII.csv", "--configfile", str(configfile))
+    assert r.returncode == 0, r.stdout[-3000:]
+    assert "torchrun --standalone --nproc_per_node 2 -m kvbench.cli codec-train" in r.stdout
+    assert f"--grad-accum 2 --checkpointing --data-files {root}/fineweb/000.parquet" in r.stdout
+    assert re.search(r"\bgpu=2\b", r.stdout)
+    (root / "fineweb" / "000.parquet").unlink()
+    r = snakemake(tmp_path, "-n", "results/residualkv/tableIII.csv", "--configfile", str(configfile))
+    assert r.returncode != 0 and "fineweb/000.parquet" in r.stdout
+    cfg["residualkv"]["train"].update(batch=3, data_files=None)
+    cfg["residualkv"]["train"].pop("data_files")
+    configfile.write_text(yaml.safe_dump(cfg))
+    r = snakemake(tmp_path, "-n", "results/residualkv/tableIII.csv", "--configfile", str(configfile))
+    assert r.returncode != 0 and "batch=3 must be a multiple of gpus=2" in r.stdout
 
 
 def test_codec_rule_takes_only_current_recipe_hashes(tmp_path):

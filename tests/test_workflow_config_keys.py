@@ -60,6 +60,8 @@ NOT_DEFAULTED = {
     "residualkv.tableVIII": ("smoke", ["results/residualkv/tableVIII.csv"], "residualkv.tableVIII is not set"),
     "residualkv.stride_sweep": ("smoke", ["residualkv"], "residualkv.stride_sweep is not set"),
     "residualkv.stride_sweep.stride": ("smoke", ["residualkv"], None),
+    # codec-training recipe keys without defaults, so that older recipes keep their hashes (issue #16 item 1)
+    **{f"residualkv.train.{k}": ("smoke", ["residualkv"], None) for k in ("dtype", "batch", "data_files", "text_field")},
     "models.*.gpus": ("paper", ["all"], None),
     "models.*.mem_mb": ("paper", ["all"], None),
     "models.*.codec": ("paper", ["all", "residualkv"], None),

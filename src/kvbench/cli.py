@@ -84,20 +84,28 @@ def _codec_train(a: argparse.Namespace) -> None:
     import torch
 
     from kvbench.compress.residualkv.codec import ResidualCodec
-    from kvbench.compress.residualkv.train import train_codec
+    from kvbench.compress.residualkv.train import DTYPES, Placement, train_codec
     from kvbench.models.loader import load_model
+    from kvbench.train.dist import init_world
 
     overrides = _json_object(a.overrides, "--overrides")
     if a.slice_s is not None and not a.slice_s >= 0:
         raise ValueError(f"--slice-s must be a number of seconds >= 0 (0: no slice), got {a.slice_s}")
     if not a.lr > 0:
         raise ValueError(f"--lr must be > 0, got {a.lr}")
+    if a.data_files and a.data != "text":
+        raise ValueError(f"--data-files is a text corpus: it needs --data text, got --data {a.data}")
+    if a.device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device {a.device}: no CUDA device is visible (torch.cuda.is_available() is False)")
+    place = Placement(device=a.device, dtype=a.dtype, grad_accum=a.grad_accum, checkpointing=a.checkpointing,
+                      world=init_world(a.device))
     torch.manual_seed(a.seed)
     torch.set_num_threads(a.threads)
-    model, tok = load_model(a.model, dtype=torch.float32)
+    model, tok = load_model(a.model, dtype=DTYPES[a.dtype], device=a.device)
     codec = ResidualCodec.for_model(model, seed=a.seed, **overrides)
     summary = train_codec(model, tok, codec, out_dir=a.out, objective=a.objective, steps=a.steps, seq_len=a.seq_len,
-                          slice_s=a.slice_s or None, seed=a.seed, lr=a.lr, progress=True, data=a.data)
+                          slice_s=a.slice_s or None, seed=a.seed, lr=a.lr, progress=True, data=a.data,
+                          data_files=a.data_files, text_field=a.text_field, place=place)
     print(json.dumps(summary, indent=2, default=str))
 
 
@@ -335,6 +343,20 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--lr", type=float, default=2e-4, help="AdamW peak learning rate (paper §V-A: 2e-4)")
     s.add_argument("--data", default="text", choices=["text", "tasks"],
                    help="text: packed corpus windows (the paper's kind of data); tasks: the zoo LM's own task mixture")
+    s.add_argument("--data-files", nargs="+", default=None, metavar="FILE",
+                   help="with --data text: a local corpus (.jsonl/.json/.parquet with a text column, or .txt lines; "
+                        "the paper's FineWeb-Edu in that layout) instead of the bundled one; 1%% of its documents "
+                        "(by index hash) are held out for the validation windows")
+    s.add_argument("--text-field", default="text", help="the corpus files' text column (default: text)")
+    s.add_argument("--device", default="cpu", help="torch device of the backbone and codec: cpu, cuda, cuda:1 "
+                   "(under torchrun: each process takes the GPU of its LOCAL_RANK)")
+    s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="backbone dtype; bfloat16/float16 run both passes under autocast, the codec keeps float32 "
+                        "weights (the authors: bf16)")
+    s.add_argument("--grad-accum", type=_positive_int, default=1,
+                   help="sequences each process accumulates per optimiser step (global batch = this x processes)")
+    s.add_argument("--checkpointing", action="store_true",
+                   help="activation checkpointing of the decoder layers in the compressed pass (memory for time)")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--threads", type=_positive_int, default=1)
     s.set_defaults(func=_codec_train)

@@ -19,6 +19,7 @@ rule rkv_codec:
     param, so changing it never reruns a finished codec."""
     input:
         model=lambda wc: os.path.join(model_dir(wc.model), "config.json"),
+        corpus=lambda wc: [local_path(f) for f in rkv_plan().codec_training(RKV_CODECS[wc.codec]).get("data_files", [])],
     output:
         codec="codecs/{profile}/{model}/{codec}/codec/codec.json",
         summary="codecs/{profile}/{model}/{codec}/summary.json",
@@ -29,6 +30,8 @@ rule rkv_codec:
         out=lambda wc, output: os.path.dirname(output.summary),
         overrides=lambda wc: json.dumps(rkv_plan().codec_overrides(RKV_CODECS[wc.codec]), sort_keys=True),
         train=lambda wc: rkv_plan().codec_training(RKV_CODECS[wc.codec]),
+        launch=lambda wc: rkv_plan().codec_launcher(RKV_CODECS[wc.codec]),
+        flags=lambda wc: rkv_plan().codec_train_flags(RKV_CODECS[wc.codec], local_path),  # device, dtype, corpus
         seed=SEED,
     log:
         "logs/residualkv/codec/{profile}/{model}/{codec}.log",
@@ -40,14 +43,14 @@ rule rkv_codec:
         mem_mb=model_resource("mem_mb", 8000, 64000),
         runtime=lambda wc: rkv_plan().codec_runtime_min(RKV_CODECS[wc.codec]),  # minutes: slice + load/save, or estimate
         slice_s=lambda wc: rkv_plan().codec_slice_s(RKV_CODECS[wc.codec]) or 0,  # seconds; 0: no slice
-        gpu=0,  # codec-train runs on the CPU (float32); see README, "config/paper.yaml"
+        gpu=lambda wc: rkv_plan().codec_gpus(RKV_CODECS[wc.codec]),  # residualkv.train device/gpus
     conda:
         "../../envs/kvbench.yaml"
     shell:
-        "kvbench codec-train --model {params.model:q} --out {params.out:q} --overrides {params.overrides:q}"
+        "{params.launch} codec-train --model {params.model:q} --out {params.out:q} --overrides {params.overrides:q}"
         " --objective {params.train[objective]:q} --steps {params.train[steps]:q} --seq-len {params.train[seq_len]:q}"
         " --slice-s {resources.slice_s:q} --lr {params.train[lr]:q} --data {params.train[data]:q} --seed {params.seed:q}"
-        " --threads {threads} > {log:q} 2>&1"
+        " --threads {threads} {params.flags} > {log:q} 2>&1"
 
 
 rule rkv_fig5:

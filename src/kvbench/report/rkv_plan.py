@@ -52,7 +52,10 @@ FIGURE_VARIANTS = {"fig10": ["base", "separate"],
 DEFAULT_VARIANT = "base"
 #: Training keys of a codec recipe (config ``residualkv.train``, overridable per variant); ``slice_s`` is not one
 #: of them: it only cuts invocations, never the work.
-TRAIN_KEYS = ("objective", "steps", "seq_len", "lr", "data")
+TRAIN_KEYS = ("objective", "steps", "seq_len", "lr", "data", "dtype", "batch", "data_files", "text_field")
+#: Where codec training runs (``residualkv.train``): not in the recipe, since they do not change the weights
+#: (``gpus`` splits the global ``batch`` over processes, with the same result; ``checkpointing`` recomputes).
+PLACEMENT_KEYS = ("device", "gpus", "checkpointing")
 #: Codec-training throughput on the zoo LM, tokens/s (main codec: 600 steps x 512 tokens in about 330 s on 2 idle
 #: cores), and the slow-down allowed for a loaded machine: the runtime estimate of a run without a slice.
 ZOO_CODEC_TOKENS_PER_S, LOAD_FACTOR = 930, 4
@@ -303,6 +306,59 @@ class RKVPlan:
     def codec_overrides(self, variant: str) -> dict:
         """CodecConfig fields of ``variant``: the main codec's, updated by the variant's ``overrides``."""
         return {**self.s["codec"], **self.variant(variant).get("overrides", {})}
+
+    def codec_placement(self, variant: str) -> dict:
+        """``{device, gpus, grad_accum, checkpointing, dtype}`` of ``variant``'s training job (``residualkv.train``):
+        ``gpus`` processes (one per GPU, ``torchrun``) each accumulating ``grad_accum = batch / gpus`` sequences.
+
+        Raises:
+            ValueError: ``gpus`` > 1 off CUDA, ``batch`` not a multiple of ``gpus``, or a half ``dtype`` other
+                than bfloat16 on the CPU; naming ``residualkv.train`` and the values.
+        """
+        t, recipe = self.s["train"], self.codec_training(variant)
+        device, gpus = t.get("device", "cpu"), t.get("gpus", 1)
+        batch, dtype = recipe.get("batch", 1), recipe.get("dtype", "float32")
+        if gpus > 1 and not device.startswith("cuda"):
+            raise ValueError(f"config residualkv.train: gpus={gpus} needs device: cuda (got device: {device!r})")
+        if batch % gpus:
+            raise ValueError(f"config residualkv.train: batch={batch} must be a multiple of gpus={gpus} "
+                             "(each GPU accumulates batch / gpus sequences per step)")
+        if dtype == "float16" and not device.startswith("cuda"):
+            raise ValueError(f"config residualkv.train: dtype float16 needs device: cuda (got {device!r})")
+        return {"device": device, "gpus": gpus, "grad_accum": batch // gpus,
+                "checkpointing": bool(t.get("checkpointing", False)), "dtype": dtype}
+
+    def codec_train_flags(self, variant: str, resolve=lambda path: path) -> str:
+        """The placement and corpus flags of ``kvbench codec-train`` for ``variant``, shell-quoted, only those
+        that differ from the verb's defaults (``resolve`` maps a configured corpus path to the file)."""
+        import shlex
+
+        place, recipe = self.codec_placement(variant), self.codec_training(variant)
+        flags = []
+        if place["device"] != "cpu":
+            flags += ["--device", place["device"]]
+        if place["dtype"] != "float32":
+            flags += ["--dtype", place["dtype"]]
+        if place["grad_accum"] != 1:
+            flags += ["--grad-accum", str(place["grad_accum"])]
+        if place["checkpointing"]:
+            flags += ["--checkpointing"]
+        if recipe.get("data_files"):
+            flags += ["--data-files", *(resolve(f) for f in recipe["data_files"])]
+        if recipe.get("text_field", "text") != "text":
+            flags += ["--text-field", recipe["text_field"]]
+        return " ".join(shlex.quote(f) for f in flags)
+
+    def codec_gpus(self, variant: str) -> int:
+        """GPUs ``variant``'s training job asks the scheduler for (0 on the CPU)."""
+        place = self.codec_placement(variant)
+        return place["gpus"] if place["device"].startswith("cuda") else 0
+
+    def codec_launcher(self, variant: str) -> str:
+        """``kvbench``, or for several GPUs ``torchrun --standalone --nproc_per_node N -m kvbench.cli`` (one
+        process per GPU of one node; :mod:`kvbench.train.dist`)."""
+        gpus = self.codec_placement(variant)["gpus"]
+        return "kvbench" if gpus == 1 else f"torchrun --standalone --nproc_per_node {gpus} -m kvbench.cli"
 
     def codec_training(self, variant: str) -> dict:
         """``{objective, steps, seq_len, lr, data}`` of ``variant`` (its own keys, else the ``train`` section's)."""

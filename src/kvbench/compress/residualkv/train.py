@@ -20,6 +20,12 @@ Loss (``objective``): ``"joint"`` = next-token CE of the compressed pass + Σ_la
 plain sum of squared errors over layers and tokens; here each layer's term is the *mean* over tokens
 and dims (as the authors' code's MSE) and the layers are *summed*, so the two terms keep comparable
 scales at any sequence length. Both terms are logged every step whatever the objective.
+
+Placement (:class:`Placement`): the backbone may run on a GPU in bfloat16 under autocast while the codec keeps
+float32 master weights (as the authors train: bf16 backbone, ``TrainingArguments(bf16=True)``); a step may
+accumulate several sequences and, under ``torchrun``, spread them over the GPUs of a node
+(:mod:`kvbench.train.dist`); the compressed pass may recompute each decoder layer in the backward pass
+(transformers' activation checkpointing) to fit 8,192-token sequences of an 8B backbone in memory.
 """
 from __future__ import annotations
 
@@ -27,7 +33,8 @@ import contextlib
 import json
 import random
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +50,7 @@ from kvbench.compress.residualkv.references import (
     nearest_references,
     reference_mask,
 )
+from kvbench.train.dist import World
 from kvbench.train.loop import Interrupted, StopOnSignal
 from kvbench.train.state import load_state, save_state
 from kvbench.utils.io import atomic_path, write_json
@@ -159,8 +167,9 @@ def _compress_hooks(model: Any, codec: ResidualCodec, kv_hat_store: list, detach
             h.remove()
 
 
-def compressed_forward(model: Any, codec: ResidualCodec, input_ids: torch.Tensor, *,
-                       detach_refs: bool = False) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+def compressed_forward(model: Any, codec: ResidualCodec, input_ids: torch.Tensor, *, detach_refs: bool = False,
+                       hooks: contextlib.ExitStack | None = None
+                       ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
     """Teacher pass, then the compressed pass of ``model`` on ``input_ids`` (paper §IV-D).
 
     Args:
@@ -168,6 +177,9 @@ def compressed_forward(model: Any, codec: ResidualCodec, input_ids: torch.Tensor
         codec: one layer codec per decoder layer; its config gives sinks, stride and k.
         input_ids: int64 ``[B, T]``, no padding, positions 0..T-1.
         detach_refs: see :func:`compress_kv`.
+        hooks: keep the compressed pass's hooks on ``model`` until this stack closes (default: removed on
+            return). Activation checkpointing re-runs each layer in the backward pass, which must code its kv
+            again, so the backward has to run before the stack closes.
 
     Returns:
         ``(logits, kv_hat, kv_teacher)``: float ``[B, T, V]`` logits of the compressed pass (with a
@@ -187,9 +199,11 @@ def compressed_forward(model: Any, codec: ResidualCodec, input_ids: torch.Tensor
         model(input_ids=input_ids, use_cache=False)
     teacher = [torch.cat([r["k"], r["v"]], -1) for r in rec]
     kv_hat: list = [None] * n_layers
-    with _compress_hooks(model, codec, kv_hat, detach_refs):
+    with contextlib.ExitStack() as own:
+        (hooks or own).enter_context(_compress_hooks(model, codec, kv_hat, detach_refs))
         logits = model(input_ids=input_ids, use_cache=False).logits
-    return logits, kv_hat, teacher
+    # the first pass's kv_hat: a recompute in the backward pass writes the list again (same values)
+    return logits, list(kv_hat), teacher
 
 
 def ntp_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -214,16 +228,24 @@ def lr_at(step: int, steps: int, lr: float) -> float:
 class TokenStream:
     """Packed windows of a corpus split: documents in a seeded order, EOS between them, cut into windows.
 
-    Documents are the stdlib source files of the split (:func:`kvbench.data.corpus.stdlib_files`;
-    code with its comments and docstrings, whose prose lines are ``prose_lines``). They are tokenised
-    lazily in order, so window ``i`` is the same whatever number of windows is asked for; when the
+    Documents are, by default, the stdlib source files of the split (:func:`kvbench.data.corpus.stdlib_files`;
+    code with its comments and docstrings, whose prose lines are ``prose_lines``), or with ``files`` the
+    documents of a local corpus (JSONL / JSON / parquet / txt read with ``datasets``,
+    :func:`kvbench.data.local_text.local_documents`: the paper's FineWeb-Edu in that layout). They are
+    tokenised lazily in order, so window ``i`` is the same whatever number of windows is asked for; when the
     split is exhausted, the next epoch reshuffles with ``(seed, epoch)``.
     """
 
-    def __init__(self, tokenizer: Any, split: str, seq_len: int, seed: int) -> None:
-        from kvbench.data.corpus import stdlib_files
+    def __init__(self, tokenizer: Any, split: str, seq_len: int, seed: int,
+                 files: Sequence[str] | None = None, text_field: str = "text") -> None:
+        if files:
+            from kvbench.data.local_text import local_documents
 
-        self.docs = [text for _, text in stdlib_files(split)]
+            self.docs: Sequence[str] = local_documents(files, split, text_field)
+        else:
+            from kvbench.data.corpus import stdlib_files
+
+            self.docs = [text for _, text in stdlib_files(split)]
         if not self.docs:
             raise ValueError(f"corpus split {split!r} has no documents")
         self.tok, self.seq_len, self.seed = tokenizer, seq_len, seed
@@ -267,8 +289,12 @@ class TaskStream:
     of text its backbones model (FineWeb-Edu). ``docs/decisions.md``, "ResidualKV", codec training data.
     """
 
-    def __init__(self, tokenizer: Any, split: str, seq_len: int, seed: int) -> None:
+    def __init__(self, tokenizer: Any, split: str, seq_len: int, seed: int, files: None = None,
+                 text_field: str = "text") -> None:
         from kvbench.train.recipes import lm_task_mixture
+
+        if files:
+            raise ValueError("data='tasks' reads the zoo's task generators, not corpus files; use data='text'")
 
         self.tok, self.split, self.seq_len, self.seed = tokenizer, split, seq_len, seed
         self.mixture = lm_task_mixture(seq_len)
@@ -290,21 +316,118 @@ class TaskStream:
 DATA = {"text": TokenStream, "tasks": TaskStream}
 
 
+#: Dtypes the backbone may run in (``Placement.dtype``).
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where and how one codec-training process runs (none of it changes what a step computes, except the
+    precision of the backbone's and codec's matmuls under ``dtype``).
+
+    Parameters
+    ----------
+    device : str, "cpu" — torch device of the backbone and the codec ("cuda", "cuda:1", "cpu").
+    dtype : str, "float32" — the backbone's dtype; "bfloat16"/"float16" also run the compressed and teacher
+        passes under ``torch.autocast`` of that dtype while the codec keeps float32 master weights and AdamW
+        state (the authors' bf16 training). The caller loads the backbone in this dtype.
+    grad_accum : int, 1 — sequences each process accumulates per optimiser step.
+    checkpointing : bool, False — recompute each decoder layer in the backward pass (transformers' activation
+        checkpointing, non-reentrant) instead of keeping its activations.
+    world : World — this process among the data-parallel processes (:func:`kvbench.train.dist.init_world`).
+
+    The global batch is ``grad_accum * world.size`` sequences: optimiser step ``s`` reads windows
+    ``s * batch .. s * batch + batch - 1``, process ``rank`` those with ``j % world.size == rank``, so one process
+    with ``grad_accum = 2`` and two with ``grad_accum = 1`` train on the same data and reach the same weights.
+
+    Raises:
+        ValueError: unknown ``dtype``, ``grad_accum < 1``, or a half dtype on the CPU other than bfloat16.
+    """
+
+    device: str = "cpu"
+    dtype: str = "float32"
+    grad_accum: int = 1
+    checkpointing: bool = False
+    world: World = field(default_factory=World)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"Placement.dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if not isinstance(self.grad_accum, int) or self.grad_accum < 1:
+            raise ValueError(f"Placement.grad_accum must be an int >= 1, got {self.grad_accum!r}")
+        if self.dtype == "float16" and not self.device.startswith("cuda"):
+            raise ValueError("Placement.dtype='float16' needs a CUDA device (CPU autocast supports bfloat16)")
+
+    @property
+    def batch(self) -> int:
+        """Sequences per optimiser step over all processes."""
+        return self.grad_accum * self.world.size
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """``torch.autocast`` of ``dtype`` on ``device`` (a no-op context for float32)."""
+        if self.dtype == "float32":
+            return contextlib.nullcontext()
+        return torch.autocast(torch.device(self.device).type, dtype=DTYPES[self.dtype])
+
+    def windows(self, step: int) -> list[int]:
+        """The window indices this process trains on at 0-based optimiser ``step``, in accumulation order."""
+        return [step * self.batch + self.world.rank + self.world.size * a for a in range(self.grad_accum)]
+
+
+def _to(batch: tuple[torch.Tensor, torch.Tensor], device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    return batch[0].to(device), batch[1].to(device)
+
+
 @torch.no_grad()
-def evaluate(model: Any, codec: ResidualCodec, windows: list[torch.Tensor]) -> dict:
-    """Mean compressed-pass NTP loss and rec loss over ``windows`` (``(ids, labels)``, int64 ``[1, T]`` each)."""
+def evaluate(model: Any, codec: ResidualCodec, windows: list[torch.Tensor], place: Placement | None = None) -> dict:
+    """Mean compressed-pass NTP loss and rec loss over ``windows`` (``(ids, labels)``, int64 ``[1, T]`` each),
+    on ``place``'s device under its autocast."""
+    place = place or Placement()
     ntp = rec = 0.0
-    for ids, labels in windows:
-        logits, hat, teacher = compressed_forward(model, codec, ids)
+    for batch in windows:
+        ids, labels = _to(batch, place.device)
+        with place.autocast():
+            logits, hat, teacher = compressed_forward(model, codec, ids)
         ntp += ntp_loss(logits, labels).item()
         rec += rec_loss(hat, teacher).item()
     return {"eval_ntp": ntp / len(windows), "eval_rec": rec / len(windows)}
 
 
 @torch.no_grad()
-def baseline_ntp(model: Any, windows: list[torch.Tensor]) -> float:
+def baseline_ntp(model: Any, windows: list[torch.Tensor], place: Placement | None = None) -> float:
     """Mean NTP loss of the uncompressed model over ``windows``."""
-    return sum(ntp_loss(model(input_ids=w, use_cache=False).logits, lab).item() for w, lab in windows) / len(windows)
+    place = place or Placement()
+    total = 0.0
+    for batch in windows:
+        ids, labels = _to(batch, place.device)
+        with place.autocast():
+            logits = model(input_ids=ids, use_cache=False).logits
+        total += ntp_loss(logits, labels).item()
+    return total / len(windows)
+
+
+@contextlib.contextmanager
+def _checkpointed(model: Any, on: bool) -> Iterator[None]:
+    """Activation checkpointing of every decoder layer for the block (transformers' non-reentrant form).
+
+    transformers checkpoints a layer only in training mode, so the decoder layers are put in training mode while
+    every other module (attention and its dropout included) stays in eval mode: no dropout is ever active.
+    """
+    if not on:
+        yield
+        return
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        raise ValueError(f"{type(model).__name__} does not support activation checkpointing")
+    layers = decoder_layers(model)
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    try:
+        for layer in layers:
+            layer.training = True  # the flag alone: children (attention, MLP, dropout) stay in eval mode
+        yield
+    finally:
+        for layer in layers:
+            layer.training = False
+        model.activation_checkpointing_disable()
 
 
 def _model_signature(model: Any) -> dict:
@@ -314,12 +437,15 @@ def _model_signature(model: Any) -> dict:
 
 def train_codec(model: Any, tokenizer: Any, codec: ResidualCodec, *, out_dir: str | Path, objective: str = "joint",
                 steps: int, seq_len: int = 512, slice_s: float | None = None, seed: int = 0, lr: float = 2e-4,
-                log_every: int = 10, eval_every: int = 50, progress: bool = True, data: str = "text") -> dict:
+                log_every: int = 10, eval_every: int = 50, progress: bool = True, data: str = "text",
+                data_files: Sequence[str] | None = None, text_field: str = "text",
+                place: Placement | None = None) -> dict:
     """Train ``codec`` on the frozen ``model`` for ``steps`` steps (paper §IV-D, §V-A), resuming from ``out_dir/state``.
 
-    AdamW (lr ``lr``, 2% warm-up then linear decay), gradient clipping at 1.0, batch 1, one sequence per
-    step: window ``i`` of the 'train' split at step ``i`` (:class:`TokenStream` / :class:`TaskStream`, order
-    from ``seed``), so the data does not depend on where a run was interrupted. The backbone's parameters are
+    AdamW (lr ``lr``, 2% warm-up then linear decay), gradient clipping at 1.0, ``place.batch`` sequences per
+    step (1 by default, the paper's batch; each sequence's loss scaled by 1 / batch): step ``s`` reads windows
+    ``s * batch ..`` of the 'train' split (:class:`TokenStream` / :class:`TaskStream`, order from ``seed``), so
+    the data does not depend on where a run was interrupted or on how the batch is split over processes. The backbone's parameters are
     frozen for the call (flags restored after) and never updated; hooks are removed on exit even after an
     exception. The weights depend on the seed and the arguments alone (not on ``slice_s`` or on resumes):
     the state saves codec, AdamW and torch RNG, and the curves rows, so a resumed run continues bit-exactly.
@@ -337,6 +463,12 @@ def train_codec(model: Any, tokenizer: Any, codec: ResidualCodec, *, out_dir: st
             runs); when they are up before ``steps``, the state is saved and :class:`SliceEnded` raised,
             and a rerun resumes. ``None``: train to the end.
         data: ``"text"`` (packed corpus windows, :class:`TokenStream`) or ``"tasks"`` (:class:`TaskStream`).
+        data_files, text_field: with ``data="text"``, a local corpus instead of the bundled one
+            (:func:`kvbench.data.local_text.local_documents`; validation windows from its held-out documents).
+        place: device, dtype, accumulation, checkpointing and data-parallel world (:class:`Placement`; default:
+            one CPU process in float32). Only ``place.world``'s main process evaluates and writes files; the
+            state records the global batch and dtype, so a resume with another split of the same global batch
+            (e.g. 1 GPU x 2 accumulated vs 2 GPUs x 1) continues the same run.
 
     Returns:
         the summary dict: steps, objective, data, final_loss/ntp/rec (of the last step), baseline_ntp
@@ -354,6 +486,7 @@ def train_codec(model: Any, tokenizer: Any, codec: ResidualCodec, *, out_dir: st
         raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
     if data not in DATA:
         raise ValueError(f"data must be one of {sorted(DATA)}, got {data!r}")
+    place = place or Placement()
     if steps <= 0 or seq_len <= 1:
         raise ValueError(f"steps must be > 0 and seq_len > 1, got steps={steps}, seq_len={seq_len}")
     if slice_s is not None and not slice_s > 0:
@@ -366,6 +499,12 @@ def train_codec(model: Any, tokenizer: Any, codec: ResidualCodec, *, out_dir: st
         raise ValueError(f"out_dir {str(out_dir)!r} exists and is not a directory")
     run_cfg = {"codec": json.loads(codec.config.to_json()), "objective": objective, "steps": steps, "data": data,
                "seq_len": seq_len, "seed": seed, "lr": lr, "model": _model_signature(model)}
+    # Only what changes the weights enters the run's identity (not the device, nor how the batch is split).
+    if place.batch != 1 or place.dtype != "float32":
+        run_cfg.update(batch=place.batch, dtype=place.dtype)
+    if data_files:
+        run_cfg.update(data_files=sorted(str(Path(f).resolve()) for f in data_files), text_field=text_field)
+    codec.to(place.device)
     opt = torch.optim.AdamW(codec.parameters(), lr=lr)
     modules = {"codec": codec}
     saved = out_dir / "state" / "meta.json"
@@ -374,8 +513,8 @@ def train_codec(model: Any, tokenizer: Any, codec: ResidualCodec, *, out_dir: st
     meta = load_state(out_dir / "state", modules, opt)
     if meta is not None:
         _check_same_run(meta, run_cfg, out_dir)
-    stream = DATA[data](tokenizer, "train", seq_len, seed)
-    val_stream = DATA[data](tokenizer, "test", seq_len, VAL_SEED)
+    stream = DATA[data](tokenizer, "train", seq_len, seed, files=data_files, text_field=text_field)
+    val_stream = DATA[data](tokenizer, "test", seq_len, VAL_SEED, files=data_files, text_field=text_field)
     val = [val_stream.batch(i) for i in range(N_VAL_WINDOWS)]
 
     frozen = {n: p.requires_grad for n, p in model.named_parameters()}
@@ -385,15 +524,19 @@ def train_codec(model: Any, tokenizer: Any, codec: ResidualCodec, *, out_dir: st
     model.eval()  # no dropout: the teacher and compressed passes must see the same backbone
     try:
         if meta is None:
-            meta = {"run": run_cfg, "step": 0, "elapsed_s": 0.0, "baseline_ntp": baseline_ntp(model, val),
-                    "eval_before": evaluate(model, codec, val), "last": {}, "curves": [], "timing": [],
+            main = place.world.main  # only the process that writes evaluates
+            meta = {"run": run_cfg, "step": 0, "elapsed_s": 0.0,
+                    "baseline_ntp": baseline_ntp(model, val, place) if main else None,
+                    "eval_before": evaluate(model, codec, val, place) if main else None,
+                    "last": {}, "curves": [], "timing": [],
                     "rng": torch.Generator().manual_seed(seed).get_state().tolist()}
         # The training's CPU RNG stream starts from ``seed`` and continues from the state on a resume; the
         # caller's global RNG is left as it was.
         with torch.random.fork_rng(devices=[]):
             torch.set_rng_state(torch.tensor(meta["rng"], dtype=torch.uint8))
-            summary = _loop(model, codec, opt, stream, val, meta, out_dir, objective, steps, lr, slice_s,
-                            log_every, eval_every, progress)
+            with _checkpointed(model, place.checkpointing):
+                summary = _loop(model, codec, opt, stream, val, meta, out_dir, objective, steps, lr, slice_s,
+                                log_every, eval_every, progress, place)
     finally:
         for n, p in model.named_parameters():
             p.requires_grad_(frozen[n])
@@ -414,18 +557,47 @@ def _check_same_run(meta: dict, run_cfg: dict, out_dir: Path) -> None:
                          "delete it to start over")
 
 
+def _step(model, codec, opt, stream, step, objective, place) -> dict:
+    """One optimiser step's forward/backward passes over this process's windows (:meth:`Placement.windows`),
+    gradients summed over the processes. Returns the global batch's mean ``loss``, ``ntp``, ``rec``."""
+    opt.zero_grad(set_to_none=True)
+    sums = torch.zeros(3, dtype=torch.float64)
+    for j in place.windows(step):
+        ids, labels = _to(stream.batch(j), place.device)
+        with contextlib.ExitStack() as hooks:  # open through the backward pass (checkpointed layers re-run)
+            with place.autocast():
+                logits, hat, teacher = compressed_forward(model, codec, ids, hooks=hooks)
+            ntp, rec = ntp_loss(logits, labels), rec_loss(hat, teacher)
+            loss = {"joint": ntp + rec, "ntp": ntp, "mse": rec}[objective]
+            (loss / place.batch).backward()
+        sums += torch.tensor([loss.item(), ntp.item(), rec.item()], dtype=torch.float64)
+    if place.world.size > 1:
+        for p in codec.parameters():  # every process must all-reduce the same tensors
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        place.world.sum_([p.grad for p in codec.parameters()])
+        sums = sums.to(place.device)
+        place.world.sum_([sums])
+    loss, ntp, rec = (sums.cpu() / place.batch).tolist()
+    return {"loss": loss, "ntp": ntp, "rec": rec}
+
+
 def _loop(model, codec, opt, stream, val, meta, out_dir, objective, steps, lr, slice_s,
-          log_every, eval_every, progress) -> dict:
-    """The step loop of :func:`train_codec` (state in ``meta``); writes the final files once ``steps`` are done."""
+          log_every, eval_every, progress, place) -> dict:
+    """The step loop of :func:`train_codec` (state in ``meta``); writes the final files once ``steps`` are done.
+    Decisions to stop (signal, slice) are taken by all processes together, so none waits alone."""
     done = meta["step"]
     rows, timing = meta["curves"], meta["timing"]
     t0, elapsed0 = time.monotonic(), meta["elapsed_s"]
     last_save = t0
     step, last = done, meta["last"]
     evals: dict[int, dict] = {}  # step -> eval result, so the final eval is not run twice
-    bar = StepProgress(f"codec {out_dir.name}", steps, done) if progress else None
+    main = place.world.main
+    bar = StepProgress(f"codec {out_dir.name}", steps, done) if progress and main else None
 
     def save() -> None:
+        if not main:
+            return
         meta.update(step=step, last=last, elapsed_s=elapsed0 + time.monotonic() - t0,
                     rng=torch.get_rng_state().tolist())
         save_state(out_dir / "state", {"codec": codec}, opt, meta)
@@ -435,32 +607,26 @@ def _loop(model, codec, opt, stream, val, meta, out_dir, objective, steps, lr, s
         while step < steps:
             for group in opt.param_groups:
                 group["lr"] = lr_at(step, steps, lr)
-            ids, labels = stream.batch(step)
-            logits, hat, teacher = compressed_forward(model, codec, ids)
-            ntp, rec = ntp_loss(logits, labels), rec_loss(hat, teacher)
-            loss = {"joint": ntp + rec, "ntp": ntp, "mse": rec}[objective]
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
+            last = _step(model, codec, opt, stream, step, objective, place)
             torch.nn.utils.clip_grad_norm_(codec.parameters(), 1.0)
             opt.step()
             step += 1
-            last = {"loss": loss.item(), "ntp": ntp.item(), "rec": rec.item()}
             if bar is not None:
                 bar.update(step, ntp=last["ntp"], rec=last["rec"])
             is_eval = eval_every > 0 and (step % eval_every == 0 or step == steps)
             if step % log_every == 0 or step == steps or is_eval or step == 1:
                 row = {"step": step, **last, "lr": opt.param_groups[0]["lr"], "eval_ntp": None, "eval_rec": None}
-                if is_eval:
+                if is_eval and main:
                     codec.eval()
-                    evals[step] = evaluate(model, codec, val)
+                    evals[step] = evaluate(model, codec, val, place)
                     row.update(evals[step])
                     codec.train()
                 rows.append(row)
                 timing.append({"step": step, "elapsed_s": round(elapsed0 + time.monotonic() - t0, 3)})
-            if stop.requested:
+            if place.world.any(stop.requested):
                 save()
                 raise Interrupted(f"codec training interrupted at step {step}; state saved in {out_dir / 'state'}")
-            if slice_s is not None and step < steps and time.monotonic() - t0 >= slice_s:
+            if slice_s is not None and step < steps and place.world.any(time.monotonic() - t0 >= slice_s):
                 save()
                 raise SliceEnded(f"training codec {out_dir}", step, steps, str(out_dir / "state"), slice_s)
             if time.monotonic() - last_save >= SAVE_EVERY_S:
@@ -469,10 +635,13 @@ def _loop(model, codec, opt, stream, val, meta, out_dir, objective, steps, lr, s
     if step > done:
         save()
     codec.eval()
+    if not main:  # the main process evaluates and writes; the others only trained
+        place.world.barrier()
+        return {"steps": steps, "objective": objective, "rank": place.world.rank}
     summary = {"steps": steps, "objective": objective, "data": meta["run"]["data"],
                "final_loss": last["loss"], "final_ntp": last["ntp"], "final_rec": last["rec"],
                "baseline_ntp": meta["baseline_ntp"], "eval_before": meta["eval_before"],
-               "eval_final": evals.get(step) or evaluate(model, codec, val),
+               "eval_final": evals.get(step) or evaluate(model, codec, val, place),
                "n_val_windows": len(val), "codec_params": codec.n_params()}
     wall = meta["elapsed_s"]
     codec.save(out_dir / "codec")
@@ -482,4 +651,5 @@ def _loop(model, codec, opt, stream, val, meta, out_dir, objective, steps, lr, s
     write_json(out_dir / "summary.timing.json",
                {"wall_s": round(wall, 2), "steps_per_s": round(steps / wall, 3) if wall > 0 else None})
     write_json(out_dir / "summary.json", summary)  # last: the rule's output says everything is there
+    place.world.barrier()
     return summary
