@@ -60,6 +60,8 @@ NOT_DEFAULTED = {
     "residualkv.tableVIII": ("smoke", ["results/residualkv/tableVIII.csv"], "residualkv.tableVIII is not set"),
     "residualkv.stride_sweep": ("smoke", ["residualkv"], "residualkv.stride_sweep is not set"),
     "residualkv.stride_sweep.stride": ("smoke", ["residualkv"], None),
+    # absent: the main codec is trained (tests/test_rkv_deltakv_format.py dry-runs a config that imports it)
+    "residualkv.codec.import": ("smoke", ["residualkv"], None),
     "models.*.gpus": ("paper", ["all"], None),
     "models.*.mem_mb": ("paper", ["all"], None),
     "models.*.codec": ("paper", ["all", "residualkv"], None),
