@@ -62,6 +62,8 @@ NOT_DEFAULTED = {
     "residualkv.stride_sweep.stride": ("smoke", ["residualkv"], None),
     # codec-training recipe keys without defaults, so that older recipes keep their hashes (issue #16 item 1)
     **{f"residualkv.train.{k}": ("smoke", ["residualkv"], None) for k in ("dtype", "batch", "data_files", "text_field")},
+    # absent: the main codec is trained (tests/test_rkv_deltakv_format.py dry-runs a config that imports it)
+    "residualkv.codec.import": ("smoke", ["residualkv"], None),
     "models.*.gpus": ("paper", ["all"], None),
     "models.*.mem_mb": ("paper", ["all"], None),
     "models.*.codec": ("paper", ["all", "residualkv"], None),

@@ -109,6 +109,29 @@ def _codec_train(a: argparse.Namespace) -> None:
     print(json.dumps(summary, indent=2, default=str))
 
 
+def _codec_import(a: argparse.Namespace) -> None:
+    from kvbench.compress.residualkv.deltakv_format import write_import
+    from kvbench.models.loader import resolve_spec
+
+    overrides = _json_object(a.overrides, "--overrides")
+    model = resolve_spec(a.model) if a.model else None
+    record = write_import(a.from_deltakv, a.out, model, **overrides)
+    print(json.dumps(record, indent=2, default=str))
+
+
+def _codec_export(a: argparse.Namespace) -> None:
+    import torch
+
+    from kvbench.compress.residualkv.codec import ResidualCodec
+    from kvbench.compress.residualkv.deltakv_format import export_deltakv, saved_dtype
+    from kvbench.models.loader import resolve_spec
+
+    model = resolve_spec(a.model)
+    dtype = getattr(torch, a.dtype) if a.dtype else saved_dtype(a.codec)
+    out = export_deltakv(ResidualCodec.load(a.codec, model=None), a.out, model, dtype=dtype)
+    print(json.dumps({"out": a.out, "dtype": str(dtype), "not_carried": out["not_carried"]}, indent=2))
+
+
 def _eval(a: argparse.Namespace) -> None:
     from kvbench.eval.runner import run_eval
 
@@ -360,6 +383,28 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--threads", type=_positive_int, default=1)
     s.set_defaults(func=_codec_train)
+
+    s = sub.add_parser("codec-import", help="a ResidualKV (DeltaKV) authors' compressor checkpoint -> a codec "
+                                            "directory (codec.safetensors, codec.json, provenance.json)")
+    s.add_argument("--from-deltakv", required=True, metavar="DIR",
+                   help="their compressor directory: config.json + model.safetensors (pickle weights are refused)")
+    s.add_argument("--out", required=True, help="codec directory to write")
+    s.add_argument("--model", default=None, help="target backbone (checkpoint directory or zoo name) its shapes are "
+                                                 "checked against (default: the checkpoint's own config.json)")
+    s.add_argument("--overrides", default="", help="JSON object of inference-time CodecConfig fields (k, stride, "
+                                                   "alpha, n_sink, window, bits, group, grid); structural ones must "
+                                                   "equal the checkpoint's")
+    s.set_defaults(func=_codec_import)
+
+    s = sub.add_parser("codec-export", help="a codec directory -> the ResidualKV authors' compressor layout "
+                                            "(model.safetensors + config.json)")
+    s.add_argument("--codec", required=True, help="codec directory (codec.safetensors, codec.json)")
+    s.add_argument("--model", required=True, help="the backbone (checkpoint directory or zoo name): its config.json "
+                                                  "is the base of the written one")
+    s.add_argument("--out", required=True, help="directory to write")
+    s.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="dtype of the written tensors (default: the one codec.safetensors stores)")
+    s.set_defaults(func=_codec_export)
 
     s = sub.add_parser("eval", help="run a method over a benchmark split")
     s.add_argument("--model", required=True, help="HF checkpoint directory or zoo name")

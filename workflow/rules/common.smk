@@ -354,12 +354,23 @@ def model_resource(key, zoo_default, checkpoint_default):
 
 # --- ResidualKV targets (residualkv.smk) ------------------------------------------------------
 
+def _rkv_section():
+    """The config's `residualkv` section with `codec.import` (an authors' checkpoint, imported as the main codec)
+    resolved like every local path (absolute, else under `paths.root`)."""
+    section = dict(config["residualkv"])
+    codec = dict(section["codec"])
+    if "import" in codec:
+        codec["import"] = local_path(str(codec["import"]))
+    section["codec"] = codec
+    return section
+
+
 def _rkv_plan():
     from kvbench.report.rkv_plan import RKVPlan, check_table_i, known_model_shape
 
     if "residualkv" not in config:
         return None
-    section = config["residualkv"]
+    section = _rkv_section()
     if section["model"] not in MODELS or MODELS[section["model"]]["kind"] != "lm":
         raise ValueError(f"config residualkv.model: {section['model']!r} must be an `lm` model defined under `models`")
     for task in section["tasks"]:
@@ -376,7 +387,8 @@ def _rkv_plan():
 
 
 RKV = _rkv_plan()
-RKV_CODECS = RKV.codec_names() if RKV else {}  # "<variant>-<recipe hash>" -> variant (codecs/ directory names)
+RKV_CODECS = RKV.codec_names("trained") if RKV else {}  # "<variant>-<recipe hash>" -> variant (codecs/ directory names)
+RKV_IMPORTS = RKV.codec_names("imported") if RKV else {}  # "main-import-<hash>" -> variant (rkv_codec_import)
 
 
 def rkv_plan():
@@ -397,7 +409,7 @@ def rkv_run_inputs(target):
 def rkv_report_spec():
     """The JSON the ResidualKV writers read (:meth:`kvbench.report.rkv_plan.RKVPlan.from_spec`)."""
     model = config["residualkv"]["model"]
-    return json.dumps({"profile": PROFILE, "residualkv": config["residualkv"], "zoo": is_zoo(model), "seed": SEED,
+    return json.dumps({"profile": PROFILE, "residualkv": _rkv_section(), "zoo": is_zoo(model), "seed": SEED,
                        "model_dir": model_dir(model)}, sort_keys=True)
 
 

@@ -3,6 +3,9 @@
 #   rkv_codec       one per codec variant: `kvbench codec-train` on the frozen zoo LM
 #                   -> codecs/<profile>/<model>/<variant>-<recipe hash>/{codec/,curves.csv,summary.json} (state/ resumes;
 #                   the hash covers what determines the weights, so a config change trains into a new directory)
+#   rkv_codec_import  the main codec imported instead (`residualkv.codec.import`: the authors' compressor
+#                   checkpoint): `kvbench codec-import` -> codecs/<profile>/<model>/main-import-<hash>/codec/
+#                   {codec.json, codec.safetensors, provenance.json}; runs read it like a trained one
 #   runs            `eval` jobs (eval.smk): one per task x press spec -> results/runs/<profile>/<model>/<task>/residualkv/<slug>/
 #   tables          `table` jobs (tables.smk): results/residualkv/table{III,VI,VII,VIII}.csv
 #   rkv_fig5, rkv_codec_figures (fig10, fig11, fig12)   figures/residualkv/fig<N>.pdf (+ results/residualkv/fig<N>.csv)
@@ -51,6 +54,40 @@ rule rkv_codec:
         " --objective {params.train[objective]:q} --steps {params.train[steps]:q} --seq-len {params.train[seq_len]:q}"
         " --slice-s {resources.slice_s:q} --lr {params.train[lr]:q} --data {params.train[data]:q} --seed {params.seed:q}"
         " --threads {threads} {params.flags} > {log:q} 2>&1"
+
+
+rule rkv_codec_import:
+    """The main codec imported from the authors' compressor checkpoint named by `residualkv.codec.import`
+    (kvbench.compress.residualkv.deltakv_format): the same codec/codec.json output as rkv_codec, so runs and tables
+    read it alike. The checkpoint was checked while the DAG was built (config.json, tensor names and shapes
+    against the backbone); the job checks it again, copies the weights and records their sha256."""
+    input:
+        model=lambda wc: os.path.join(model_dir(wc.model), "config.json"),
+        checkpoint=lambda wc: rkv_plan().import_files(RKV_IMPORTS[wc.codec]),
+    output:
+        codec="codecs/{profile}/{model}/{codec}/codec/codec.json",
+        provenance="codecs/{profile}/{model}/{codec}/codec/provenance.json",
+    wildcard_constraints:
+        codec=alternation(RKV_IMPORTS),
+    params:
+        model=lambda wc: model_dir(wc.model),
+        src=lambda wc: rkv_plan().codec_import(RKV_IMPORTS[wc.codec]),
+        out=lambda wc, output: os.path.dirname(output.codec),
+        overrides=lambda wc: json.dumps(rkv_plan().codec_overrides(RKV_IMPORTS[wc.codec]), sort_keys=True),
+    log:
+        "logs/residualkv/codec/{profile}/{model}/{codec}.log",
+    benchmark:
+        "benchmarks/residualkv/codec/{profile}/{model}/{codec}.tsv"
+    threads: 1
+    resources:
+        mem_mb=model_resource("mem_mb", 4000, 32000),
+        runtime=30,
+        gpu=0,
+    conda:
+        "../../envs/kvbench.yaml"
+    shell:
+        "kvbench codec-import --from-deltakv {params.src:q} --out {params.out:q} --model {params.model:q}"
+        " --overrides {params.overrides:q} > {log:q} 2>&1"
 
 
 rule rkv_fig5:

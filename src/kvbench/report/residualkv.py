@@ -191,6 +191,17 @@ def selection_header(plan: RKVPlan, target: str) -> list[str]:
     return [f"# OmniKV selection ({', '.join(labels)}): {form}" for form, labels in forms.items()]
 
 
+def codec_header(plan: RKVPlan, target: str, root: str | Path = ".") -> list[str]:
+    """``#`` lines naming the codec each row of ``target`` read (:meth:`RKVPlan.codec_origin`: trained here with its
+    recipe, or imported from the authors' checkpoint with its weights' sha256 prefix), one per codec variant."""
+    rows: dict[str, list[str]] = {}
+    for row in plan.rows(target):
+        variant = plan.codec_of(row.spec)
+        if variant is not None:
+            rows.setdefault(variant, []).append(row.label)
+    return [f"# codec {v} ({', '.join(labels)}): {plan.codec_origin(v, root)}" for v, labels in rows.items()]
+
+
 def write_table(plan: RKVPlan, target: str, out: str | Path, root: str | Path = ".") -> pd.DataFrame:
     """Compute and write ``target`` (a key of :data:`TABLES`: tableIII, tableVI, tableVII, tableVIII)."""
     df = table_vi(plan, root) if target == "tableVI" else score_table(plan, target, root)
@@ -199,7 +210,7 @@ def write_table(plan: RKVPlan, target: str, out: str | Path, root: str | Path = 
         "measured, incl. sinks, raw window, indices); KR_resident %: bytes of every tensor held, as held (unpacked "
         "codes, masks, positions, dequantised copies, model dtype); CR %: keys read / keys visible after the first "
         "chunk; KR formula %: paper §V-A; full layers/codes+scales/references/indices/window+sinks %: KR_packed by part"
-    ] + selection_header(plan, target)
+    ] + selection_header(plan, target) + codec_header(plan, target, root)
     write_csv(df, header, out)
     return df
 

@@ -14,6 +14,11 @@ Layout:
   :mod:`kvbench.eval.compress`).
 
 A press spec that takes a codec names its variant with ``codec=<variant>`` (default ``main``).
+
+The main codec may be imported instead of trained: ``codec: {import: <dir>}`` names the authors' compressor
+checkpoint (:mod:`kvbench.compress.residualkv.deltakv_format`; the other ``codec`` keys are its inference-time
+overrides and the variants' base); it lands in ``codecs/<profile>/<model>/main-import-<hash>/codec/`` (the hash of
+the path, overrides and backbone directory), written by ``kvbench codec-import`` with a ``provenance.json``.
 """
 from __future__ import annotations
 
@@ -21,6 +26,7 @@ import dataclasses
 import json
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 from kvbench.bench.settings import BY_FIGURE
 from kvbench.compress.registry import PRESS
@@ -56,6 +62,8 @@ TRAIN_KEYS = ("objective", "steps", "seq_len", "lr", "data", "dtype", "batch", "
 #: Where codec training runs (``residualkv.train``): not in the recipe, since they do not change the weights
 #: (``gpus`` splits the global ``batch`` over processes, with the same result; ``checkpointing`` recomputes).
 PLACEMENT_KEYS = ("device", "gpus", "checkpointing")
+#: The ``codec`` key naming an authors' checkpoint to import as the main codec (module doc).
+IMPORT_KEY = "import"
 #: Codec-training throughput on the zoo LM, tokens/s (main codec: 600 steps x 512 tokens in about 330 s on 2 idle
 #: cores), and the slow-down allowed for a loaded machine: the runtime estimate of a run without a slice.
 ZOO_CODEC_TOKENS_PER_S, LOAD_FACTOR = 930, 4
@@ -69,8 +77,6 @@ def known_model_shape(model: str, entry: dict, checkpoint_dir: str | None = None
     Raises:
         ValueError: ``config.json`` exists but is not JSON or lacks the layer/head fields.
     """
-    from pathlib import Path
-
     if "zoo" in entry:
         from kvbench.models.tiny import zoo_spec
 
@@ -162,6 +168,7 @@ class RKVPlan:
         self.zoo = zoo
         self.seed = seed
         self.model_dir = model_dir
+        self._imported: dict = {}  # (import dir, shape) -> CodecConfig read from the checkpoint
         self._check_codecs()
         self._check_figure_steps()
         for fig in BY_FIGURE:
@@ -198,6 +205,9 @@ class RKVPlan:
         fields = {f.name for f in dataclasses.fields(CodecConfig)} - {"n_layers", "d_kv"}
         for variant in self.variants:
             over = self.codec_overrides(variant)
+            if self.codec_import(variant):
+                self.codec_config(variant, self.shape)  # reads the checkpoint's config.json and tensor header
+                continue
             unknown = sorted(set(over) - fields)
             if unknown:
                 raise ValueError(f"codec variant {variant!r}: unknown CodecConfig field(s) {unknown}; known: {sorted(fields)}")
@@ -259,24 +269,68 @@ class RKVPlan:
         return f"codecs/{self.profile}/{self.model}/{self.codec_name(variant)}"
 
     def codec_name(self, variant: str) -> str:
-        """``<variant>-<recipe hash>``: the last component of :meth:`codec_dir`."""
-        return f"{variant}-{recipe_hash(self.codec_recipe(variant))}"
+        """``<variant>-<recipe hash>`` (``<variant>-import-<hash>`` when imported): the last component of
+        :meth:`codec_dir`."""
+        kind = "-import" if self.codec_import(variant) else ""
+        return f"{variant}{kind}-{recipe_hash(self.codec_recipe(variant))}"
 
-    def codec_names(self) -> dict[str, str]:
-        """``{codec_name: variant}`` of every configured variant (the rule's wildcard values)."""
-        return {self.codec_name(v): v for v in self.variants}
+    def codec_names(self, kind: str | None = None) -> dict[str, str]:
+        """``{codec_name: variant}`` of every configured variant (the rules' wildcard values); ``kind``
+        ``"trained"`` or ``"imported"`` keeps those only (``rkv_codec`` / ``rkv_codec_import``)."""
+        if kind not in (None, "trained", "imported"):
+            raise ValueError(f"kind must be None, 'trained' or 'imported', got {kind!r}")
+        return {self.codec_name(v): v for v in self.variants
+                if kind is None or (kind == "imported") == bool(self.codec_import(v))}
+
+    def codec_import(self, variant: str) -> str | None:
+        """The authors' checkpoint directory ``variant`` is imported from (``codec.import``; main codec only),
+        or None: trained here."""
+        return self.s["codec"].get(IMPORT_KEY) if variant == "main" else None
+
+    def import_files(self, variant: str) -> list[str]:
+        """The files an imported codec is built from (``config.json``, ``model.safetensors``): the rule's inputs."""
+        from kvbench.compress.residualkv.deltakv_format import CONFIG_FILE, WEIGHTS_FILE
+
+        src = self.codec_import(variant)
+        return [f"{src}/{CONFIG_FILE}", f"{src}/{WEIGHTS_FILE}"] if src else []
 
     def codec_recipe(self, variant: str) -> dict:
-        """Everything that determines ``variant``'s trained weights: CodecConfig overrides, training keys
-        (:data:`TRAIN_KEYS`), seed and backbone directory; not ``slice_s`` (where invocations are cut).
+        """Everything that determines ``variant``'s weights: trained, its CodecConfig overrides, training keys
+        (:data:`TRAIN_KEYS`), seed and backbone directory, not ``slice_s`` (where invocations are cut);
+        imported, the checkpoint directory, the overrides and the backbone directory.
 
         Raises:
             ValueError: the plan was built without ``seed`` or ``model_dir``.
         """
         if self.seed is None or self.model_dir is None:
             raise ValueError("RKVPlan needs seed= and model_dir= to name codec directories (their recipe includes both)")
+        if self.codec_import(variant):
+            return {"import": self.codec_import(variant), "codec": self.codec_overrides(variant),
+                    "model": str(self.model_dir)}
         return {"codec": self.codec_overrides(variant), **self.codec_training(variant), "seed": self.seed,
                 "model": str(self.model_dir)}
+
+    def codec_origin(self, variant: str, root: str | Path = ".") -> str:
+        """How ``variant``'s codec was made, for table headers: trained here (directory name, objective, steps x
+        tokens, lr, data, seed) or imported from a directory (the weights' sha256 prefix from the codec's
+        ``provenance.json`` under ``root``)."""
+        src = self.codec_import(variant)
+        named = self.seed is not None and self.model_dir is not None  # else no directory name (codec_recipe)
+        if not src:
+            t = self.codec_training(variant)
+            return (f"trained here ({self.codec_name(variant) if named else variant}: objective {t.get('objective', 'joint')}, "
+                    f"{t['steps']} steps x {t.get('seq_len', 512)} tokens, lr {t.get('lr', 2e-4):g}, "
+                    f"data {t.get('data', 'text')}, seed {self.seed})")
+        from kvbench.compress.residualkv.deltakv_format import PROVENANCE_FILE
+
+        if not named:
+            return f"imported from {src} (kvbench codec-import)"
+        path = Path(root) / self.codec_dir(variant) / "codec" / PROVENANCE_FILE
+        try:
+            sha = json.loads(path.read_text())["weights_sha256"][:12]
+        except (OSError, ValueError, KeyError):
+            return f"imported from {src} (kvbench codec-import; {path} unreadable, so no weights hash)"
+        return f"imported from {src} (kvbench codec-import; model.safetensors sha256 {sha}...)"
 
     def codec_slice_s(self, variant: str) -> int | None:
         """``slice_s`` of ``variant`` (its own key, else ``train``'s): seconds one invocation of
@@ -296,16 +350,35 @@ class RKVPlan:
         t = self.codec_training(variant)
         return math.ceil(LOAD_FACTOR * t["steps"] * t["seq_len"] / ZOO_CODEC_TOKENS_PER_S / 60) + 10
 
-    def codec_config(self, variant: str, shape: tuple[int, int]):
+    def codec_config(self, variant: str, shape: tuple[int, int] | None):
         """The :class:`~kvbench.compress.residualkv.codec.CodecConfig` ``variant`` trains on a backbone of
-        ``shape`` = ``(n_layers, d_kv)`` (the codec's own defaults where the config is silent)."""
+        ``shape`` = ``(n_layers, d_kv)`` (the codec's own defaults where the config is silent); an imported
+        codec's from its checkpoint (:func:`~kvbench.compress.residualkv.deltakv_format.plan_import`: config.json
+        and the tensor header, checked against ``shape`` when it is known).
+
+        Raises:
+            ValueError: an imported checkpoint is missing or refused (naming ``residualkv.codec.import``).
+        """
         from kvbench.compress.residualkv.codec import codec_config_for_shape
 
-        return codec_config_for_shape(*shape, **self.codec_overrides(variant))
+        src = self.codec_import(variant)
+        if not src:
+            return codec_config_for_shape(*shape, **self.codec_overrides(variant))
+        from kvbench.compress.residualkv.deltakv_format import plan_import
+
+        key = (src, shape)
+        if key not in self._imported:
+            try:
+                self._imported[key] = plan_import(src, shape, **self.codec_overrides(variant)).config
+            except (OSError, ValueError) as e:
+                raise ValueError(f"residualkv.codec.import {src!r}: {e}") from None
+        return self._imported[key]
 
     def codec_overrides(self, variant: str) -> dict:
-        """CodecConfig fields of ``variant``: the main codec's, updated by the variant's ``overrides``."""
-        return {**self.s["codec"], **self.variant(variant).get("overrides", {})}
+        """CodecConfig fields of ``variant``: the main codec's (without ``import``), updated by the variant's
+        ``overrides``."""
+        main = {k: v for k, v in self.s["codec"].items() if k != IMPORT_KEY}
+        return {**main, **self.variant(variant).get("overrides", {})}
 
     def codec_placement(self, variant: str) -> dict:
         """``{device, gpus, grad_accum, checkpointing, dtype}`` of ``variant``'s training job (``residualkv.train``):

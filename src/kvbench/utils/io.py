@@ -7,6 +7,7 @@ directory and moved into place with :func:`os.replace` (atomic on POSIX).
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import tempfile
@@ -37,6 +38,15 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     finally:
         if tmp_path.exists():
             tmp_path.unlink()
+
+
+def sha256_file(path: str | os.PathLike) -> str:
+    """Hex sha256 of a file's bytes, read in 1 MiB chunks (provenance of imported weights)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def write_text(path: str | os.PathLike, text: str) -> None:
