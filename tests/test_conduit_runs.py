@@ -28,6 +28,7 @@ from test_workflow import (
 from kvbench.cli import main
 from kvbench.eval.audit import ReplayPolicy, plan_audit
 from kvbench.eval.refresh import MissingCacheEntry, RefreshMethod
+from kvbench.eval.runconfig import read_config
 from kvbench.eval.runner import run_eval
 from kvbench.eval.registry import canonical, get_method, parse_method_spec, run_slugs, slug, with_budget
 from kvbench.models.loader import load_model
@@ -184,8 +185,8 @@ def test_rows_carry_the_refresh_plan(runs):
     for row in read_jsonl(runs["kvshare-conduit@0.5"] / "predictions.jsonl"):  # degenerate = layer 0 only
         counts = row["plan"]["layer_counts"]
         assert row["plan"]["degenerate"] == (counts[0] > 0 and not any(counts[1:]))
-    info = json.loads((runs["conduit@0.5"] / "run_info.json").read_text())
-    assert info["method"]["spec"] == "conduit@0.5" and info["method"]["build_missing"] is False
+    method = read_config(runs["conduit@0.5"])["method"]
+    assert method["spec"] == "conduit@0.5" and method["build_missing"] is False
     assert "plan" not in read_jsonl(runs["full"] / "predictions.jsonl")[0]
 
 
@@ -209,6 +210,17 @@ def test_same_seed_gives_identical_predictions_and_table(runs, vlm_dir, tmp_path
              method_params={"cache_dir": str(runs["cache"]), "build_missing": False})
     for name in ("predictions.jsonl", "metrics.json"):
         assert (tmp_path / "again" / name).read_bytes() == (runs["conduit@0.5"] / name).read_bytes(), name
+
+
+def test_refresh_run_repeats_from_its_config(runs, tmp_path, capsys):
+    """`kvbench eval --from` repeats a CONDUIT refresh run (the image cache named by its method parameters)."""
+    cfg = read_config(runs["conduit@0.5"])
+    assert cfg["run"]["method_params"] == {"cache_dir": str(runs["cache"]), "build_missing": False}
+    assert cfg["method"]["policy"] == "conduit" and cfg["method"]["r"] == 0.5 and "image" in cfg["protocol"]["prefill"]
+    assert main(["eval", "--from", str(runs["conduit@0.5"]), "--out", str(tmp_path / "again")]) == 0
+    for name in ("predictions.jsonl", "metrics.json"):
+        assert (tmp_path / "again" / name).read_bytes() == (runs["conduit@0.5"] / name).read_bytes(), name
+    assert "identical" in capsys.readouterr().err
 
 
 def test_corrupt_entry_in_a_read_only_cache_stops_the_run(runs, vlm_dir, tmp_path):

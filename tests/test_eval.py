@@ -11,6 +11,7 @@ from kvbench.eval import metrics
 from kvbench.eval.methods import EvalMethod, FullCache
 from kvbench.eval.registry import PLAIN, get_method
 from kvbench.eval.metrics import aggregate, edit_sim, exact_match, first_code_line, indel_ratio
+from kvbench.eval.runconfig import read_config
 from kvbench.eval.runner import run_eval
 from kvbench.utils.io import read_jsonl
 
@@ -95,7 +96,8 @@ def test_run_eval_text_end_to_end(tiny_lm_dir, tmp_path):
     split = write_split(tmp_path / "data" / "test.jsonl", recs)
     out = tmp_path / "run"
     m = run_eval(tiny_lm_dir, split, method="full", out_dir=out, seed=0, threads=1)
-    assert {p.name for p in out.iterdir()} == {"predictions.jsonl", "metrics.json", "run_info.json", "timing.csv"}
+    assert {p.name for p in out.iterdir()} == {"predictions.jsonl", "metrics.json", "config.yaml", "run_info.json",
+                                               "timing.csv"}
     assert json.loads((out / "metrics.json").read_text()) == m
     assert (m["n"], m["n_ok"], m["n_error"], m["task"], m["method"], m["model"]) == (3, 3, 0, "toy", "full", "tiny-qwen2-lm")
     assert 0.0 <= m["score"] <= 1.0 and m["chance"] == pytest.approx(0.1)
@@ -108,12 +110,13 @@ def test_run_eval_text_end_to_end(tiny_lm_dir, tmp_path):
     timing = (out / "timing.csv").read_text().splitlines()
     assert timing[0] == "id,latency_ms" and [t.split(",")[0] for t in timing[1:]] == ["t0", "t1", "t2"]
     assert all(float(t.split(",")[1]) > 0 for t in timing[1:])
+    cfg = read_config(out)  # the resolved configuration (tests/test_eval_runconfig.py); run_info: the invocation
+    assert cfg["run"]["seed"] == 0 and cfg["run"]["threads"] == 1 and cfg["run"]["method"] == "full"
+    assert cfg["model"]["attn_implementation"] == "sdpa" and len(cfg["model"]["config_sha256"]) == 64
+    assert cfg["versions"]["torch"] and cfg["versions"]["transformers"] and cfg["versions"]["python"]
+    assert "commit" in cfg["git"] and cfg["method"] == {"name": "full"}
     info = json.loads((out / "run_info.json").read_text())
-    assert info["seed"] == 0 and info["threads"] == 1 and info["args"]["method"] == "full"
-    assert info["model"]["attn_implementation"] == "sdpa" and len(info["model"]["config_sha256"]) == 64
-    assert info["versions"]["torch"] and info["versions"]["transformers"] and info["versions"]["python"]
-    assert "commit" in info["git"] and info["wall_s"] > 0 and info["hostname"]
-    assert info["started_at"] <= info["ended_at"]
+    assert info["wall_s"] > 0 and info["hostname"] and info["started_at"] <= info["ended_at"]
     # same seed, same predictions (greedy)
     run_eval(tiny_lm_dir, split, out_dir=tmp_path / "run2", limit=2)
     assert [p["prediction"] for p in read_jsonl(tmp_path / "run2" / "predictions.jsonl")] == [

@@ -67,7 +67,7 @@ def test_interrupted_run_resumes_to_identical_files(lm_dir, split, reference, tm
     run = tmp_path / "run"
     interrupted_run(monkeypatch, lm_dir, split, run, at="t2")
     assert [r["id"] for r in read_jsonl(run / PARTIAL)] == ["t0", "t1"]
-    assert not any((run / f).exists() for f in (*RESULTS, "run_info.json", "timing.csv"))
+    assert not any((run / f).exists() for f in (*RESULTS, "config.yaml", "run_info.json", "timing.csv"))
 
     calls = interrupt_at(monkeypatch, FullCache, None)
     run_eval(lm_dir, split, out_dir=run)
@@ -206,5 +206,5 @@ def test_replay_of_a_compression_run_says_it_is_not_a_refresh_run(lm_dir, split,
     rid = read_jsonl(run / "predictions.jsonl")[0]["id"]
     with pytest.raises(ValueError, match="is not a refresh policy; replay re-executes CONDUIT refresh plans only"):
         replay(run, rid)
-    with pytest.raises(FileNotFoundError, match="no run_info.json"):
+    with pytest.raises(FileNotFoundError, match="config.yaml not found: not a run directory of `kvbench eval`"):
         replay(tmp_path / "nowhere", rid)

@@ -132,13 +132,41 @@ def _codec_export(a: argparse.Namespace) -> None:
     print(json.dumps({"out": a.out, "dtype": str(dtype), "not_carried": out["not_carried"]}, indent=2))
 
 
-def _eval(a: argparse.Namespace) -> None:
-    from kvbench.eval.runner import run_eval
+#: ``kvbench eval`` flags a ``--from`` repeat takes from the run's config.yaml (given with it: refused)
+FROM_RECORDED = ("model", "split", "method", "method_params", "seed", "limit")
+#: files a repeat into another directory must reproduce byte for byte
+REPEATED = ("predictions.jsonl", "metrics.json")
 
-    params = _json_object(a.method_params, "--method-params")
-    metrics = run_eval(a.model, a.split, method=a.method, out_dir=a.out, seed=a.seed, limit=a.limit, threads=a.threads,
-                       method_params=params)
+
+def _eval(a: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from kvbench.eval.runner import rerun, run_eval
+
+    if a.from_dir is None:
+        missing = [f"--{n}" for n in ("model", "split", "out") if getattr(a, n) is None]
+        if missing:
+            raise ValueError(f"the following arguments are required: {', '.join(missing)} (or --from DIR, to "
+                             "repeat a recorded run)")
+        params = _json_object(a.method_params or "", "--method-params")
+        metrics = run_eval(a.model, a.split, method=a.method or "full", out_dir=a.out,
+                           seed=0 if a.seed is None else a.seed, limit=a.limit, threads=a.threads or 1,
+                           method_params=params)
+        print(json.dumps(metrics, indent=2, default=str))
+        return 0
+    given = [f"--{n.replace('_', '-')}" for n in FROM_RECORDED if getattr(a, n) is not None]
+    if given:
+        raise ValueError(f"--from {a.from_dir} repeats the run recorded in its config.yaml, which sets "
+                         f"{', '.join(given)}; only --out and --threads may be given with --from")
+    metrics = rerun(a.from_dir, a.out, a.threads)
     print(json.dumps(metrics, indent=2, default=str))
+    src, out = Path(a.from_dir), Path(a.out or a.from_dir)
+    if out.resolve() == src.resolve():
+        return 0
+    differ = [f for f in REPEATED if not (src / f).is_file() or (src / f).read_bytes() != (out / f).read_bytes()]
+    print(f"[kvbench eval] {', '.join(REPEATED)} of {out} vs {src}: "
+          + (f"DIFFER ({', '.join(differ)})" if differ else "identical"), file=sys.stderr)
+    return 1 if differ else 0
 
 
 def _cache(a: argparse.Namespace) -> None:
@@ -406,20 +434,27 @@ def build_parser() -> argparse.ArgumentParser:
                    help="dtype of the written tensors (default: the one codec.safetensors stores)")
     s.set_defaults(func=_codec_export)
 
-    s = sub.add_parser("eval", help="run a method over a benchmark split")
-    s.add_argument("--model", required=True, help="HF checkpoint directory or zoo name")
-    s.add_argument("--split", required=True, help="JSONL split file")
-    s.add_argument("--method", default="full",
+    s = sub.add_parser("eval", help="run a method over a benchmark split (or repeat a run: --from DIR)")
+    s.add_argument("--model", default=None, help="HF checkpoint directory or zoo name (required without --from)")
+    s.add_argument("--split", default=None, help="JSONL split file (required without --from)")
+    s.add_argument("--method", default=None,
                    help="'full' (model.generate), a CONDUIT spec such as reuse, conduit@0.1, conduit@0.1:lam=0.5, "
                         "prophetkv@0.05, mpic-first@0.1, or a compression press spec such as fullkv, snapkv:keep=0.3, "
                         "kivi:bits=2, residualkv+omnikv:full_layers=0+1,keep=0.2 (needs --method-params '{\"codec_dir\": ...}') "
                         "(default: full)")
-    s.add_argument("--out", required=True, help="run directory: predictions.jsonl, metrics.json, timing.csv, run_info.json "
-                                           "(an unfinished run there with the same arguments resumes)")
-    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--out", default=None, help="run directory: predictions.jsonl, metrics.json, timing.csv, config.yaml, "
+                                               "run_info.json (an unfinished run there with the same arguments resumes); "
+                                               "required without --from, with it default: the --from directory (a rerun "
+                                               "in place)")
+    s.add_argument("--from", dest="from_dir", default=None, metavar="DIR",
+                   help="repeat the run recorded in DIR/config.yaml from that file alone, after checking the SHA-256 "
+                        "of the files it names (split, checkpoint, codec); only --out and --threads may be given with "
+                        "it. Into another --out: exit 1 unless predictions.jsonl and metrics.json are byte-identical")
+    s.add_argument("--seed", type=int, default=None, help="run seed (default: 0)")
     s.add_argument("--limit", type=int, default=None, help="evaluate only the first N samples")
-    s.add_argument("--threads", type=_positive_int, default=1)
-    s.add_argument("--method-params", default="",
+    s.add_argument("--threads", type=_positive_int, default=None,
+                   help="torch threads (default: 1; with --from, the recorded count)")
+    s.add_argument("--method-params", default=None,
                    help="JSON object of method parameters, e.g. '{\"cache_dir\": \"cache/x\", \"build_missing\": false}'")
     s.set_defaults(func=_eval)
 

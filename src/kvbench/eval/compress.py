@@ -30,6 +30,7 @@ import torch
 from kvbench.compress import accounting
 from kvbench.compress.generate import greedy_generate, split_prompt
 from kvbench.compress.registry import PRESS
+from kvbench.compress.residualkv.codec import CODEC_FILE, CONFIG_FILE
 from kvbench.eval.methods import EvalMethod, FatalRunError, eos_ids
 from kvbench.utils.spec import parse
 
@@ -86,6 +87,19 @@ class CompressMethod(EvalMethod):
         press = self.press()
         return {"name": self.name, "spec": self._spec.canonical, "codec_dir": self.codec_dir,
                 "press": {"class": type(press).__name__, **dataclasses.asdict(press)}}
+
+    def protocol(self) -> dict:
+        press = self.press()
+        two = press.protocol == "shared_context" or press.context_pass
+        prefill = ("two chunks: the context (then compressed), then the question reading the compressed cache"
+                   if two else "one chunk: context + question (exact); decoding reads the compressed cache")
+        return {**super().protocol(), "press_protocol": press.protocol, "prefill": prefill}
+
+    def input_files(self) -> list[Path]:
+        """The trained codec's two files (``codec.json``, ``codec.safetensors``) when the press takes one."""
+        if not (self._takes_codec and self.codec_dir):
+            return []
+        return [Path(self.codec_dir) / CONFIG_FILE, Path(self.codec_dir) / CODEC_FILE]
 
     def check_records(self, records: list[dict]) -> None:
         for r in records:

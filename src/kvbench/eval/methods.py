@@ -26,6 +26,9 @@ import torch
 
 from kvbench.models.prompting import encode_record
 
+#: Decoding of every method (:meth:`EvalMethod.greedy_kwargs`), as ``config.yaml`` records it.
+DECODING = "greedy (do_sample=False, num_beams=1, repetition_penalty=1.0), stop at EOS or max_new_tokens"
+
 
 def _tokenizer(proc: Any) -> Any:
     return getattr(proc, "tokenizer", proc)
@@ -42,7 +45,7 @@ class EvalMethod(abc.ABC):
     """Base class of evaluation methods (one record in, one prediction string out).
 
     Subclasses set ``name`` and implement :meth:`predict`; dataclass fields are
-    the method's hyper-parameters and are recorded in ``run_info.json``.
+    the method's hyper-parameters and are recorded in the run's ``config.yaml``.
     """
 
     name: ClassVar[str] = ""
@@ -52,8 +55,18 @@ class EvalMethod(abc.ABC):
         """Answer ``record``; returns the decoded continuation (special tokens removed)."""
 
     def config(self) -> dict:
-        """``{"name": ..., **hyper-parameters}`` for ``run_info.json``."""
+        """``{"name": ..., **hyper-parameters}`` (defaults filled in) for the run's ``config.yaml``."""
         return {"name": self.name, **dataclasses.asdict(self)}
+
+    def protocol(self) -> dict:
+        """How a record meets the model, for ``config.yaml`` (:mod:`kvbench.eval.runconfig`): ``decoding``
+        (shared by every method) and ``prefill`` (how the prompt is prefilled; subclasses say theirs)."""
+        return {"decoding": DECODING, "prefill": "the whole prompt in one forward (model.generate)"}
+
+    def input_files(self) -> list[Path]:
+        """Files named by the method's parameters whose bytes decide its predictions (e.g. a trained codec),
+        recorded with their SHA-256 in ``config.yaml`` and checked by ``kvbench eval --from`` (default: none)."""
+        return []
 
     def check_records(self, records: list[dict]) -> None:
         """Refuse a split this method cannot serve, before any model is loaded (default: accept all).

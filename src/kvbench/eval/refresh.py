@@ -10,7 +10,6 @@ executed plan (:mod:`kvbench.eval.audit`).
 from __future__ import annotations
 
 import hashlib
-import json
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -118,6 +117,14 @@ class RefreshMethod(EvalMethod):
                 "policy_params": p.build().params(),
                 "cache_dir": self.cache_dir, "build_missing": self.build_missing}
 
+    def protocol(self) -> dict:
+        # the image caches are not hashed into config.yaml: every entry is content-addressed and hash-checked
+        # when read (ImageKVStore), so a changed cache stops the run instead of changing its predictions
+        return {**super().protocol(),
+                "prefill": "each image prefilled alone under the record's generic_system (the image cache, "
+                           "cache_dir); the request assembled under its system prompt; the policy's scoring "
+                           "pass and refresh at budget r; then greedy decoding from the refreshed cache"}
+
     def get_adapter(self, model: Any, proc: Any):
         """The reuse adapter of ``model`` (one per model object; a new model drops the open stores)."""
         key = id(model)
@@ -221,9 +228,10 @@ def _find_row(run_dir: Path, record_id: str) -> dict:
 def replay(run_dir: str | Path, record_id: str, *, cache_dir: str | None = None, device: str | None = None) -> dict:
     """Re-run the recorded plan of ``record_id`` in ``run_dir`` and decode again.
 
-    The model, split, cache directory and thread count come from the run's ``run_info.json``; the
-    image caches are read from the run's cache directory when it still exists (else ``cache_dir``,
-    else rebuilt in a temporary directory: entries are a deterministic function of model and image).
+    The model, split, method, cache directory, thread count and device come from the run's ``config.yaml``
+    (:mod:`kvbench.eval.runconfig`); the image caches are read from the run's cache directory when it still
+    exists (else ``cache_dir``, else rebuilt in a temporary directory: entries are a deterministic function
+    of model and image).
 
     Returns:
         ``{"id", "policy", "recorded", "replayed", "recorded_tokens", "replayed_tokens", "match"}``.
@@ -231,35 +239,35 @@ def replay(run_dir: str | Path, record_id: str, *, cache_dir: str | None = None,
     Raises:
         FileNotFoundError: missing run files. KeyError: unknown id.
         ValueError: the row has no ``plan`` (not a refresh run, or the sample failed), the plan was recorded
-            with the pre-fix CacheBlend check-layer blend (:class:`~kvbench.eval.audit.ReplayPolicy`), or the
-            record's request differs from the recorded one.
+            with the pre-fix CacheBlend check-layer blend (:class:`~kvbench.eval.audit.ReplayPolicy`), the
+            record's request differs from the recorded one, or a bad ``config.yaml``.
     """
+    from kvbench.eval.runconfig import read_config
     from kvbench.models.loader import load_model
     from kvbench.utils.io import read_jsonl
 
     run_dir = Path(run_dir)
-    if not (run_dir / "run_info.json").is_file():
-        raise FileNotFoundError(f"{run_dir}: no run_info.json, so not a finished `kvbench eval` run directory")
-    info = json.loads((run_dir / "run_info.json").read_text())
+    config = read_config(run_dir)
+    info = config["method"]
     row = _find_row(run_dir, record_id)
     audit = row.get("plan")
     if audit and "policy" not in audit:
-        raise ValueError(f"{run_dir}: method {info['method'].get('spec', info['method'].get('name'))!r} is not a refresh "
+        raise ValueError(f"{run_dir}: method {info.get('spec', info.get('name'))!r} is not a refresh "
                          "policy; replay re-executes CONDUIT refresh plans only")
     if not audit:
-        raise ValueError(f"{run_dir}: row {record_id!r} has no refresh plan (method {info['method'].get('name')!r}, "
+        raise ValueError(f"{run_dir}: row {record_id!r} has no refresh plan (method {info.get('name')!r}, "
                          f"status {row.get('status')!r})")
     policy = ReplayPolicy(audit)  # a record it cannot replay fails here, before the model is loaded
-    split = Path(info["split"]["path"])
+    split = Path(config["split"]["path"])
     record = next((r for r in read_jsonl(split) if r["id"] == record_id), None)
     if record is None:
         raise KeyError(f"{split} has no record {record_id!r}")
-    torch.set_num_threads(int(info.get("threads", 1)))
-    model, proc = load_model(info["model"]["checkpoint"], device=device or info["args"].get("device") or "cpu")
-    recorded_cache, build = info["method"].get("cache_dir"), True
+    torch.set_num_threads(config["run"]["threads"])
+    model, proc = load_model(config["model"]["checkpoint"], device=device or config["run"]["device"])
+    recorded_cache, build = info.get("cache_dir"), True
     if cache_dir is None and recorded_cache and Path(recorded_cache).is_dir():
         cache_dir, build = recorded_cache, False  # never write into the run's (pipeline-managed) cache
-    method = RefreshMethod(spec=info["method"]["spec"], cache_dir=cache_dir, build_missing=build)
+    method = RefreshMethod(spec=info["spec"], cache_dir=cache_dir, build_missing=build)
     adapter = method.get_adapter(model, proc)
     with torch.inference_mode():
         req = prepare(adapter, method.get_store(adapter, record["generic_system"]), record, split.parent)

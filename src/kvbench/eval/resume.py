@@ -22,23 +22,12 @@ import json
 import os
 from pathlib import Path
 
+from kvbench.eval.runconfig import differences
 from kvbench.utils.io import AppendLog, write_json, write_text
 
 PARTIAL = ".predictions.jsonl.partial"
 META = PARTIAL + ".meta.json"
 TIMING_PARTIAL = ".timing.jsonl.partial"
-
-
-def _differences(old: dict, new: dict, prefix: str = "") -> list[str]:
-    """``key: old -> new`` for every leaf that differs (nested dicts walked, dotted keys)."""
-    out = []
-    for k in sorted(set(old) | set(new), key=str):
-        a, b = old.get(k, "<absent>"), new.get(k, "<absent>")
-        if isinstance(a, dict) and isinstance(b, dict):
-            out += _differences(a, b, f"{prefix}{k}.")
-        elif a != b:
-            out.append(f"{prefix}{k}: {a!r} -> {b!r}")
-    return out
 
 
 class RunLog:
@@ -77,7 +66,7 @@ class RunLog:
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise ValueError(f"{self.meta}: unreadable ({e}); {delete}") from None
         if old != self.identity:
-            diff = "; ".join(_differences(old, self.identity))
+            diff = "; ".join(differences(old, self.identity))
             raise ValueError(f"{self.out_dir} holds an unfinished run with other arguments ({diff}); rerun with "
                              f"the original arguments to resume it, or {delete}")
         done = self.rows.recover()

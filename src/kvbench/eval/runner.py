@@ -12,33 +12,32 @@
 - ``timing.csv``: ``id, latency_ms`` (wall time of ``predict``, ms), one line per
   sample, also for samples scored before a resume (each timed in the invocation
   that scored it); the only per-sample figure that differs between two runs.
-- ``run_info.json``: provenance, everything needed to reproduce or audit the run
-  (full arguments, method hyper-parameters, package versions, git revision, model
-  checkpoint path and hashes, attention implementation, dtype, device, seed,
-  threads, host, timestamps, wall time); it differs between runs by design.
+- ``config.yaml``: the full resolved configuration (:mod:`kvbench.eval.runconfig`): the arguments, the model
+  checkpoint (class, dtype, file hashes), the split (hash), the method's resolved hyper-parameters, the
+  protocol, method input files (a codec, hashed), package versions and git revision. No clock or host either:
+  ``kvbench eval --from DIR`` repeats the run from it alone (:func:`rerun`).
+- ``run_info.json``: the circumstances of the invocation that finished the run (host, platform, command
+  line, timestamps, wall time, records resumed, torch's thread count); it differs between runs by design.
 
 A sample that raises is recorded with ``status="error"`` and score 0 (a
 :class:`~kvbench.eval.methods.FatalRunError`, such as a missing image cache, stops the run instead); the run
 fails only when every sample fails. An interrupted run resumes: finished rows are kept in hidden work
 files (:mod:`kvbench.eval.resume`) and a rerun with the same arguments continues after the last one, giving
 the same bytes as an uninterrupted run. ``predictions.jsonl`` is moved into place when every sample is done,
-then ``timing.csv``, ``run_info.json`` and, last, ``metrics.json`` are written, each atomically.
+then ``timing.csv``, ``config.yaml``, ``run_info.json`` and, last, ``metrics.json`` are written, each atomically.
 """
 from __future__ import annotations
 
 import hashlib
-import importlib.metadata
 import json
 import os
 import platform
 import socket
-import subprocess
 import sys
 import time
 import traceback
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -46,6 +45,20 @@ from kvbench.eval.methods import FatalRunError
 from kvbench.eval.metrics import METRICS, aggregate
 from kvbench.eval.registry import get_method
 from kvbench.eval.resume import RunLog
+from kvbench.eval.runconfig import (
+    CONFIG_FILE,
+    RunArgs,
+    check_inputs,
+    describe,
+    differences,
+    git_revision,
+    model_section,
+    plain,
+    read_config,
+    sha256,
+    versions,
+    write_config,
+)
 from kvbench.models.loader import load_model, resolve_spec
 from kvbench.utils.io import read_jsonl, write_json
 from kvbench.utils.steps import StepProgress
@@ -53,8 +66,8 @@ from kvbench.utils.steps import StepProgress
 #: Fields every record must have, and those its ``kind`` adds.
 REQUIRED_FIELDS = ("id", "task", "kind", "question", "answer", "max_new_tokens", "metric", "chance")
 KIND_FIELDS = {"text": ("context",), "vlm": ("system", "content")}
-
-_VERSIONED = ("torch", "transformers", "tokenizers", "safetensors", "numpy", "pillow", "kvbench")
+#: How each record's generators are seeded (``config.yaml``'s protocol).
+RECORD_SEEDS = "torch.manual_seed(record_seed(seed, index)) before each record (kvbench.eval.runner)"
 
 
 def validate_records(records: list[dict], path: str | os.PathLike = "") -> None:
@@ -90,112 +103,86 @@ def validate_records(records: list[dict], path: str | os.PathLike = "") -> None:
         seen.add(rid)
 
 
-def _versions() -> dict:
-    out = {"python": platform.python_version()}
-    for pkg in _VERSIONED:
-        try:
-            out[pkg] = importlib.metadata.version(pkg)
-        except importlib.metadata.PackageNotFoundError:
-            out[pkg] = None
-    return out
-
-
-def _git_revision() -> dict:
-    """HEAD commit of the git work tree holding this package, or ``None`` values.
-
-    ``dirty`` is true when files of the package itself (tracked or untracked)
-    differ from that commit.
-    """
-    here = Path(__file__).resolve().parents[1]  # src/kvbench
-    info: dict[str, Any] = {"commit": None, "dirty": None}
-
-    def run(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run(["git", "-C", str(here), *args], capture_output=True, text=True, timeout=10, check=False)
-
-    try:
-        head = run("rev-parse", "HEAD")
-        if head.returncode == 0:
-            info["commit"] = head.stdout.strip()
-            status = run("status", "--porcelain", "--", ".")
-            info["dirty"] = bool(status.stdout.strip()) if status.returncode == 0 else None
-    except (OSError, subprocess.SubprocessError):
-        pass
-    return info
-
-
-def _sha256(path: Path, limit_bytes: int = 1 << 30) -> str | None:
-    """SHA-256 of a file, or ``None`` when it is larger than ``limit_bytes`` (real 7B weights)."""
-    if path.stat().st_size > limit_bytes:
-        return None
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _model_info(spec: str | os.PathLike, model: Any) -> dict:
-    path = resolve_spec(spec).resolve()
-    weights = sorted(path.glob("*.safetensors"))
-    cfg = model.config
-    return {
-        "spec": str(spec),
-        "name": path.name,
-        "checkpoint": str(path),
-        "architecture": (getattr(cfg, "architectures", None) or [type(model).__name__])[0],
-        "config_sha256": _sha256(path / "config.json"),
-        "weights": [{"file": w.name, "bytes": w.stat().st_size, "sha256": _sha256(w)} for w in weights],
-        "n_params": sum(p.numel() for p in model.parameters()),
-        "dtype": str(model.dtype),
-        "device": str(model.device),
-        "attn_implementation": getattr(cfg, "_attn_implementation", None),
-    }
-
-
 def _file_identity(path: Path) -> str:
     """SHA-256 of a file, or its size and modification time when it is too large to hash on every start."""
     st = path.stat()
-    return _sha256(path) or f"{st.st_size} bytes, mtime_ns {st.st_mtime_ns}"
+    return sha256(path) or f"{st.st_size} bytes, mtime_ns {st.st_mtime_ns}"
 
 
-def _run_identity(args: dict, split_path: Path, model_spec: str | os.PathLike) -> dict:
-    """What a run's rows depend on: its arguments (``out_dir`` aside), the split and checkpoint contents, the
-    code. A resumed run must match it (:class:`~kvbench.eval.resume.RunLog`): Snakemake reruns a job whose
-    inputs changed without deleting hidden work files, so rows of the old inputs must be refused, not reused.
-    Uncommitted edits of the package are not seen (the git revision is).
+def _run_identity(run: RunArgs) -> dict:
+    """What a run's rows depend on: its arguments, the split and checkpoint contents, the code. A resumed run
+    must match it (:class:`~kvbench.eval.resume.RunLog`): Snakemake reruns a job whose inputs changed without
+    deleting hidden work files, so rows of the old inputs must be refused, not reused. Uncommitted edits of
+    the package are not seen (the git revision is).
     """
-    ckpt = resolve_spec(model_spec)
+    ckpt = resolve_spec(run.model)
     files = [ckpt / "config.json", *sorted(ckpt.glob("*.safetensors"))]
     return {
-        "args": {k: v for k, v in args.items() if k != "out_dir"},
-        "split_sha256": _sha256(split_path),
+        "args": run.as_dict(),
+        "split_sha256": sha256(run.split),
         "checkpoint": {f.name: _file_identity(f) for f in files if f.is_file()},
-        "git_commit": _git_revision()["commit"],
-        "versions": _versions(),
+        "git_commit": git_revision()["commit"],
+        "versions": versions(),
     }
 
 
-def _refuse_other_finished_run(out_dir: Path, args: dict) -> None:
+def _recorded_run(out_dir: Path) -> dict | None:
+    """The ``run`` section of the finished run in ``out_dir`` (for a run made before ``config.yaml`` existed,
+    its arguments as ``run_info.json`` held them; None when neither file is there).
+
+    Raises:
+        ValueError: neither file readable: a finished run whose arguments are unknown must not be overwritten
+            on a guess.
+    """
+    delete = f"delete {out_dir} to replace it"
+    if (out_dir / CONFIG_FILE).is_file():
+        try:
+            return read_config(out_dir)["run"]
+        except ValueError as e:
+            raise ValueError(f"{e}; {delete}") from None
+    info_path = out_dir / "run_info.json"
+    if not info_path.is_file():
+        return None
+    try:
+        old = json.loads(info_path.read_text())["args"]
+        return {"model": old["model_spec"], "split": old["split_path"],
+                **{k: old[k] for k in ("method", "method_params", "seed", "limit", "threads", "device")}}
+    except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
+        raise ValueError(f"{out_dir}: a finished run without a readable {CONFIG_FILE} or run_info.json "
+                         f"({type(e).__name__}); {delete}") from e
+
+
+def _refuse_other_finished_run(out_dir: Path, run: RunArgs) -> None:
     """Refuse to overwrite a finished run (``metrics.json`` present) made with other arguments: a second method
-    written into one directory would silently replace the first one's results. Same arguments: a rerun.
+    written into one directory would silently replace the first one's results. Same arguments (threads and
+    device aside, which the rows do not depend on): a rerun.
 
     Raises:
         ValueError: naming the directory, the arguments that differ (old -> new) and how to proceed.
     """
-    info_path = out_dir / "run_info.json"
-    if not (out_dir / "metrics.json").is_file() or not info_path.is_file():
+    old, new = (_recorded_run(out_dir) if (out_dir / "metrics.json").is_file() else None), run.as_dict()
+    if old is None:
         return
-    try:
-        old = json.loads(info_path.read_text())["args"]
-    except (json.JSONDecodeError, KeyError, TypeError) as e:
-        # a finished run whose arguments cannot be read must not be overwritten on a guess
-        raise ValueError(f"{info_path}: unreadable run_info ({type(e).__name__}); delete {out_dir} to replace it") from e
-    keys = [k for k in args if k not in ("out_dir", "threads", "device")]
-    differ = {k: (old.get(k), args[k]) for k in keys if old.get(k) != args[k]}
+    differ = {k: (old.get(k), new[k]) for k in new if k not in ("threads", "device") and old.get(k) != new[k]}
     if differ:
         what = ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in differ.items())
         raise ValueError(f"{out_dir} holds a finished run made with other arguments ({what}); choose another --out, "
                          "or delete that directory to replace its results")
+
+
+def _check_as_recorded(expected: dict, section: str, now: dict, skip: tuple[str, ...] = ()) -> None:
+    """Refuse a repeat (``--from``) whose ``section`` resolves otherwise than ``expected`` recorded it.
+
+    Raises:
+        ValueError: naming the section, each differing key (recorded -> now) and the git commits.
+    """
+    diff = differences({k: v for k, v in expected[section].items() if k not in skip},
+                       {k: v for k, v in plain(now).items() if k not in skip})
+    if diff:
+        commit = (expected["git"].get("commit"), git_revision()["commit"])
+        raise ValueError(f"the run's {section} resolves otherwise than its {CONFIG_FILE} recorded "
+                         f"({'; '.join(diff)}), so this would not repeat it (git commit recorded {commit[0]}, "
+                         f"now {commit[1]}: check out the recorded one)")
 
 
 def record_seed(seed: int, index: int) -> int:
@@ -225,13 +212,14 @@ def run_eval(
     *,
     method_params: dict | None = None,
     device: str | None = None,
+    expected: dict | None = None,
 ) -> dict:
     """Evaluate ``method`` on every record of ``split_path`` and write the run directory.
 
     Args:
         model_spec: checkpoint directory or zoo name (:func:`kvbench.models.load_model`).
         split_path: JSONL split; relative image paths resolve against its directory.
-        method: name in :data:`kvbench.eval.methods.METHODS`.
+        method: method spec (:func:`kvbench.eval.registry.get_method`).
         out_dir: run directory (created). Holding an unfinished run with the same arguments, the run
             resumes after its last finished record (:mod:`kvbench.eval.resume`).
         seed: ``torch.manual_seed(seed)`` before loading, ``torch.manual_seed(record_seed(seed, i))``
@@ -240,6 +228,8 @@ def run_eval(
         threads: ``torch.set_num_threads``.
         method_params: the method's hyper-parameters (dataclass fields).
         device: torch device; default ``"cuda"`` when available, else ``"cpu"``.
+        expected: a validated ``config.yaml`` mapping this run repeats (:func:`rerun`): the method, protocol
+            and model must resolve as it recorded them (checked before the first record).
 
     Returns:
         The ``metrics.json`` dict.
@@ -247,7 +237,8 @@ def run_eval(
     Raises:
         ValueError: unknown method, invalid records, empty split, or ``out_dir`` holds an unfinished
             run with other arguments or inputs (names what differs and the files to delete), or a finished run
-            with other arguments (it is never overwritten silently).
+            with other arguments (it is never overwritten silently); with ``expected``, a method, protocol or
+            model that resolves otherwise than recorded.
         RuntimeError: every sample failed (the first error is chained).
     """
     t0, started = time.perf_counter(), datetime.now(UTC)
@@ -262,23 +253,30 @@ def run_eval(
         raise ValueError(f"{split_path}: no records to evaluate (limit={limit})")
     validate_records(records, split_path)
     evaluator.check_records(records)
+    method_cfg = evaluator.config()
+    protocol = {**evaluator.protocol(), "record_seeds": RECORD_SEEDS}
+    if expected is not None:
+        _check_as_recorded(expected, "method", method_cfg)
+        _check_as_recorded(expected, "protocol", protocol)
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    args = {"model_spec": str(model_spec), "split_path": str(split_path), "method": method,
-            "out_dir": str(out_dir), "seed": seed, "limit": limit, "threads": threads,
-            "method_params": method_params or {}, "device": device}
+    run = RunArgs(model=str(model_spec), split=str(split_path), method=method, method_params=method_params or {},
+                  seed=seed, limit=None if limit is None else int(limit), threads=int(threads), device=device)
     ids = [r["id"] for r in records]
-    _refuse_other_finished_run(out_dir, args)
-    log = RunLog(out_dir, _run_identity(args, split_path, model_spec))
+    _refuse_other_finished_run(out_dir, run)
+    log = RunLog(out_dir, _run_identity(run))
     rows = log.resume(ids)  # before loading: arguments that do not match the unfinished run fail at once
 
     torch.manual_seed(seed)
     torch.set_num_threads(int(threads))
     model, proc = load_model(model_spec, device=device)
-    model_info = _model_info(model_spec, model)
+    model_info = model_section(model_spec, resolve_spec(model_spec), model)
+    if expected is not None:  # the checkpoint's files matched (check_inputs); its class and dtype must too
+        _check_as_recorded(expected, "model", model_info, skip=("checkpoint", "device"))
+    model_name = Path(model_info["checkpoint"]).name
 
     first_exc, n_resumed = None, len(rows)
-    progress = StepProgress(f"eval {method} {model_info['name']} {_tasks(records)}", len(records), done=len(rows))
+    progress = StepProgress(f"eval {method} {model_name} {_tasks(records)}", len(records), done=len(rows))
     if rows:
         print(f"[kvbench eval] resuming {out_dir} after {len(rows)} of {len(records)} records", file=sys.stderr)
     for i in range(len(rows), len(records)):
@@ -311,23 +309,20 @@ def run_eval(
         **aggregate(rows),
         "task": _tasks(records),
         "method": method,
-        "model": model_info["name"],
+        "model": model_name,
         "metric": ",".join(sorted({r["metric"] for r in records})),
         "split": str(split_path),
     }
+    config = describe(run, split_path=split_path, n_records=len(records), method=method_cfg, protocol=protocol,
+                      input_files=evaluator.input_files(), model=model_info)
+    if expected is not None:  # other software may still give the same bytes: said, not refused
+        diff = differences({k: expected[k] for k in ("versions", "git")}, {k: config[k] for k in ("versions", "git")})
+        if diff:
+            print(f"[kvbench eval] note: software differs from the repeated run's ({'; '.join(diff)})", file=sys.stderr)
     ended = datetime.now(UTC)
     run_info = {
-        "args": args,
-        "method": evaluator.config(),
-        "decoding": "greedy (do_sample=False, num_beams=1, repetition_penalty=1.0), stop at EOS",
-        "model": model_info,
-        "split": {"path": str(split_path.resolve()), "sha256": _sha256(split_path), "n_records": len(records)},
-        "seed": seed,
-        "record_seeds": "torch.manual_seed(record_seed(seed, index)) before each record (kvbench.eval.runner)",
-        "threads": int(threads),
+        "config": CONFIG_FILE,  # everything the results depend on; this file: the circumstances of this invocation
         "torch_threads": torch.get_num_threads(),
-        "versions": _versions(),
-        "git": _git_revision(),
         "hostname": socket.gethostname(),
         "platform": platform.platform(),
         "argv": sys.argv,
@@ -337,6 +332,41 @@ def run_eval(
         "resumed_after": n_resumed,
     }
     log.finish(ids)
+    write_config(out_dir, config)
     write_json(out_dir / "run_info.json", run_info)
     write_json(out_dir / "metrics.json", metrics)
     return metrics
+
+
+def rerun(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None = None, threads: int | None = None) -> dict:
+    """Repeat the run recorded in ``run_dir/config.yaml`` (``kvbench eval --from``) from that file alone.
+
+    Before any model work the files it names are checked (:func:`kvbench.eval.runconfig.check_inputs`: the
+    split, the checkpoint's config and weights, method inputs such as a codec, each by SHA-256); then
+    :func:`run_eval` runs with the recorded arguments and refuses a method, protocol or model that resolves
+    otherwise than recorded. Other package versions or another git commit are reported, not refused.
+
+    Args:
+        run_dir: a finished run directory (its ``config.yaml``).
+        out_dir: where the repeat is written (default ``run_dir``: a rerun in place, as rerunning the original
+            command; an unfinished run there resumes).
+        threads: ``torch.set_num_threads`` (default: the recorded count; more threads may change float
+            rounding, so the repeat is byte-identical only at the recorded count).
+
+    Returns:
+        The ``metrics.json`` dict of the repeat.
+
+    Raises:
+        FileNotFoundError: no ``config.yaml``, or a file it names is gone.
+        ValueError: a bad ``config.yaml`` (unknown, missing or mistyped key), a file whose hash differs, the
+            recorded device unavailable, or as :func:`run_eval`.
+    """
+    config = read_config(run_dir)
+    run = config["run"]
+    if run["device"].startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"{Path(run_dir) / CONFIG_FILE}: the run used device {run['device']!r}, and this machine "
+                         "has no CUDA device")
+    check_inputs(config)
+    return run_eval(run["model"], run["split"], method=run["method"], out_dir=Path(run_dir if out_dir is None else out_dir),
+                    seed=run["seed"], limit=run["limit"], threads=run["threads"] if threads is None else threads,
+                    method_params=run["method_params"], device=run["device"], expected=config)
