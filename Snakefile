@@ -57,6 +57,7 @@ include: "workflow/rules/residualkv.smk"
 include: "workflow/rules/tables.smk"
 include: "workflow/rules/targets.smk"
 include: "workflow/rules/parity.smk"
+include: "workflow/rules/compare.smk"
 
 
 localrules:

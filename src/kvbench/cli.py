@@ -200,6 +200,21 @@ def _report(a: argparse.Namespace) -> None:
     figures = {"zoo-figure", "conduit-fig3", "conduit-fig4", *(f"residualkv-fig{n}" for n in (5, 6, 8, 10, 11, 12))}
     if a.what in figures and not str(a.out).endswith(".pdf"):
         raise ValueError(f"--out of {a.what} must end in .pdf, got {a.out!r}")
+    if a.what in ("compare", "compare-page"):  # ours beside the published figures (kvbench.report.compare)
+        from pathlib import Path
+
+        from kvbench.report import compare
+
+        if a.what == "compare":
+            if not a.table:
+                raise ValueError("compare needs --table (a built table, results/<paper>/<table>.csv)")
+            name = a.name or None
+            paper = (name or f"{Path(a.table).parent.name}/").split("/", 1)[0]
+            published = a.published or str(Path("config", "published", f"{paper}.yaml"))
+            compare.compare(a.table, published, a.out, name=name)
+        else:
+            compare.page(a.compare, a.out)
+        return
     if "/" in a.what:  # a table target, e.g. conduit/table1 (kvbench.report.tables)
         from kvbench.report import tables
 
@@ -491,7 +506,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("what", help="a table target (conduit/table1 ... conduit/table5, conduit/table11 ... "
                    "conduit/table15, conduit/staleness_gap, residualkv/tableIII, residualkv/tableVI, "
                    "residualkv/tableVII, residualkv/tableVIII: see kvbench.report.tables), zoo, zoo-figure, "
-                   "conduit-fig3, conduit-fig4, or residualkv-fig{5,6,8,10,11,12}")
+                   "conduit-fig3, conduit-fig4, residualkv-fig{5,6,8,10,11,12}, compare (a table beside the "
+                   "published figures: --table, [--published], --out <table>.compare.csv) or compare-page (--compare "
+                   "CSVs, --out results/compare.md)")
     s.add_argument("--runs", nargs="*", default=[], help="run directories (eval outputs)")
     s.add_argument("--train", nargs="*", default=[], help="training work directories (curves, summary)")
     s.add_argument("--spec", default="", help="tables: the workflow's JSON (profile and the paper's config section)")
@@ -505,6 +522,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--allow-missing", action="store_true",
                    help="CONDUIT tables and conduit-fig3: a missing run gives empty cells with a note naming it "
                         "(default: error)")
+    s.add_argument("--table", default=None, help="compare: the built table (results/<paper>/<table>.csv)")
+    s.add_argument("--name", default=None, help="compare: <paper>/<table> when --table is not results/<paper>/<table>.csv")
+    s.add_argument("--published", default=None,
+                   help="compare: the published figures (default config/published/<paper>.yaml)")
+    s.add_argument("--compare", nargs="*", default=[], help="compare-page: the compare CSVs to summarise")
     s.add_argument("--out", required=True)
     s.set_defaults(func=_report)
 

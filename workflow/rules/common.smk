@@ -629,6 +629,46 @@ def table_spec(wc):
     return json.dumps({"profile": PROFILE, "raw": f"results/bench/{PROFILE}/conduit_latency.csv"}, sort_keys=True)
 
 
+# --- Ours beside the published figures (compare.smk) -----------------------------------------
+
+def _published_tables():
+    """Table targets (`conduit/table1`, ..., `conduit/fig3`) whose paper's published file has entries for them."""
+    from kvbench.report.published import load_published
+
+    names = []
+    for paper in ("conduit", "residualkv"):
+        pub = load_published(os.path.join(workflow.basedir, "config", "published", f"{paper}.yaml"))
+        keys = {e.table for e in pub.entries}
+        names += [t for t in [*TABLES, "conduit/fig3"] if t.startswith(f"{paper}/") and t.split("/", 1)[1] in keys]
+    return names
+
+
+COMPARE_TABLES = _published_tables()
+
+
+def profile_compare_tables():
+    """The compare tables this config builds: its tables with published figures, and Figure 3 with CONDUIT."""
+    own = set(configured_tables()) | ({"conduit/fig3"} if CONDUIT else set())
+    return [t for t in COMPARE_TABLES if t in own]
+
+
+def published_file(wc):
+    """config/published/<paper>.yaml of a compare target (anchored at the Snakefile, so `--directory` works)."""
+    return os.path.join(workflow.basedir, "config", "published", f"{wc.table.split('/')[0]}.yaml")
+
+
+def compare_page_inputs(wc):
+    """Compare CSVs of `results/compare.md` (config `compare.tables`)."""
+    tables = config["compare"]["tables"]
+    if tables == "built":
+        return [f"results/{t}.compare.csv" for t in profile_compare_tables() if os.path.exists(f"results/{t}.csv")]
+    bad = [t for t in tables if t not in profile_compare_tables()]
+    if bad:
+        raise ValueError(f"config compare.tables: {bad} are not tables of this config with published figures; "
+                         f"expected some of {profile_compare_tables()}")
+    return [f"results/{t}.compare.csv" for t in tables]
+
+
 # --- The report (`snakemake --report report.html`) ----------------------------------------------
 
 def report_only():
@@ -664,6 +704,8 @@ def report_items():
             if n in ("6", "8"):
                 items.append([f"results/residualkv/fig{n}.csv"])
     items.append(["results/parity/kvpress.csv"])  # any config: the parity target needs no config section
+    # ours beside the published figures (compare.smk): each table's compare CSV, and the page over them
+    items += [[f"results/{t}.compare.csv"] for t in profile_compare_tables()] + [["results/compare.md"]]
     return items
 
 
