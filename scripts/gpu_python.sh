@@ -1,4 +1,4 @@
-# Sourced by the GPU scripts (gpu_fig8.sh, gpu_table3.sh) after `name=<script name>`: sets repo, out and py, cds to
+# Sourced by the GPU scripts (gpu_fig8.sh, gpu_table3.sh, gpu_paper.sh) after `name=<script name>`: sets repo, out and py, cds to
 # the repository and makes kvbench importable.
 # Python: $PYTHON if set, else the checkout's .venv (made by scripts/setup.sh; kvbench is installed there, so
 # nothing is installed), else python3. On the bare GPU machine (no .venv, no registry) the repository is

@@ -170,3 +170,31 @@ def test_mixed_or_missing_corpus_files_are_refused(tokenizer, tmp_path):
         TokenStream(tokenizer, "train", 32, seed=0, files=[a, tmp_path / "b.csv"])
     with pytest.raises(ValueError, match="corpus files not found"):
         TokenStream(tokenizer, "train", 32, seed=0, files=[tmp_path / "nope.jsonl"])
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".json", ".txt", ".parquet"])
+def test_local_corpus_without_datasets_reads_the_same_documents(suffix, tokenizer, tmp_path, monkeypatch):
+    """Issue #16 item 3: the bare GPU machine has no `datasets`; the stdlib/pyarrow reader gives the same documents
+    (and so the same windows) as `datasets` for each corpus layout."""
+    import pandas as pd
+
+    jsonl = _corpus(tmp_path)
+    df = pd.read_json(jsonl, lines=True)
+    path = tmp_path / f"corpus{suffix}"
+    if suffix == ".json":
+        df.to_json(path, orient="records")             # one JSON array
+    elif suffix == ".txt":
+        path.write_text("\n".join(df["text"]) + "\n\nlast line")   # an empty line is a document too
+    elif suffix == ".parquet":
+        df.to_parquet(path)
+    else:
+        path = jsonl
+    with_ds = TokenStream(tokenizer, "train", 32, seed=0, files=[path])
+    monkeypatch.setitem(sys.modules, "datasets", None)    # `import datasets` raises ImportError
+    without = TokenStream(tokenizer, "train", 32, seed=0, files=[path])
+    assert type(without.docs.table) is list and list(without.docs) == list(with_ds.docs)
+    assert torch.equal(with_ds.window(4), without.window(4))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"body": "x"}\n')
+    with pytest.raises(ValueError, match=r"have no column 'text' \(columns: \['body'\]\)"):
+        TokenStream(tokenizer, "train", 32, seed=0, files=[bad])

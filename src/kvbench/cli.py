@@ -607,9 +607,27 @@ def main(argv: list[str] | None = None) -> int:
     exit status 2 instead of a traceback;
     an interrupted training run exits 130 after saving its state, and one whose
     wall-clock slice ended (:class:`~kvbench.utils.steps.SliceEnded`) exits
-    :data:`~kvbench.utils.steps.SLICE_EXIT_CODE` (3) saying how to resume.
+    :data:`~kvbench.utils.steps.SLICE_EXIT_CODE` (3) saying how to resume. With ``KVBENCH_JOB_STATS=<file>`` in
+    the environment, one JSON line (verb, exit status, wall time, peak CUDA memory) is appended to that file at
+    exit (:mod:`kvbench.utils.jobstats`).
     """
+    import os
+    import time
+
+    from kvbench.utils.jobstats import ENV, append_job_stats
+
     args = build_parser().parse_args(argv)
+    t0, rc = time.perf_counter(), None
+    try:
+        rc = _run(args)
+    finally:
+        if os.environ.get(ENV):  # scripts/gpu_paper.sh: one line per job (wall time, peak CUDA memory)
+            append_job_stats(os.environ[ENV], args.verb, rc, time.perf_counter() - t0)
+    return rc
+
+
+def _run(args: argparse.Namespace) -> int:
+    """Runs the parsed verb; the exit statuses of :func:`main`."""
     from kvbench.eval.methods import FatalRunError
     from kvbench.train.loop import Interrupted
     from kvbench.utils.steps import SLICE_EXIT_CODE, SliceEnded

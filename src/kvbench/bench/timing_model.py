@@ -46,6 +46,19 @@ TIMING_MODELS: dict[str, dict[str, Any]] = {
 }
 
 
+#: Qwen2.5-VL-3B-Instruct's config.json beyond the text-decoder shapes of ``timing-qwen2.5-vl-3b``: its vision
+#: tower (the timing model keeps the zoo's) and the text fields that change no timing shape. For random-weight
+#: checkpoints of the real architecture (:mod:`kvbench.bench.gpu_paper`); the special-token ids stay the
+#: tokenizer's (the zoo's), so its 151,936-row embedding table is larger than the vocabulary.
+QWEN2_5_VL_3B_CHECKPOINT: dict[str, Any] = {
+    "vision": dict(depth=32, hidden_size=1280, out_hidden_size=2048, intermediate_size=3420, num_heads=16,
+                   in_channels=3, patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
+                   fullatt_block_indexes=[7, 15, 23, 31], tokens_per_second=2, hidden_act="silu"),
+    "text": dict(vocab_size=151936, max_position_embeddings=128000, rms_norm_eps=1e-6, rope_theta=1000000.0,
+                 hidden_act="silu", tie_word_embeddings=True),
+}
+
+
 def timing_config(name: str, tokenizer: Any) -> transformers.Qwen2_5_VLConfig:
     """The config of timing model ``name``: the zoo VLM's config with the text decoder replaced.
 

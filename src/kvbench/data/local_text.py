@@ -4,7 +4,9 @@ The ResidualKV paper trains its codecs on FineWeb-Edu packed to 8,192-token sequ
 ``train_compressor.py`` reads a tokenised ``load_from_disk`` copy). Any local corpus in that layout works here:
 JSONL / JSON / parquet files whose rows carry the document text in one column (FineWeb-Edu's is ``text``), or
 plain ``.txt`` files (one document per line). The files are memory-mapped by ``datasets``, so a corpus of
-hundreds of millions of tokens is not held in Python strings.
+hundreds of millions of tokens is not held in Python strings. Where ``datasets`` is not installed (the bare GPU
+machine of ``scripts/gpu_paper.sh``), the same rows are read with the standard library (JSON / JSON lines, text
+lines) or pyarrow (parquet) into memory: :func:`read_rows`; fine for a small corpus, not for FineWeb-Edu.
 
 Documents are split into a training and a validation pool by a stable hash of the document's position, so
 the split does not depend on how many documents are read or on the order files are listed in (files are
@@ -13,6 +15,7 @@ sorted first).
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -69,23 +72,58 @@ def local_documents(files: Sequence[str | os.PathLike], split: str, text_field: 
     if len(suffixes) != 1 or next(iter(suffixes)) not in BUILDERS:
         raise ValueError(f"corpus files must share one suffix of {sorted(BUILDERS)}, got {sorted(suffixes)}")
     builder = BUILDERS[next(iter(suffixes))]
-    import datasets
-
     shown = [str(p) for p in paths][:3]
     if all(p.stat().st_size == 0 for p in paths):
         raise ValueError(f"corpus files {shown} hold no documents (empty files)")
     try:
-        table = datasets.load_dataset(builder, data_files=[str(p) for p in paths], split="train")
+        try:
+            import datasets
+        except ImportError:
+            table: Any = read_rows(paths, builder)
+            columns = list(dict.fromkeys(k for row in table for k in row))
+        else:
+            table = datasets.load_dataset(builder, data_files=[str(p) for p in paths], split="train")
+            columns = table.column_names
     except Exception as e:  # datasets raises many types for a malformed file (JSON, arrow, parquet errors)
         raise ValueError(f"corpus files {shown} could not be read as {builder} "
                          f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from e
     column = "text" if builder == "text" else text_field
-    if column not in table.column_names:
+    if column not in columns:
         raise ValueError(f"corpus files {shown} have no column {column!r} "
-                         f"(columns: {table.column_names}); pass the text column's name")
+                         f"(columns: {columns}); pass the text column's name")
     if len(table) == 0:
         raise ValueError(f"corpus files {shown} hold no documents")
     index = [i for i in range(len(table)) if _pool_of(i) == split]
     if not index:
         index = [0]
     return Documents(table, column, index)
+
+
+def read_rows(paths: Sequence[Path], builder: str) -> list[dict]:
+    """The rows ``datasets.load_dataset(builder, data_files=paths)`` gives, read without ``datasets``, in memory.
+
+    ``json``: a file holding one JSON array of objects, else JSON lines (blank lines skipped); ``text``: one row
+    ``{"text": line}`` per line, empty lines included, line breaks dropped (as ``datasets``' text builder);
+    ``parquet``: pyarrow's rows. One difference: a JSON row lacking the text column is None under ``datasets``
+    and a KeyError here, when :class:`Documents` reads it.
+
+    Raises:
+        ValueError: unknown ``builder``; json.JSONDecodeError: a malformed line; ImportError: parquet without pyarrow.
+    """
+    rows: list[dict] = []
+    for path in paths:
+        if builder == "json":
+            text = path.read_text(encoding="utf-8")
+            if text.lstrip().startswith("["):
+                rows.extend(json.loads(text))
+            else:
+                rows.extend(json.loads(line) for line in text.splitlines() if line.strip())
+        elif builder == "text":
+            rows.extend({"text": line} for line in path.read_text(encoding="utf-8").splitlines())
+        elif builder == "parquet":
+            import pyarrow.parquet as pq
+
+            rows.extend(pq.read_table(path).to_pylist())
+        else:
+            raise ValueError(f"unknown builder {builder!r}; expected one of {sorted(set(BUILDERS.values()))}")
+    return rows
