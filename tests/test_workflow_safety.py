@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from kvbench.bench.workflow import latency_job
+from test_rkv_deltakv_format import write_theirs
 from test_workflow import CONFIG, REPO, load, snakemake, write_config
 
 # A shell that ran any of these unquoted would create a file named pwned.
@@ -26,10 +27,11 @@ LM_CKPT = "checkpoints/lm $(touch pwned)"
 VLM_CKPT = "checkpoints/vlm `touch pwned`"
 DOC_JSONL = "benchmarks/doc;touch pwned.jsonl"
 TEXT_JSONL = "benchmarks/text $(touch pwned).jsonl"
+COMPRESSOR = "compressors/their `touch pwned` dir"
 # The zoo LM's KV shape (8 layers, 2 KV heads of 32): the ResidualKV plan checks the smoke codecs against it.
 LM_SHAPE = {"num_hidden_layers": 8, "hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2}
 TARGETS = ["all", "conduit", "residualkv", "results/table3.csv", "results/table1.csv", "results/tableIII.csv",
-           "figures/fig8.pdf"]
+           "figures/fig8.pdf", "results/compare.md"]
 
 
 def _hostile_config(tmp_path: Path) -> tuple[dict, Path]:
@@ -55,6 +57,12 @@ def _hostile_config(tmp_path: Path) -> tuple[dict, Path]:
     cfg["conduit_latency"]["model"] = "ckpt-vlm"
     cfg["residualkv"].update(model="ckpt-lm", tasks=["text-jsonl"])
     cfg["residualkv"]["fig8"].update(model=str(root / LM_CKPT), codec_dir=str(root / "codec dir;touch pwned"))
+    # the main codec imported from an authors' compressor under a hostile name (rule rkv_codec_import); the
+    # variants still train (rkv_codec)
+    write_theirs(root / COMPRESSOR, dict(LM_SHAPE, head_dim=32), bias=False, d_c=cfg["residualkv"]["codec"]["d_c"],
+                 d_ff=cfg["residualkv"]["codec"]["d_ff"])
+    cfg["residualkv"]["codec"]["import"] = COMPRESSOR
+    cfg["compare"] = {"tables": ["conduit/table1", "residualkv/tableIII"]}   # rules compare_table, compare_page
     return cfg, root
 
 
@@ -99,7 +107,8 @@ def test_hostile_paths_stay_one_argument_in_every_rule(tmp_path):
                     carrying.add(rule)
             assert ";" not in argv and "#" not in argv, cmd
     # the hostile paths really went through the rules that read them
-    assert {"eval", "conduit_cache", "table", "rkv_codec", "conduit_latency", "rkv_throughput"} <= carrying
+    assert {"eval", "conduit_cache", "table", "rkv_codec", "conduit_latency", "rkv_throughput",
+            "rkv_codec_import"} <= carrying
     # and running each rule's command (kvbench and cp stubbed) runs nothing else
     scratch = tmp_path / "scratch"
     scratch.mkdir()
@@ -144,8 +153,10 @@ def test_latency_args_are_quoted():
 
 
 def test_every_shell_field_is_quoted():
-    """Each `{...}` in a rule's command is `:q`-quoted, except `{threads}` (an int) and `{params.args}`
-    (argument strings built with shlex.quote: RKVPlan.bench_args, latency_job)."""
+    """Each `{...}` in a rule's command is `:q`-quoted, except `{threads}` (an int), `{params.args}` (argument
+    strings built with shlex.quote: RKVPlan.bench_args, latency_job, RKVPlan.codec_train_flags) and
+    `{params.launch}` (RKVPlan.codec_launcher: `kvbench` or `torchrun ... --nproc_per_node N -m kvbench.cli`, N
+    an int the schema checks; no config text)."""
     checked = 0
     for smk in sorted((REPO / "workflow" / "rules").glob("*.smk")):
         for block in re.split(r"^rule ", smk.read_text(), flags=re.M)[1:]:
@@ -153,7 +164,7 @@ def test_every_shell_field_is_quoted():
             if not shell:
                 continue
             text = "".join(re.findall(r'"((?:[^"\\]|\\.)*)"', shell.group(1)))
-            bare = [f for f in re.findall(r"\{([^{}]*)\}", text) if not f.endswith(":q") and f not in ("threads", "params.args")]
+            bare = [f for f in re.findall(r"\{([^{}]*)\}", text) if not f.endswith(":q") and f not in ("threads", "params.args", "params.launch")]
             assert not bare, f"{smk.name}: rule {block.split(':', 1)[0]} has unquoted {bare}"
             checked += 1
     assert checked >= 20

@@ -34,7 +34,7 @@ rule rkv_codec:
         overrides=lambda wc: json.dumps(rkv_plan().codec_overrides(RKV_CODECS[wc.codec]), sort_keys=True),
         train=lambda wc: rkv_plan().codec_training(RKV_CODECS[wc.codec]),
         launch=lambda wc: rkv_plan().codec_launcher(RKV_CODECS[wc.codec]),
-        flags=lambda wc: rkv_plan().codec_train_flags(RKV_CODECS[wc.codec], local_path),  # device, dtype, corpus
+        args=lambda wc: rkv_plan().codec_train_flags(RKV_CODECS[wc.codec], local_path),  # device, dtype, corpus
         seed=SEED,
     log:
         "logs/residualkv/codec/{profile}/{model}/{codec}.log",
@@ -53,7 +53,7 @@ rule rkv_codec:
         "{params.launch} codec-train --model {params.model:q} --out {params.out:q} --overrides {params.overrides:q}"
         " --objective {params.train[objective]:q} --steps {params.train[steps]:q} --seq-len {params.train[seq_len]:q}"
         " --slice-s {resources.slice_s:q} --lr {params.train[lr]:q} --data {params.train[data]:q} --seed {params.seed:q}"
-        " --threads {threads} {params.flags} > {log:q} 2>&1"
+        " --threads {threads} {params.args} > {log:q} 2>&1"
 
 
 rule rkv_codec_import:
