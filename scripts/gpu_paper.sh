@@ -16,8 +16,8 @@
 # exit status, wall s, peak CUDA memory allocated/reserved, score of each eval, log tail of a failed job),
 # $OUT/gpu_paper_runs.tar.gz (job logs, metrics/config of each run, codec-train summary, checkpoint configs),
 # $OUT/gpu_paper.log and $OUT/pip.log. The checkpoints, records and work directory go under GPU_PAPER_ROOT
-# (default /tmp/kvbench-paper on the GPU, $OUT/root for the dry run; 24 GB on the GPU), deleted at the end unless
-# GPU_PAPER_KEEP=1.
+# (default /tmp/kvbench-paper on the GPU, $OUT/root for the dry run; 24 GB on the GPU; it must not exist or be
+# empty: an existing non-empty directory is refused), deleted at the end unless GPU_PAPER_KEEP=1.
 set -euo pipefail
 name=gpu_paper
 source "$(dirname "$0")/gpu_python.sh"
@@ -27,6 +27,13 @@ case "${*:-}" in
     *) echo "$name: expected no argument or --device cpu, got: $*" >&2; exit 2 ;;
 esac
 root="$(realpath -m "$root")"
+# The script writes random-weight checkpoints at the paper profile's paths under the root and deletes it at the end:
+# never a directory that holds anything already (e.g. a real data root named by mistake).
+if [ -e "$root" ] && { [ ! -d "$root" ] || [ -n "$(ls -A "$root")" ]; }; then
+    echo "$name: GPU_PAPER_ROOT $root exists and is not an empty directory; name a new one (the script writes" \
+         "random-weight checkpoints there and deletes it at the end)" >&2
+    exit 2
+fi
 rc=0
 timeout "$limit" "$py" -m kvbench.bench.gpu_paper run --device "$device" --out "$out" --root "$root" 2>&1 \
     | tee -a "$out/$name.log" || rc=$?

@@ -120,3 +120,16 @@ def test_cpu_dry_run_end_to_end(tmp_path):
     assert len(evals) == 12 and (evals["n"] == 2).all() and (evals["n_error"] == 0).all()
     assert df["cuda_max_allocated"].isna().all() and (df["wall_s"] > 0).all()
     assert (out / "gpu_paper_runs.tar.gz").stat().st_size > 0 and not (out / "root").exists()
+
+
+def test_an_existing_data_root_is_refused_and_left_alone(tmp_path):
+    """Bug (review): GPU_PAPER_ROOT naming an existing directory got random checkpoints written into it and was then
+    deleted with everything in it."""
+    root = tmp_path / "my data"
+    root.mkdir()
+    (root / "sentinel.txt").write_text("precious\n")
+    env = {**os.environ, "GPU_PAPER_ROOT": str(root), "OUT": str(tmp_path / "out")}
+    r = subprocess.run(["bash", str(REPO / "scripts" / "gpu_paper.sh"), "--device", "cpu"], env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "exists and is not an empty directory" in r.stderr
+    assert (root / "sentinel.txt").read_text() == "precious\n" and sorted(p.name for p in root.iterdir()) == ["sentinel.txt"]

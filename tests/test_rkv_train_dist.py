@@ -198,3 +198,67 @@ def test_local_corpus_without_datasets_reads_the_same_documents(suffix, tokenize
     bad.write_text('{"body": "x"}\n')
     with pytest.raises(ValueError, match=r"have no column 'text' \(columns: \['body'\]\)"):
         TokenStream(tokenizer, "train", 32, seed=0, files=[bad])
+
+
+# --- review findings (issue #16): each failing input as a test ------------------------------------------------
+
+def test_resume_with_another_batch_or_dtype_names_the_key(lm_dir, tmp_path, capsys):
+    """Bug: batch/dtype are absent from the run identity at their defaults, so the refusal listed no key
+    ("differs in []")."""
+    out = tmp_path / "c"
+    assert main(["codec-train", "--model", str(lm_dir), "--out", str(out), "--grad-accum", "2", "--slice-s", "1e-9",
+                 *ARGS]) == 3
+    assert main(["codec-train", "--model", str(lm_dir), "--out", str(out), *ARGS]) == 2
+    assert "another configuration (differs in ['batch'])" in capsys.readouterr().err
+
+
+def test_a_corpus_replaced_between_slices_is_refused(lm_dir, tmp_path, capsys):
+    """Bug: a sliced run resumed silently on another corpus (the state named the paths only)."""
+    path, out = _corpus(tmp_path), tmp_path / "c"
+    argv = ["codec-train", "--model", str(lm_dir), "--out", str(out), "--data-files", str(path), *ARGS]
+    assert main([*argv, "--slice-s", "1e-9"]) == 3
+    path.write_text(json.dumps({"text": "one short document"}) + "\n")
+    assert main(argv) == 2
+    assert "differs in ['data_bytes']" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("rows, needle", [
+    ([{"text": ""}] * 10, "the corpus holds no text"),                # bug: trained on EOS-only windows
+    ([{"text": 5}, {"text": 6}], r"corpus document \d is a int, not text"),  # bug: the tokenizer's internal message
+])
+def test_corpus_without_text_is_refused(rows, needle, tokenizer, tmp_path):
+    path = tmp_path / "c.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    stream = TokenStream(tokenizer, "train", 32, seed=0, files=[path])
+    with pytest.raises(ValueError, match=needle):
+        stream.window(0)
+
+
+def test_corpus_directory_and_duplicates(tokenizer, tmp_path):
+    path = _corpus(tmp_path)
+    with pytest.raises(ValueError, match="are directories: list their files"):  # bug: reported as "not found"
+        TokenStream(tokenizer, "train", 32, seed=0, files=[path.parent])
+    once = TokenStream(tokenizer, "train", 32, seed=0, files=[path])
+    twice = TokenStream(tokenizer, "train", 32, seed=0, files=[path, path])  # bug: a file listed twice was read twice
+    assert len(once.docs) == len(twice.docs)
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--device", "banana"], "expected auto, cpu, cuda or cuda:<index>, got 'banana'"),  # bug: a raw traceback
+    (["--text-field", "body"], "--text-field 'body' names a column of --data-files"),     # bug: silently ignored
+])
+def test_more_bad_flags_are_refused(argv, needle, tmp_path, capsys):
+    try:
+        rc = main(["codec-train", "--model", str(tmp_path / "no-model"), "--out", str(tmp_path / "c"), "--steps", "2",
+                   *argv])
+    except SystemExit as e:
+        rc = e.code
+    assert rc == 2 and needle in capsys.readouterr().err
+
+
+def test_nan_alpha_is_refused():
+    """Bug: an imported compressor's stride_alpha NaN passed `alpha >= 0` and wrote "alpha": NaN to codec.json."""
+    from kvbench.compress.residualkv.codec import CodecConfig
+
+    with pytest.raises(ValueError, match="alpha must be a finite number >= 0, got nan"):
+        CodecConfig(n_layers=1, d_kv=64, d_c=16, d_ff=32, group=16, alpha=float("nan"))

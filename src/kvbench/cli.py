@@ -95,6 +95,10 @@ def _codec_train(a: argparse.Namespace) -> None:
         raise ValueError(f"--lr must be > 0, got {a.lr}")
     if a.data_files and a.data != "text":
         raise ValueError(f"--data-files is a text corpus: it needs --data text, got --data {a.data}")
+    if a.text_field != "text" and not a.data_files:
+        raise ValueError(f"--text-field {a.text_field!r} names a column of --data-files, which are not given")
+    if a.device == "auto":
+        a.device = "cuda" if torch.cuda.is_available() else "cpu"
     if a.device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"--device {a.device}: no CUDA device is visible (torch.cuda.is_available() is False)")
     place = Placement(device=a.device, dtype=a.dtype, grad_accum=a.grad_accum, checkpointing=a.checkpointing,
@@ -414,7 +418,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "the paper's FineWeb-Edu in that layout) instead of the bundled one; 1%% of its documents "
                         "(by index hash) are held out for the validation windows")
     s.add_argument("--text-field", default="text", help="the corpus files' text column (default: text)")
-    s.add_argument("--device", default="cpu", help="torch device of the backbone and codec: cpu, cuda, cuda:1 "
+    s.add_argument("--device", type=_device, default="cpu", help="torch device of the backbone and codec: cpu, cuda, cuda:1, auto "
                    "(under torchrun: each process takes the GPU of its LOCAL_RANK)")
     s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="backbone dtype; bfloat16/float16 run both passes under autocast, the codec keeps float32 "

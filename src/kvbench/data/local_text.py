@@ -45,6 +45,25 @@ def _pool_of(i: int) -> str:
     return "test" if h < VAL_SHARE else "train"
 
 
+def corpus_builder(files: Sequence[str | os.PathLike]) -> str:
+    """The ``datasets`` builder of a corpus file list, from the names alone (the workflow calls it while the DAG is
+    built, before the files need exist).
+
+    Raises:
+        ValueError: no files, a directory (its files must be listed), or not one shared suffix of :data:`BUILDERS`.
+    """
+    paths = [Path(f) for f in files]
+    if not paths:
+        raise ValueError("no corpus files given (expected .jsonl, .json, .parquet or .txt files)")
+    dirs = [str(p) for p in paths if p.is_dir()]
+    if dirs:
+        raise ValueError(f"corpus files {dirs} are directories: list their files (e.g. every .parquet file)")
+    suffixes = {p.suffix for p in paths}
+    if len(suffixes) != 1 or next(iter(suffixes)) not in BUILDERS:
+        raise ValueError(f"corpus files must share one suffix of {sorted(BUILDERS)}, got {sorted(suffixes)}")
+    return BUILDERS[next(iter(suffixes))]
+
+
 def local_documents(files: Sequence[str | os.PathLike], split: str, text_field: str = "text") -> Documents:
     """The ``split`` pool (``"train"`` or ``"test"``) of the documents in ``files``.
 
@@ -62,16 +81,11 @@ def local_documents(files: Sequence[str | os.PathLike], split: str, text_field: 
     """
     if split not in ("train", "test"):
         raise ValueError(f"split must be 'train' or 'test', got {split!r}")
-    paths = sorted(Path(f) for f in files)
-    if not paths:
-        raise ValueError("no corpus files given (expected .jsonl, .json, .parquet or .txt files)")
+    paths = sorted({Path(f) for f in files})  # a file listed twice is read once
+    builder = corpus_builder(paths)
     missing = [str(p) for p in paths if not p.is_file()]
     if missing:
         raise ValueError(f"corpus files not found: {missing}")
-    suffixes = {p.suffix for p in paths}
-    if len(suffixes) != 1 or next(iter(suffixes)) not in BUILDERS:
-        raise ValueError(f"corpus files must share one suffix of {sorted(BUILDERS)}, got {sorted(suffixes)}")
-    builder = BUILDERS[next(iter(suffixes))]
     shown = [str(p) for p in paths][:3]
     if all(p.stat().st_size == 0 for p in paths):
         raise ValueError(f"corpus files {shown} hold no documents (empty files)")

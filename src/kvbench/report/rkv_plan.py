@@ -403,10 +403,27 @@ class RKVPlan:
 
     def codec_train_flags(self, variant: str, resolve=lambda path: path) -> str:
         """The placement and corpus flags of ``kvbench codec-train`` for ``variant``, shell-quoted, only those
-        that differ from the verb's defaults (``resolve`` maps a configured corpus path to the file)."""
+        that differ from the verb's defaults (``resolve`` maps a configured corpus path to the file).
+
+        Raises:
+            ValueError: ``data_files`` with ``data: tasks``, a directory, mixed or unknown suffixes, or
+                ``text_field`` without ``data_files`` (naming ``residualkv.train``).
+        """
         import shlex
 
         place, recipe = self.codec_placement(variant), self.codec_training(variant)
+        if recipe.get("data_files"):
+            from kvbench.data.local_text import corpus_builder
+
+            if recipe.get("data", "text") != "text":
+                raise ValueError(f"config residualkv.train: data_files is a text corpus; it needs data: text, got "
+                                 f"data: {recipe['data']}")
+            try:
+                corpus_builder([resolve(f) for f in recipe["data_files"]])
+            except ValueError as e:
+                raise ValueError(f"config residualkv.train.data_files: {e}") from None
+        elif "text_field" in recipe:
+            raise ValueError("config residualkv.train: text_field names a column of data_files, which are not set")
         flags = []
         if place["device"] != "cpu":
             flags += ["--device", place["device"]]

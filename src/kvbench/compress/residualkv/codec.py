@@ -98,8 +98,8 @@ class CodecConfig:
                 raise ValueError(f"CodecConfig.{name} must be an int >= 0, got {v!r}")
         if not isinstance(self.k, int) or self.k < 1:
             raise ValueError(f"CodecConfig.k (references per token) must be an int >= 1, got {self.k!r}")
-        if self.alpha < 0:
-            raise ValueError(f"CodecConfig.alpha must be >= 0, got {self.alpha!r}")
+        if not (isinstance(self.alpha, (int, float)) and math.isfinite(self.alpha) and self.alpha >= 0):
+            raise ValueError(f"CodecConfig.alpha must be a finite number >= 0, got {self.alpha!r}")
         if self.bits not in BITS:
             raise ValueError(f"CodecConfig.bits must be one of {BITS}, got {self.bits!r}")
         if self.bits != 16 and self.d_c % self.group:

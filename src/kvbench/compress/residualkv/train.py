@@ -254,17 +254,26 @@ class TokenStream:
             raise ValueError("the tokenizer has no eos_token_id to separate packed documents")
         self.ids: list[int] = []
         self._order: list[int] = []
-        self._epoch, self._next = -1, 0
+        self._epoch, self._next, self._epoch_text = -1, 0, 0
 
     def _more(self) -> None:
         if self._next >= len(self._order):
+            if self._epoch >= 0 and self._epoch_text == 0:
+                raise ValueError(f"the corpus holds no text: a whole pass over its {len(self.docs)} documents "
+                                 "gave no token (empty strings?)")
+            self._epoch_text = 0
             self._epoch += 1
             self._order = list(range(len(self.docs)))
             random.Random(f"{self.seed}:{self._epoch}").shuffle(self._order)
             self._next = 0
-        text = self.docs[self._order[self._next]]
+        i = self._order[self._next]
+        text = self.docs[i]
         self._next += 1
-        self.ids.extend(self.tok(text, add_special_tokens=False)["input_ids"] + [self.eos])
+        if not isinstance(text, str):
+            raise ValueError(f"corpus document {i} is a {type(text).__name__}, not text: {str(text)[:60]!r}")
+        ids = self.tok(text, add_special_tokens=False)["input_ids"]
+        self._epoch_text += len(ids)
+        self.ids.extend(ids + [self.eos])
 
     def batch(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(ids, labels)`` of window ``i``: every token is a next-token target."""
@@ -500,10 +509,15 @@ def train_codec(model: Any, tokenizer: Any, codec: ResidualCodec, *, out_dir: st
     run_cfg = {"codec": json.loads(codec.config.to_json()), "objective": objective, "steps": steps, "data": data,
                "seq_len": seq_len, "seed": seed, "lr": lr, "model": _model_signature(model)}
     # Only what changes the weights enters the run's identity (not the device, nor how the batch is split).
-    if place.batch != 1 or place.dtype != "float32":
-        run_cfg.update(batch=place.batch, dtype=place.dtype)
+    if place.batch != 1:
+        run_cfg["batch"] = place.batch
+    if place.dtype != "float32":
+        run_cfg["dtype"] = place.dtype
     if data_files:
-        run_cfg.update(data_files=sorted(str(Path(f).resolve()) for f in data_files), text_field=text_field)
+        # paths and byte sizes: a corpus replaced between two slices of one run is refused on resume (a hash of a
+        # FineWeb-size corpus would cost minutes per invocation; a same-size edit goes unseen)
+        files = sorted({str(Path(f).resolve()) for f in data_files})
+        run_cfg.update(data_files=files, data_bytes=[Path(f).stat().st_size for f in files], text_field=text_field)
     codec.to(place.device)
     opt = torch.optim.AdamW(codec.parameters(), lr=lr)
     modules = {"codec": codec}
@@ -548,8 +562,10 @@ def _check_same_run(meta: dict, run_cfg: dict, out_dir: Path) -> None:
     """Refuse a state written by another configuration (or by a kvbench without curve rows in its state)."""
     old = meta.get("run", {})
     if old != run_cfg:
-        diff = sorted(k for k in run_cfg if old.get(k) != run_cfg[k])
-        diff += sorted(f"codec.{k}" for k in run_cfg["codec"] if old.get("codec", {}).get(k) != run_cfg["codec"][k])
+        # both sides' keys: batch/dtype/data_files are absent at their defaults, on either side
+        diff = sorted(k for k in set(run_cfg) | set(old) if k != "codec" and old.get(k) != run_cfg.get(k))
+        new_c, old_c = run_cfg["codec"], old.get("codec", {})
+        diff += sorted(f"codec.{k}" for k in set(new_c) | set(old_c) if old_c.get(k) != new_c.get(k))
         raise ValueError(f"{out_dir / 'state'} was written by another configuration (differs in {diff}); "
                          "use a new out_dir or delete it to start over")
     if "curves" not in meta:
