@@ -95,7 +95,7 @@ def test_orderings_agree_disagree_or_cannot_be_told_apart(tmp_path):
     # paired row, CI includes 0
     assert orders.loc["tied", "verdict"] == "cannot be told apart"
     # no paired row: the point difference 56 - 65, against a published +1.5
-    assert orders.loc["disagree", "verdict"] == "disagrees (no CI)" and orders.loc["disagree", "ours"] == -9.0
+    assert orders.loc["disagree", "verdict"] == "no CI, not judged: ours against it" and orders.loc["disagree", "ours"] == -9.0
     assert float(orders.loc["disagree", "published"]) == 1.5  # a mixed column: read back as text
     assert "Profile zoo" in head[0] and "not meaningful" in head[0]
 
@@ -121,7 +121,7 @@ def test_real_conduit_figures_on_the_table1_format(tmp_path):
     every_pair = orders[orders["entry"] == "t1-leads-every-pair-r0.10"]
     assert set(every_pair["column"]) == {"K2", "K3"}  # per dataset column: the column's paired mean, no CI
     k3 = every_pair[(every_pair["column"] == "K3") & (every_pair["method"] == "CONDUIT − ProphetKV")].iloc[0]
-    assert k3["ours"] == -1.0 and k3["verdict"] == "disagrees (no CI)"
+    assert k3["ours"] == -1.0 and k3["verdict"] == "no CI, not judged: ours against it"
     assert any("CONDUIT > ProphetKV by 1.7" in line for line in head)
 
 
@@ -145,9 +145,9 @@ def test_residualkv_table_format_on_the_zoo(tmp_path):
     assert set(kr["published"]) == {13.0, 16.0}
     orders = df[(df["part"] == "ordering") & (df["method"] == "ResidualKV − OmniKV") & (df["column"] == "avg")]
     verdicts = dict(zip(orders["paper_backbone"], orders["verdict"]))
-    assert verdicts["Llama-3.1-8B"] == "agrees (no CI)"       # 50.3 > 50.2; ours 66 > 65
-    assert verdicts["Qwen2.5-32B"] == "disagrees (no CI)"     # 48.4 < 48.5
-    assert verdicts["Qwen3-4B"] == "differs (no CI)"          # 47.9 = 47.9
+    assert verdicts["Llama-3.1-8B"] == "no CI, not judged: ours in the paper's direction"       # 50.3 > 50.2; ours 66 > 65
+    assert verdicts["Qwen2.5-32B"] == "no CI, not judged: ours against it"     # 48.4 < 48.5
+    assert verdicts["Qwen3-4B"] == "no CI, not judged: ours differ"          # 47.9 = 47.9
     assert "tiny-lm" in head[0]
 
 
@@ -168,7 +168,7 @@ def test_paper_profile_compares_absolute_values_per_backbone(tmp_path):
     assert bool(cells.loc[("qwen2.5-vl-3b", "λ = 1"), "comparable"])
     assert "published for Qwen2.5-VL-3B (qwen2.5-vl-3b), not qwen2.5-vl-7b" in cells.loc[("qwen2.5-vl-7b", "λ = 1"), "reason"]
     order = df[df["part"] == "ordering"].iloc[0]
-    assert order["method"] == "λ = 0 − λ = 1" and order["verdict"] == "agrees (no CI)"  # 48.53 < 49.33; ours 48 < 50
+    assert order["method"] == "λ = 0 − λ = 1" and order["verdict"] == "no CI, not judged: ours in the paper's direction"  # 48.53 < 49.33; ours 48 < 50
 
 
 def test_page_counts_neighbours_and_orderings(tmp_path):
@@ -176,8 +176,10 @@ def test_page_counts_neighbours_and_orderings(tmp_path):
     _compare(tmp_path, TABLE1, pub)
     text = page([tmp_path / "results/conduit/table1.compare.csv"], tmp_path / "results/compare.md")
     assert "## conduit/table1" in text and "our cells with a published neighbour: 1 of 36" in text
-    assert "orderings that agree: 1" in text and "orderings that disagree: 1" in text
+    assert "orderings that agree: 1" in text and "orderings that disagree: 0" in text
     assert "orderings that cannot be told apart: 1" in text
+    # a point difference without a CI is shown, never counted as a disagreement (review: one record decided it)
+    assert "orderings that have no CI (shown, not judged): 1" in text and "not judged: ours against it" in text
     assert "No compare CSV yet" in page([], tmp_path / "empty.md")
 
 

@@ -73,14 +73,34 @@ def test_from_repeats_the_run_byte_for_byte(run, tmp_path, capsys):
     assert "predictions.jsonl, metrics.json of" in capsys.readouterr().err
 
 
-def test_from_without_out_reruns_in_place(run, tmp_path, capsys):
-    """Without --out the repeat is a rerun in place (as the original command): the same bytes, no comparison."""
+def test_from_in_place_refuses_a_finished_run_and_resumes_an_unfinished_one(run, tmp_path, capsys):
+    """Bug (review): in place, --from replaced a finished run's predictions with the repeat's (different ones after a
+    tokenizer change) and exited 0, destroying what the repeat should be compared with."""
     copy = tmp_path / "copy"
     shutil.copytree(run, copy)
+    before = (copy / "predictions.jsonl").read_bytes()
+    assert main(["eval", "--from", str(copy)]) == 2
+    assert "is a finished run: repeat it into another directory with --out NEW" in capsys.readouterr().err
+    assert (copy / "predictions.jsonl").read_bytes() == before
+    (copy / "metrics.json").unlink()  # unfinished: in place, --from resumes it
     assert main(["eval", "--from", str(copy), "--threads", "1"]) == 0
     for name in ("predictions.jsonl", "metrics.json", CONFIG_FILE):
         assert (copy / name).read_bytes() == (run / name).read_bytes(), name
-    assert "identical" not in capsys.readouterr().err
+
+
+def test_from_refuses_a_changed_tokenizer(lm_dir, tmp_path, capsys):
+    """Bug (review): config.yaml hashed only config.json and the weights, so a changed tokenizer.json passed the
+    checks and changed the predictions."""
+    ckpt = tmp_path / "lm"
+    shutil.copytree(lm_dir, ckpt)
+    split = write_split(tmp_path / "data" / "test.jsonl", [text_record(i) for i in range(2)])
+    run_eval(ckpt, split, method="full", out_dir=tmp_path / "r0", limit=1)
+    files = [f["file"] for f in _config(tmp_path / "r0")["model"]["files"]]
+    assert "tokenizer.json" in files and "tokenizer_config.json" in files
+    tok = ckpt / "tokenizer.json"
+    tok.write_text(tok.read_text().replace('"unk_token"', '"unk_token" ', 1))
+    assert main(["eval", "--from", str(tmp_path / "r0"), "--out", str(tmp_path / "r1")]) == 2
+    assert f"model file {tok} changed since the run" in capsys.readouterr().err
 
 
 def test_from_refuses_a_changed_split(run, tmp_path, capsys):

@@ -50,7 +50,7 @@ FORMAT = "kvbench-run-config/1"
 SECTIONS = ("format", "run", "cwd", "model", "split", "method", "protocol", "inputs", "versions", "git")
 #: Keys of ``model``, ``split`` and of one file entry (``model.weights``, ``inputs``), each required.
 MODEL_KEYS = ("spec", "checkpoint", "architecture", "dtype", "device", "attn_implementation", "n_params",
-              "revision", "config_sha256", "weights")
+              "revision", "config_sha256", "weights", "files")
 SPLIT_KEYS = ("path", "bytes", "sha256", "n_records")
 FILE_KEYS = ("file", "bytes", "sha256")
 #: Files above this size are identified by size only (hashing 15 GB of 7B weights per run costs minutes).
@@ -183,7 +183,16 @@ def model_section(spec: str | os.PathLike, checkpoint: Path, model: Any) -> dict
         "revision": revision,
         "config_sha256": sha256(path / "config.json"),
         "weights": [file_entry(w, w.name) for w in sorted(path.glob("*.safetensors"))],
+        # tokenizer, processor, chat template, generation config: they change the prompt ids and the decoding
+        "files": [file_entry(f, f.name) for f in _other_files(path)],
     }
+
+
+def _other_files(path: Path) -> list[Path]:
+    """The checkpoint's files besides ``config.json`` and the weights (top level: tokenizer, processor, chat
+    template, generation config)."""
+    return sorted(f for f in path.iterdir() if f.is_file() and f.name != "config.json"
+                  and f.suffix not in (".safetensors", ".bin", ".pt", ".pth") and not f.name.startswith("."))
 
 
 def plain(obj: Any) -> Any:
@@ -266,6 +275,7 @@ def validate(config: Any, where: str = CONFIG_FILE) -> RunArgs:
     if not (model["config_sha256"] is None or isinstance(model["config_sha256"], str)):
         raise ValueError(f"{where}: model.config_sha256 must be a hex string or null, got {model['config_sha256']!r}")
     _file_list(f"{where}: model.weights", model["weights"])
+    _file_list(f"{where}: model.files", model["files"])
     split = _keys(f"{where}: split", cfg["split"], SPLIT_KEYS)
     if not isinstance(split["path"], str) or not _is_int(split["bytes"]) or not _is_int(split["n_records"]) \
             or not (split["sha256"] is None or isinstance(split["sha256"], str)):
@@ -323,7 +333,8 @@ def check_inputs(config: dict) -> None:
     """Check that the files a validated ``config`` names still exist with their recorded hashes, from the
     current directory (before any model work).
 
-    Checked: the split file, the model checkpoint's ``config.json`` and weight files (the spec resolved again,
+    Checked: the split file, the model checkpoint's ``config.json``, weight files and other files (tokenizer,
+    processor, chat template, generation config; the spec resolved again,
     :func:`kvbench.models.loader.resolve_spec`), and every file of ``inputs`` (a codec).
 
     Raises:
@@ -350,6 +361,10 @@ def check_inputs(config: dict) -> None:
     now = sorted(p.name for p in ckpt.glob("*.safetensors"))
     if now != sorted(w["file"] for w in model["weights"]):
         raise ValueError(f"model {ckpt}: weight files {now}, recorded {[w['file'] for w in model['weights']]}")
+    for f in model["files"]:
+        if not (ckpt / f["file"]).is_file():
+            raise _missing("model file", str(ckpt / f["file"]), config)
+        _check_file("model file", ckpt / f["file"], f)
     for f in config["inputs"]:
         if not Path(f["file"]).is_file():
             raise _missing("method input", f["file"], config)

@@ -348,8 +348,8 @@ def rerun(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None = None, 
 
     Args:
         run_dir: a finished run directory (its ``config.yaml``).
-        out_dir: where the repeat is written (default ``run_dir``: a rerun in place, as rerunning the original
-            command; an unfinished run there resumes).
+        out_dir: where the repeat is written (default ``run_dir``: only for an unfinished run, which resumes; a
+            finished run is refused in place, since the repeat would replace the results it is compared with).
         threads: ``torch.set_num_threads`` (default: the recorded count; more threads may change float
             rounding, so the repeat is byte-identical only at the recorded count).
 
@@ -358,11 +358,16 @@ def rerun(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None = None, 
 
     Raises:
         FileNotFoundError: no ``config.yaml``, or a file it names is gone.
-        ValueError: a bad ``config.yaml`` (unknown, missing or mistyped key), a file whose hash differs, the
-            recorded device unavailable, or as :func:`run_eval`.
+        ValueError: a finished ``run_dir`` repeated in place, a bad ``config.yaml`` (unknown, missing or mistyped
+            key), a file whose hash differs, the recorded device unavailable, or as :func:`run_eval`.
     """
     config = read_config(run_dir)
     run = config["run"]
+    if out_dir is None and (Path(run_dir) / "metrics.json").is_file():
+        # in place, a repeat would replace the recorded results before anything could compare them
+        raise ValueError(f"{run_dir} is a finished run: repeat it into another directory with --out NEW (the "
+                         "exit status then says whether predictions.jsonl and metrics.json are byte-identical); "
+                         "in place, --from only resumes an unfinished run")
     if run["device"].startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"{Path(run_dir) / CONFIG_FILE}: the run used device {run['device']!r}, and this machine "
                          "has no CUDA device")

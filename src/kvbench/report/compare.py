@@ -12,8 +12,9 @@ One compare CSV per built table (``kvbench report compare``), in three parts (co
 - ``ordering``: every published ordering of two methods (an ``ordering`` or ``difference`` entry, or two published
   values of one table, backbone, column and metric) against ours: our difference a − b, with the 95% CI of the
   table's paired-difference rows where it has one (CONDUIT Tables 1 and 5: pooled over records for the ``average``
-  column), else the point difference and ``no CI`` in the verdict. Verdicts: ``agrees``, ``disagrees``, ``cannot be
-  told apart`` (CI includes 0), or ``... (no CI)``; a published tie agrees when ours cannot be told apart. ``count``
+  column), else the point difference, shown but not judged. Verdicts: ``agrees``, ``disagrees``, ``cannot be
+  told apart`` (CI includes 0), or ``no CI, not judged: ...`` (the direction of a point difference, which may be
+  one record: not counted as agreement or disagreement); a published tie agrees when ours cannot be told apart. ``count``
   entries give ours as k of n without a verdict (the cell sets differ).
 - ``published only``: entries of this table no cell of ours matched, with the reason.
 
@@ -416,9 +417,13 @@ def _verdict(relation: str, diff: float, lo: float | None, hi: float | None, tol
         if not told:
             return "agrees" if sign == 0 else "cannot be told apart"
         return "disagrees" if sign == 0 else ("agrees" if diff * sign > 0 else "disagrees")
+    # Without a CI the sign of a point difference is not a verdict (a one-record difference would count as one):
+    # shown with the direction, not judged.
+    if diff == 0:
+        return "no CI, not judged: equal"
     if sign == 0:
-        return "agrees (no CI)" if diff == 0 else "differs (no CI)"
-    return "tie (no CI)" if diff == 0 else ("agrees (no CI)" if diff * sign > 0 else "disagrees (no CI)")
+        return "no CI, not judged: ours differ"
+    return "no CI, not judged: ours " + ("in the paper's direction" if diff * sign > 0 else "against it")
 
 
 def _ordering_rows(pub: Published, ours: Ours) -> tuple[list[dict], set]:
@@ -569,7 +574,7 @@ def compare(table: str | Path, published: str | Path | Published, out: str | Pat
               "# parts: cell = each numeric cell of ours with its published neighbour (diff = ours − published; range: "
               "distance outside it; empty published: none, see reason); ordering = each published ordering of two "
               "methods against ours (ours = our a − b; CI from the table's paired-difference rows where it has them; "
-              "verdict agrees / disagrees / cannot be told apart, '(no CI)' where ours is a point difference); "
+              "verdict agrees / disagrees / cannot be told apart, 'no CI, not judged' where ours is a point difference); "
               "published only = published entries no cell of ours matched",
               "# columns: " + ", ".join(COLUMNS)]
     for _, r in df[df["part"] == "ordering"].iterrows():
@@ -622,8 +627,9 @@ def page(paths: list[str | Path], out: str | Path, note: str = "") -> str:
                                  f"{r['published'] if pd.notna(r['published']) else str(r['published_low']) + '-' + str(r['published_high'])}"
                                  f" -> {float(r['diff']):+.2f} [{r['entry']}]")
         orders = df[df["part"] == "ordering"]
-        for label, test in (("agree", lambda v: v.startswith("agrees")), ("disagree", lambda v: v.startswith(("disagrees", "differs"))),
-                            ("cannot be told apart", lambda v: v.startswith(("cannot", "tie"))),
+        for label, test in (("agree", lambda v: v.startswith("agrees")), ("disagree", lambda v: v.startswith("disagrees")),
+                            ("cannot be told apart", lambda v: v.startswith("cannot")),
+                            ("have no CI (shown, not judged)", lambda v: v.startswith("no CI")),
                             ("counts (shown, not judged)", lambda v: v.startswith("count"))):
             sel = orders[orders["verdict"].astype(str).map(test)]
             lines.append(f"- orderings that {label}: {len(sel)}" if not label.startswith("counts") else f"- {label}: {len(sel)}")
