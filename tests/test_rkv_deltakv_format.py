@@ -410,3 +410,15 @@ def test_paper_profile_with_an_imported_codec_dry_runs(tmp_path):
     write_sparse_checkpoint(root / "compressors" / "llama", llama, d_c=512, d_ff=6144)
     r = snakemake(tmp_path, *args)
     assert r.returncode != 0 and "override d_ff=3072 contradicts the checkpoint" in r.stdout, r.stdout[-2000:]
+
+
+@pytest.mark.parametrize("fields, match", [
+    ({"compressor_linear_bias": "false"}, "compressor_linear_bias='false': expected true or false"),  # was taken as true
+    ({"num_recent_tokens": "abc"}, "num_recent_tokens='abc': expected an integer"),  # was "invalid literal for int()"
+    ({"stride_alpha": float("nan")}, "stride_alpha=nan: expected a finite number"),  # was written as NaN to codec.json
+])
+def test_mistyped_fields_are_named(tiny_lm, tmp_path, fields, match):
+    """Review findings: config.json values of the wrong JSON type."""
+    src = write_theirs(tmp_path / "theirs", tiny_lm, bias=False, fields=fields)
+    with pytest.raises(ValueError, match=re.escape(match)):
+        import_deltakv(src, tiny_lm)

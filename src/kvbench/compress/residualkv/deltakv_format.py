@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -218,12 +219,28 @@ class ImportPlan:
     deltakv: dict[str, Any] = field(default_factory=dict)
 
 
-def _their(cfg: dict, name: str, sources_key: str, sources: dict) -> Any:
+_KINDS = {int: "an integer", bool: "true or false", float: "a finite number"}
+
+
+def _their(cfg: dict, name: str, sources_key: str, sources: dict, kind: type | None = None) -> Any:
+    """``cfg[name]`` (else their default), recorded in ``sources``; with ``kind``, a JSON value of that type
+    (a string "false" is not false: their loader would take it as true).
+
+    Raises:
+        ValueError: the value is not of ``kind``, naming the field.
+    """
     if name in cfg:
         sources[sources_key] = f"checkpoint config.json: {name}={cfg[name]!r}"
-        return cfg[name]
-    sources[sources_key] = f"their default: {name}={THEIR_DEFAULTS[name]!r}"
-    return THEIR_DEFAULTS[name]
+        value = cfg[name]
+    else:
+        sources[sources_key] = f"their default: {name}={THEIR_DEFAULTS[name]!r}"
+        value = THEIR_DEFAULTS[name]
+    ok = {int: lambda v: isinstance(v, int) and not isinstance(v, bool),
+          bool: lambda v: isinstance(v, bool),
+          float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
+    if kind is not None and not ok[kind](value):
+        raise ValueError(f"config.json field {name}={value!r}: expected {_KINDS[kind]}")
+    return value
 
 
 def _stride(ratio: Any) -> int:
@@ -302,7 +319,7 @@ def plan_import(src_dir: str | os.PathLike, model: Any = None, **overrides: Any)
     if up != "linear":
         raise ValueError(f"{cfg_path}: the up-projection is {up!r} (compressor_up_type="
                          f"{cfg.get('compressor_up_type', 'auto')!r}); the codec's f_d is linear (paper §IV-B)")
-    d_c = int(_their(cfg, "kv_compressed_size", "d_c", sources))
+    d_c = _their(cfg, "kv_compressed_size", "d_c", sources, int)
     kw: dict[str, Any] = {"d_c": d_c, "encoder": _KIND[down], "decoder": "linear", "joint": True}
     sources["encoder"] = f"checkpoint config.json: compressor_down_type resolves to {down!r}"
     sources["decoder"] = "checkpoint config.json: compressor_up_type resolves to 'linear'"
@@ -310,15 +327,15 @@ def plan_import(src_dir: str | os.PathLike, model: Any = None, **overrides: Any)
     kw["d_ff"] = _intermediate(cfg, "down", d_kv, d_c)
     sources["d_ff"] = ("checkpoint config.json: down intermediate size" if down == "mlp_swiglu"
                        else "unused by a linear encoder: their fallback width")
-    kw["bias"] = bool(_their(cfg, "compressor_linear_bias", "bias", sources))
+    kw["bias"] = _their(cfg, "compressor_linear_bias", "bias", sources, bool)
     k_name = "deltakv_neighbor_count" if "deltakv_neighbor_count" in cfg or "k_neighbors" not in cfg else "k_neighbors"
     k = cfg[k_name] if k_name in cfg else THEIR_DEFAULTS["deltakv_neighbor_count"]
     sources["k"] = (f"checkpoint config.json: {k_name}={k!r}" if k_name in cfg
                     else f"their default: deltakv_neighbor_count={k!r}")
     kw["k"] = max(1, int(k))  # their get_cluster_neighbor_count
-    kw["alpha"] = float(_their(cfg, "stride_alpha", "alpha", sources) or 0.0)
-    kw["n_sink"] = int(_their(cfg, "num_sink_tokens", "n_sink", sources))
-    kw["window"] = int(_their(cfg, "num_recent_tokens", "window", sources))
+    kw["alpha"] = float(_their(cfg, "stride_alpha", "alpha", sources, float))
+    kw["n_sink"] = _their(cfg, "num_sink_tokens", "n_sink", sources, int)
+    kw["window"] = _their(cfg, "num_recent_tokens", "window", sources, int)
     bits = cfg.get("kv_quant_bits", THEIR_DEFAULTS["kv_quant_bits"])
     if bits not in (0, 2, 4, 8) or isinstance(bits, bool):
         raise ValueError(f"{cfg_path}: kv_quant_bits={bits!r}: expected 0 (unquantised), 2, 4 or 8")
