@@ -641,9 +641,12 @@ def _loop(model, codec, opt, stream, val, meta, out_dir, objective, steps, lr, s
                 timing.append({"step": step, "elapsed_s": round(elapsed0 + time.monotonic() - t0, 3)})
             if place.world.any(stop.requested):
                 save()
+                place.world.barrier()  # no process leaves before rank 0 has saved (torchrun stops the others)
                 raise Interrupted(f"codec training interrupted at step {step}; state saved in {out_dir / 'state'}")
             if slice_s is not None and step < steps and place.world.any(time.monotonic() - t0 >= slice_s):
                 save()
+                # under torchrun the launcher's own exit status (1) replaces the processes' 3; the state is saved
+                place.world.barrier()
                 raise SliceEnded(f"training codec {out_dir}", step, steps, str(out_dir / "state"), slice_s)
             if time.monotonic() - last_save >= SAVE_EVERY_S:
                 save()
