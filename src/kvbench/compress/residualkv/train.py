@@ -563,7 +563,7 @@ def _check_same_run(meta: dict, run_cfg: dict, out_dir: Path) -> None:
     old = meta.get("run", {})
     if old != run_cfg:
         # both sides' keys: batch/dtype/data_files are absent at their defaults, on either side
-        diff = sorted(k for k in set(run_cfg) | set(old) if k != "codec" and old.get(k) != run_cfg.get(k))
+        diff = sorted(k for k in set(run_cfg) | set(old) if old.get(k) != run_cfg.get(k))
         new_c, old_c = run_cfg["codec"], old.get("codec", {})
         diff += sorted(f"codec.{k}" for k in set(new_c) | set(old_c) if old_c.get(k) != new_c.get(k))
         raise ValueError(f"{out_dir / 'state'} was written by another configuration (differs in {diff}); "
