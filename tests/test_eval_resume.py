@@ -1,6 +1,8 @@
 """kvbench.eval.resume: an interrupted ``run_eval`` resumes to the bytes of an uninterrupted run."""
 from __future__ import annotations
 
+import shutil
+
 import csv
 from dataclasses import dataclass
 from typing import ClassVar
@@ -130,6 +132,19 @@ def test_resume_over_a_changed_split_is_refused(lm_dir, tmp_path, monkeypatch):
     (run / META).unlink()
     with pytest.raises(ValueError, match=f"without its {META}"):
         run_eval(lm_dir, split, out_dir=run)
+
+
+def test_resume_over_a_changed_tokenizer_is_refused(lm_dir, split, tmp_path, monkeypatch):
+    """Review finding: the resume identity held config.json and the weights only, so an interrupted run resumed
+    over a changed tokenizer.json mixed rows of both tokenizers; it now holds the files config.yaml records."""
+    ckpt = tmp_path / "lm"
+    shutil.copytree(lm_dir, ckpt)
+    run = tmp_path / "run"
+    interrupted_run(monkeypatch, ckpt, split, run, at="t1")
+    tok = ckpt / "tokenizer.json"
+    tok.write_text(tok.read_text() + " ")
+    with pytest.raises(ValueError, match="tokenizer.json"):
+        run_eval(ckpt, split, out_dir=run)
 
 
 @dataclass

@@ -262,3 +262,13 @@ def test_nan_alpha_is_refused():
 
     with pytest.raises(ValueError, match="alpha must be a finite number >= 0, got nan"):
         CodecConfig(n_layers=1, d_kv=64, d_c=16, d_ff=32, group=16, alpha=float("nan"))
+
+
+def test_train_codec_refuses_corpus_files_with_task_data(lm_dir, tokenizer, tmp_path):
+    """The library call checks what the CLI checks before loading (the task stream reads no files)."""
+    from kvbench.compress.residualkv.codec import ResidualCodec
+
+    model, _ = load_model(lm_dir, dtype=torch.float32)
+    with pytest.raises(ValueError, match="data_files are a text corpus: they need data='text', got data='tasks'"):
+        train_codec(model, tokenizer, ResidualCodec.for_model(model), out_dir=tmp_path / "c", steps=1, data="tasks",
+                    data_files=[_corpus(tmp_path)], progress=False)

@@ -418,8 +418,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "the paper's FineWeb-Edu in that layout) instead of the bundled one; 1%% of its documents "
                         "(by index hash) are held out for the validation windows")
     s.add_argument("--text-field", default="text", help="the corpus files' text column (default: text)")
-    s.add_argument("--device", type=_device, default="cpu", help="torch device of the backbone and codec: cpu, cuda, cuda:1, auto "
-                   "(under torchrun: each process takes the GPU of its LOCAL_RANK)")
+    s.add_argument("--device", type=_device, default="cpu",
+                   help="torch device of the backbone and codec: cpu, cuda, cuda:1, auto (under torchrun: each "
+                        "process takes the GPU of its LOCAL_RANK)")
     s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="backbone dtype; bfloat16/float16 run both passes under autocast, the codec keeps float32 "
                         "weights (the authors: bf16)")
@@ -463,8 +464,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: full)")
     s.add_argument("--out", default=None, help="run directory: predictions.jsonl, metrics.json, timing.csv, config.yaml, "
                                                "run_info.json (an unfinished run there with the same arguments resumes); "
-                                               "required without --from, with it default: the --from directory (a rerun "
-                                               "in place)")
+                                               "required without --from, with it default: the --from directory, which "
+                                               "then must be an unfinished run (it resumes); a finished one is refused)")
     s.add_argument("--from", dest="from_dir", default=None, metavar="DIR",
                    help="repeat the run recorded in DIR/config.yaml from that file alone, after checking the SHA-256 "
                         "of the files it names (split, checkpoint, codec); only --out and --threads may be given with "

@@ -105,10 +105,6 @@ def _save_image(img: Image.Image, out_dir: Path) -> str:
     return rel
 
 
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
 def materialise(task: str, out_dir: str | Path, tokenizer_dir: str | Path | None, seed: int = 0,
                 n_train: int = 256, n_test: int = 200) -> dict:
     """Write one smoke task to ``out_dir``: ``train.jsonl``, ``test.jsonl``, ``images/``, ``meta.json``.
@@ -163,9 +159,9 @@ def materialise(task: str, out_dir: str | Path, tokenizer_dir: str | Path | None
         io.write_jsonl(path, rows)
         meta["n"][split] = n
         meta["mean_chance"][split] = sum(r["chance"] for r in rows) / n if n else None
-        meta["sha256"][f"{split}.jsonl"] = _sha256(path)
+        meta["sha256"][f"{split}.jsonl"] = io.sha256_file(path)
     if tok is not None:
-        meta["tokenizer_sha256"] = _sha256(Path(tokenizer_dir) / "tokenizer.json")
+        meta["tokenizer_sha256"] = io.sha256_file(Path(tokenizer_dir) / "tokenizer.json")
     if spec.kind == "vlm":
         meta["n_images"] = len(list((out / "images").glob("*.png")))
     io.write_json(out / "meta.json", meta)

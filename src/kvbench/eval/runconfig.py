@@ -29,7 +29,6 @@ Light on purpose: no torch at import.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import importlib.metadata
 import json
 import numbers
@@ -42,7 +41,7 @@ from typing import Any
 
 import yaml
 
-from kvbench.utils.io import write_text
+from kvbench.utils.io import sha256_file, write_text
 
 CONFIG_FILE = "config.yaml"
 FORMAT = "kvbench-run-config/1"
@@ -113,14 +112,7 @@ class RunArgs:
 
 def sha256(path: str | os.PathLike, limit_bytes: int = HASH_LIMIT_BYTES) -> str | None:
     """Hex SHA-256 of a file, or ``None`` when it is larger than ``limit_bytes`` (real 7B weights)."""
-    path = Path(path)
-    if path.stat().st_size > limit_bytes:
-        return None
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+    return None if Path(path).stat().st_size > limit_bytes else sha256_file(path)
 
 
 def file_entry(path: str | os.PathLike, name: str | None = None) -> dict:
@@ -182,17 +174,28 @@ def model_section(spec: str | os.PathLike, checkpoint: Path, model: Any) -> dict
         "n_params": sum(p.numel() for p in model.parameters()),
         "revision": revision,
         "config_sha256": sha256(path / "config.json"),
-        "weights": [file_entry(w, w.name) for w in sorted(path.glob("*.safetensors"))],
+        "weights": [file_entry(w, w.name) for w in weight_files(path)],
         # tokenizer, processor, chat template, generation config: they change the prompt ids and the decoding
-        "files": [file_entry(f, f.name) for f in _other_files(path)],
+        "files": [file_entry(f, f.name) for f in other_files(path)],
     }
 
 
-def _other_files(path: Path) -> list[Path]:
+def weight_files(checkpoint: Path) -> list[Path]:
+    """The checkpoint's safetensors weight files, sorted."""
+    return sorted(Path(checkpoint).glob("*.safetensors"))
+
+
+def other_files(checkpoint: Path) -> list[Path]:
     """The checkpoint's files besides ``config.json`` and the weights (top level: tokenizer, processor, chat
-    template, generation config)."""
-    return sorted(f for f in path.iterdir() if f.is_file() and f.name != "config.json"
+    template, generation config), sorted."""
+    return sorted(f for f in Path(checkpoint).iterdir() if f.is_file() and f.name != "config.json"
                   and f.suffix not in (".safetensors", ".bin", ".pt", ".pth") and not f.name.startswith("."))
+
+
+def checkpoint_files(checkpoint: Path) -> list[Path]:
+    """Every checkpoint file a run's rows depend on: ``config.json``, the weights and :func:`other_files` (the
+    one list behind ``config.yaml``'s ``model`` section and a resumed run's identity)."""
+    return [Path(checkpoint) / "config.json", *weight_files(checkpoint), *other_files(checkpoint)]
 
 
 def plain(obj: Any) -> Any:
@@ -358,7 +361,7 @@ def check_inputs(config: dict) -> None:
         _check_file("model file", ckpt / "config.json", {"sha256": model["config_sha256"], "bytes": None})
     for w in model["weights"]:
         _check_file("model file", ckpt / w["file"], w)
-    now = sorted(p.name for p in ckpt.glob("*.safetensors"))
+    now = [p.name for p in weight_files(ckpt)]
     if now != sorted(w["file"] for w in model["weights"]):
         raise ValueError(f"model {ckpt}: weight files {now}, recorded {[w['file'] for w in model['weights']]}")
     for f in model["files"]:

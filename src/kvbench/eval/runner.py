@@ -49,6 +49,7 @@ from kvbench.eval.runconfig import (
     CONFIG_FILE,
     RunArgs,
     check_inputs,
+    checkpoint_files,
     describe,
     differences,
     git_revision,
@@ -115,8 +116,7 @@ def _run_identity(run: RunArgs) -> dict:
     deleting hidden work files, so rows of the old inputs must be refused, not reused. Uncommitted edits of
     the package are not seen (the git revision is).
     """
-    ckpt = resolve_spec(run.model)
-    files = [ckpt / "config.json", *sorted(ckpt.glob("*.safetensors"))]
+    files = checkpoint_files(resolve_spec(run.model))  # the files config.yaml records, tokenizer included
     return {
         "args": run.as_dict(),
         "split_sha256": sha256(run.split),

@@ -40,7 +40,7 @@ from safetensors.torch import load_file, save_file
 
 from kvbench.models.prompting import load_image
 from kvbench.reuse.adapter import VLMAdapter
-from kvbench.utils.io import atomic_path, write_json
+from kvbench.utils.io import atomic_path, sha256_file, write_json
 
 log = logging.getLogger(__name__)
 
@@ -58,14 +58,6 @@ def template_hash(processor: Any, generic_system: str) -> str:
     text = processor.apply_chat_template(single_image_messages(generic_system), tokenize=False,
                                          add_generation_prompt=True)
     return hashlib.sha256(text.encode()).hexdigest()
-
-
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 @dataclass(frozen=True)
@@ -203,7 +195,7 @@ class ImageKVStore:
             raise CacheMismatchError(
                 f"image cache entry {sidecar} was built for model {meta.get('model_id')!r} / template "
                 f"{meta.get('template_id')!r}, this run has {self.model_id!r} / {self.template_id!r}")
-        if _sha256_file(tensors) != meta.get("sha256"):
+        if sha256_file(tensors) != meta.get("sha256"):
             log.warning("image cache %s: sha256 differs from its sidecar (corrupt), rebuilding", tensors)
             self.stats["rebuilt_corrupt"] += 1
             return None
@@ -255,7 +247,7 @@ class ImageKVStore:
         with atomic_path(tensors) as tmp:
             save_file({k: v.cpu() for k, v in out.items()}, str(tmp))
         meta = {"format": FORMAT_VERSION, "key": key, "model_id": self.model_id, "template_id": self.template_id,
-                "sha256": _sha256_file(tensors), "n_layers": ad.n_layers, "n_tokens": n,
+                "sha256": sha256_file(tensors), "n_layers": ad.n_layers, "n_tokens": n,
                 "grid_thw": grid[0].tolist() if grid is not None else None, "dtype": str(ad.dtype),
                 "k_capture": "k_proj forward hook (pre-RoPE)"}
         write_json(sidecar, meta)

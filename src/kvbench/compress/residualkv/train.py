@@ -298,12 +298,8 @@ class TaskStream:
     of text its backbones model (FineWeb-Edu). ``docs/decisions.md``, "ResidualKV", codec training data.
     """
 
-    def __init__(self, tokenizer: Any, split: str, seq_len: int, seed: int, files: None = None,
-                 text_field: str = "text") -> None:
+    def __init__(self, tokenizer: Any, split: str, seq_len: int, seed: int) -> None:
         from kvbench.train.recipes import lm_task_mixture
-
-        if files:
-            raise ValueError("data='tasks' reads the zoo's task generators, not corpus files; use data='text'")
 
         self.tok, self.split, self.seq_len, self.seed = tokenizer, split, seq_len, seed
         self.mixture = lm_task_mixture(seq_len)
@@ -454,9 +450,9 @@ def train_codec(model: Any, tokenizer: Any, codec: ResidualCodec, *, out_dir: st
     AdamW (lr ``lr``, 2% warm-up then linear decay), gradient clipping at 1.0, ``place.batch`` sequences per
     step (1 by default, the paper's batch; each sequence's loss scaled by 1 / batch): step ``s`` reads windows
     ``s * batch ..`` of the 'train' split (:class:`TokenStream` / :class:`TaskStream`, order from ``seed``), so
-    the data does not depend on where a run was interrupted or on how the batch is split over processes. The backbone's parameters are
-    frozen for the call (flags restored after) and never updated; hooks are removed on exit even after an
-    exception. The weights depend on the seed and the arguments alone (not on ``slice_s`` or on resumes):
+    the data does not depend on where a run was interrupted or on how the batch is split over processes. The
+    backbone's parameters are frozen for the call (flags restored after) and never updated; hooks are removed on
+    exit even after an exception. The weights depend on the seed and the arguments alone (not on ``slice_s`` or on resumes):
     the state saves codec, AdamW and torch RNG, and the curves rows, so a resumed run continues bit-exactly.
 
     Writes under ``out_dir``: ``state/`` (codec + AdamW tensors in safetensors; step, RNG, curve rows in
@@ -485,7 +481,8 @@ def train_codec(model: Any, tokenizer: Any, codec: ResidualCodec, *, out_dir: st
         codec_params.
 
     Raises:
-        ValueError: unknown ``objective`` or ``data``, non-positive ``steps``/``seq_len``/``slice_s``,
+        ValueError: unknown ``objective`` or ``data``, ``data_files`` with ``data`` other than ``"text"``,
+            non-positive ``steps``/``seq_len``/``slice_s``,
             ``seq_len`` above the model's ``max_position_embeddings``, ``out_dir`` an existing file, codec not
             fitting the model, or ``out_dir/state`` written with another configuration.
         SliceEnded: ``slice_s`` ran out before ``steps`` (state saved; rerun to resume).
@@ -495,6 +492,8 @@ def train_codec(model: Any, tokenizer: Any, codec: ResidualCodec, *, out_dir: st
         raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
     if data not in DATA:
         raise ValueError(f"data must be one of {sorted(DATA)}, got {data!r}")
+    if data_files and data != "text":
+        raise ValueError(f"data_files are a text corpus: they need data='text', got data={data!r}")
     place = place or Placement()
     if steps <= 0 or seq_len <= 1:
         raise ValueError(f"steps must be > 0 and seq_len > 1, got steps={steps}, seq_len={seq_len}")
@@ -527,8 +526,9 @@ def train_codec(model: Any, tokenizer: Any, codec: ResidualCodec, *, out_dir: st
     meta = load_state(out_dir / "state", modules, opt)
     if meta is not None:
         _check_same_run(meta, run_cfg, out_dir)
-    stream = DATA[data](tokenizer, "train", seq_len, seed, files=data_files, text_field=text_field)
-    val_stream = DATA[data](tokenizer, "test", seq_len, VAL_SEED, files=data_files, text_field=text_field)
+    corpus = {"files": data_files, "text_field": text_field} if data_files else {}
+    stream = DATA[data](tokenizer, "train", seq_len, seed, **corpus)
+    val_stream = DATA[data](tokenizer, "test", seq_len, VAL_SEED, **corpus)
     val = [val_stream.batch(i) for i in range(N_VAL_WINDOWS)]
 
     frozen = {n: p.requires_grad for n, p in model.named_parameters()}
