@@ -273,9 +273,11 @@ def _evidence_cells(ours: Ours) -> None:
 
 
 def _case_cells(ours: Ours) -> None:
+    """Table 15's answers: every row of the case study (reuse and full prefill included) at the case's budget,
+    the one r its budgeted specs carry (the paper's case is "at r = 0.10" for every method)."""
+    budgets = {float(m.group(1)) for spec in ours.df["spec"].astype(str) if (m := re.search(r"@([0-9.]+)", spec))}
+    budget = {"r": budgets.pop()} if len(budgets) == 1 else {}
     for _, row in ours.df.iterrows():
-        r = re.search(r"@([0-9.]+)", str(row["spec"]))
-        budget = {"r": float(r.group(1))} if r else ({} if row["spec"] == "full" else {"r": 0.1})
         ours.cells.append(Cell(row["backbone"], str(row["regime"]) if pd.notna(row["regime"]) else "", row["method"],
                                budget, "answer", frozenset({"answer"}), "generated answer", "answer", str(row["answer"])))
 
@@ -461,7 +463,7 @@ def _ordering_rows(pub: Published, ours: Ours) -> tuple[list[dict], set]:
                 else:
                     note = "ours: difference of the two cells; the table has no paired CI for this pair"
                 rows.append({"part": "ordering", "backbone": backbone, "regime": regimes.get(backbone, ""),
-                             "paper_backbone": o.e.backbone if len(o.entries) == 1 else o.entries[0].backbone,
+                             "paper_backbone": o.e.backbone,
                              "method": f"{o.a}{MINUS}{o.b}", "budget": _fmt_budget(ca.budget) if o.a_budget == o.b_budget
                              else f"{_fmt_budget(ca.budget)} vs {_fmt_budget(cb.budget)}",
                              "column": col, "metric": o.e.metric, "unit": o.e.unit, "ours": diff,
