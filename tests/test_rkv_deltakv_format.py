@@ -416,6 +416,8 @@ def test_paper_profile_with_an_imported_codec_dry_runs(tmp_path):
     ({"compressor_linear_bias": "false"}, "compressor_linear_bias='false': expected true or false"),  # was taken as true
     ({"num_recent_tokens": "abc"}, "num_recent_tokens='abc': expected an integer"),  # was "invalid literal for int()"
     ({"stride_alpha": float("nan")}, "stride_alpha=nan: expected a finite number"),  # was written as NaN to codec.json
+    ({"deltakv_neighbor_count": 2.7}, "deltakv_neighbor_count=2.7: expected an integer"),  # was truncated to 2
+    ({"deltakv_neighbor_count": "4"}, "deltakv_neighbor_count='4': expected an integer"),  # was read as 4
 ])
 def test_mistyped_fields_are_named(tiny_lm, tmp_path, fields, match):
     """Review findings: config.json values of the wrong JSON type."""

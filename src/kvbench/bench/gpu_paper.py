@@ -255,15 +255,18 @@ def write_compressor(root: Path, device: str, tiny: bool) -> Path:
     authors' layout (:func:`~kvbench.compress.residualkv.deltakv_format.export_deltakv`, bfloat16)."""
     import torch
 
-    from kvbench.compress.residualkv.codec import ResidualCodec, codec_config_for_shape
+    from kvbench.compress.residualkv.codec import (
+        ResidualCodec,
+        codec_config_for_shape,
+        config_kv_shape,
+    )
     from kvbench.compress.residualkv.deltakv_format import (
         export_deltakv,
-        kv_shape,
         model_config_dict,
     )
 
     model = root / paper_config()["models"][LM]["checkpoint"]
-    n_layers, d_kv = kv_shape(model_config_dict(model), str(model))
+    n_layers, d_kv = config_kv_shape(model_config_dict(model), str(model))
     torch.manual_seed(0)
     with torch.device(device):
         codec = ResidualCodec(codec_config_for_shape(n_layers, d_kv, **codec_overrides(tiny)))

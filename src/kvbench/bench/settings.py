@@ -15,7 +15,6 @@ Light on purpose (no torch at import, nor in the checks): the CLI and the report
 from __future__ import annotations
 
 import dataclasses
-import numbers
 import re
 import shlex
 from collections.abc import Callable, Iterable, Mapping
@@ -25,6 +24,7 @@ from typing import Any, ClassVar
 
 from kvbench.bench import DTYPES
 from kvbench.bench.timing_lm import TIMING_LMS, ZOO_TOKENIZER
+from kvbench.utils.spec import is_int
 
 #: Decode-throughput methods (:mod:`kvbench.bench.decode` describes each one's cache).
 METHODS = ("full", "dynamic-cache-sdpa", "residualkv-omnikv", "residualkv-omnikv-unquantised",
@@ -39,16 +39,12 @@ TIMING_LM = "timing-qwen2-lm-wide"
 DEVICE_PATTERN = r"auto|cpu|cuda(:\d+)?"
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)  # YAML's true is no repeat count
-
-
 def _int_at_least(lo: int, what: str, optional: bool = False) -> Callable[[str, Any], Any]:
     """Check of an integer field ``>= lo`` (None allowed when ``optional``: the verb's own default)."""
     def check(name: str, value: Any) -> Any:
         if optional and value is None:
             return None
-        if not _is_int(value) or value < lo:
+        if not is_int(value) or value < lo:
             raise ValueError(f"{name} must be {what}, got {value!r}")
         return int(value)
     return check
@@ -81,7 +77,7 @@ def check_contexts(name: str, value: Any) -> tuple[int, ...]:
     contexts = _sequence(name, value, "context lengths in tokens")
     if not contexts:
         raise ValueError(f"{name} is empty; expected context lengths in tokens, e.g. [1024, 2048]")
-    bad = [c for c in contexts if not _is_int(c) or c < 1]
+    bad = [c for c in contexts if not is_int(c) or c < 1]
     if bad:
         raise ValueError(f"{name} must be context lengths in tokens (positive integers), got {bad} in {list(contexts)}")
     if len(set(contexts)) != len(contexts):
@@ -129,7 +125,7 @@ def _check_dtype(name: str, value: Any) -> str:
 
 def _check_codec_shape(name: str, value: Any) -> tuple[int, int, int]:
     shape = _sequence(name, value, "three sizes (d_kv, d_c, d_ff)")
-    if len(shape) != 3 or not all(_is_int(v) and v >= 1 for v in shape):
+    if len(shape) != 3 or not all(is_int(v) and v >= 1 for v in shape):
         raise ValueError(f"{name} must be three positive integers (d_kv, d_c, d_ff), got {list(shape)}")
     return tuple(int(v) for v in shape)
 

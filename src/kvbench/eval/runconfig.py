@@ -31,7 +31,6 @@ from __future__ import annotations
 import dataclasses
 import importlib.metadata
 import json
-import numbers
 import os
 import platform
 import subprocess
@@ -42,6 +41,7 @@ from typing import Any
 import yaml
 
 from kvbench.utils.io import sha256_file, write_text
+from kvbench.utils.spec import is_int
 
 CONFIG_FILE = "config.yaml"
 FORMAT = "kvbench-run-config/1"
@@ -56,10 +56,6 @@ FILE_KEYS = ("file", "bytes", "sha256")
 HASH_LIMIT_BYTES = 1 << 30
 
 _VERSIONED = ("torch", "transformers", "tokenizers", "safetensors", "numpy", "pillow", "kvbench")
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)  # YAML's true is not a seed
 
 
 @dataclass(frozen=True)
@@ -96,11 +92,11 @@ class RunArgs:
                 raise ValueError(f"run.{name} must be a non-empty string, got {value!r}")
         if not isinstance(self.method_params, dict) or not all(isinstance(k, str) for k in self.method_params):
             raise ValueError(f"run.method_params must be a mapping of parameter names, got {self.method_params!r}")
-        if not _is_int(self.seed):
+        if not is_int(self.seed):
             raise ValueError(f"run.seed must be an integer, got {self.seed!r}")
-        if self.limit is not None and (not _is_int(self.limit) or self.limit < 0):
+        if self.limit is not None and (not is_int(self.limit) or self.limit < 0):
             raise ValueError(f"run.limit must be null or an integer >= 0 (records to evaluate), got {self.limit!r}")
-        if not _is_int(self.threads) or self.threads < 1:
+        if not is_int(self.threads) or self.threads < 1:
             raise ValueError(f"run.threads must be an integer >= 1, got {self.threads!r}")
 
     def as_dict(self) -> dict:
@@ -252,7 +248,7 @@ def _file_list(where: str, value: Any) -> None:
         raise ValueError(f"{where} must be a list of files {{{', '.join(FILE_KEYS)}}}, got {value!r}")  # noqa: TRY004
     for i, entry in enumerate(value):
         e = _keys(f"{where}[{i}]", entry, FILE_KEYS)
-        if not isinstance(e["file"], str) or not _is_int(e["bytes"]) or not (
+        if not isinstance(e["file"], str) or not is_int(e["bytes"]) or not (
                 e["sha256"] is None or isinstance(e["sha256"], str)):
             raise ValueError(f"{where}[{i}] must be {{file: str, bytes: int, sha256: str or null}}, got {e!r}")
 
@@ -280,7 +276,7 @@ def validate(config: Any, where: str = CONFIG_FILE) -> RunArgs:
     _file_list(f"{where}: model.weights", model["weights"])
     _file_list(f"{where}: model.files", model["files"])
     split = _keys(f"{where}: split", cfg["split"], SPLIT_KEYS)
-    if not isinstance(split["path"], str) or not _is_int(split["bytes"]) or not _is_int(split["n_records"]) \
+    if not isinstance(split["path"], str) or not is_int(split["bytes"]) or not is_int(split["n_records"]) \
             or not (split["sha256"] is None or isinstance(split["sha256"], str)):
         raise ValueError(f"{where}: split must be {{path: str, bytes: int, sha256: str or null, n_records: int}}, "
                          f"got {split!r}")

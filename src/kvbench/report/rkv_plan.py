@@ -89,13 +89,9 @@ def known_model_shape(model: str, entry: dict, checkpoint_dir: str | None = None
             cfg = json.loads(path.read_text())
         except ValueError as e:
             raise ValueError(f"{path}: not a JSON file ({e})") from None
-        cfg = cfg.get("text_config") or cfg
-    try:
-        n_heads = cfg["num_attention_heads"]
-        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // n_heads
-        return int(cfg["num_hidden_layers"]), int(2 * (cfg.get("num_key_value_heads") or n_heads) * head_dim)
-    except KeyError as e:
-        raise ValueError(f"model {model!r}: its config lacks {e.args[0]!r}, so its KV shape is unknown") from None
+    from kvbench.compress.residualkv.codec import config_kv_shape
+
+    return config_kv_shape(cfg, f"model {model!r}")
 
 
 def check_table_i(model: str, entry: dict, shape: tuple[int, int] | None) -> None:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -178,8 +179,9 @@ def _value(text: str) -> Any:
     return text
 
 
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+def is_int(v: Any) -> bool:
+    """Whether ``v`` is an integer and not a bool (YAML's and JSON's ``true`` is no count)."""
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
 
 
 def typed(spec: str, key: str, value: Any, f: dataclasses.Field) -> Any:
@@ -203,7 +205,7 @@ def typed(spec: str, key: str, value: Any, f: dataclasses.Field) -> Any:
     kind = kinds[0] if kinds else "Any"
     if kind == "bool" and not isinstance(value, bool):
         raise ValueError(f"method spec {spec!r}: {key} must be true or false, got {value!r}")
-    if kind == "int" and not _is_int(value):
+    if kind == "int" and not is_int(value):
         raise ValueError(f"method spec {spec!r}: {key} must be an integer, got {value!r}")
     if kind == "float" and (isinstance(value, bool) or not isinstance(value, (int, float))
                             or not math.isfinite(value)):
@@ -213,8 +215,8 @@ def typed(spec: str, key: str, value: Any, f: dataclasses.Field) -> Any:
     if kind == "str" and not isinstance(value, str):
         raise ValueError(f"method spec {spec!r}: {key} must be a word, got {value!r}")
     if kind in ("list[int]", "tuple[int,...]"):
-        items = [value] if _is_int(value) else value
-        if not isinstance(items, list) or not all(_is_int(x) and x >= 0 for x in items):
+        items = [value] if is_int(value) else value
+        if not isinstance(items, list) or not all(is_int(x) and x >= 0 for x in items):
             raise ValueError(f"method spec {spec!r}: {key} must be layer indices >= 0 joined by '+' "
                              f"(e.g. {key}=2+3+4), got {value!r}")
         return tuple(items) if kind.startswith("tuple") else list(items)

@@ -286,6 +286,24 @@ def model_kv_shape(model: Any) -> tuple[int, int]:
     return int(tc.num_hidden_layers), int(2 * n_kv * head_dim)
 
 
+def config_kv_shape(cfg: dict, what: str = "model") -> tuple[int, int]:
+    """``(n_layers, d_kv)`` of a ``config.json`` dict (``text_config`` for VLMs): :func:`model_kv_shape` for a
+    config not loaded as a transformers object; ``d_kv = 2 * num_key_value_heads * head_dim`` (``head_dim`` else
+    ``hidden_size // num_attention_heads``).
+
+    Raises:
+        ValueError: a field is missing, naming it and ``what``.
+    """
+    tc = cfg.get("text_config") or cfg
+    try:
+        n_heads = tc["num_attention_heads"]
+        head_dim = tc.get("head_dim") or tc["hidden_size"] // n_heads
+        n_kv = tc.get("num_key_value_heads") or n_heads
+        return int(tc["num_hidden_layers"]), int(2 * n_kv * head_dim)
+    except KeyError as e:
+        raise ValueError(f"{what}: its config lacks {e.args[0]!r}, so its KV shape is unknown") from None
+
+
 def codec_config_for_shape(n_layers: int, d_kv: int, **overrides: Any) -> CodecConfig:
     """The :class:`CodecConfig` of a backbone with ``n_layers`` layers and K‖V width ``d_kv``, with
     ``overrides`` applied over the defaults of :meth:`ResidualCodec.for_model` (which uses it). The

@@ -50,8 +50,14 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from kvbench.compress.residualkv.codec import CodecConfig, ResidualCodec, codec_config_for_shape
+from kvbench.compress.residualkv.codec import (
+    CodecConfig,
+    ResidualCodec,
+    codec_config_for_shape,
+    config_kv_shape,
+)
 from kvbench.utils.io import atomic_path, sha256_file, write_json
+from kvbench.utils.spec import is_int
 
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
@@ -100,22 +106,6 @@ def model_config_dict(model: Any) -> dict:
         return dict(model)
     cfg = getattr(model, "config", model)
     return cfg.to_dict()
-
-
-def kv_shape(cfg: dict, what: str = "model") -> tuple[int, int]:
-    """``(n_layers, d_kv)`` of a config dict (``text_config`` for VLMs), ``d_kv = 2 * num_key_value_heads *
-    head_dim`` (``head_dim`` else ``hidden_size // num_attention_heads``).
-
-    Raises:
-        ValueError: a field is missing, naming it and ``what``.
-    """
-    tc = cfg.get("text_config") or cfg
-    try:
-        head_dim = tc.get("head_dim") or tc["hidden_size"] // tc["num_attention_heads"]
-        n_kv = tc.get("num_key_value_heads") or tc["num_attention_heads"]
-        return int(tc["num_hidden_layers"]), int(2 * n_kv * head_dim)
-    except KeyError as e:
-        raise ValueError(f"{what}: config lacks {e.args[0]!r}, so its KV shape is unknown") from None
 
 
 def _read_json(path: Path) -> dict:
@@ -235,7 +225,7 @@ def _their(cfg: dict, name: str, sources_key: str, sources: dict, kind: type | N
     else:
         sources[sources_key] = f"their default: {name}={THEIR_DEFAULTS[name]!r}"
         value = THEIR_DEFAULTS[name]
-    ok = {int: lambda v: isinstance(v, int) and not isinstance(v, bool),
+    ok = {int: is_int,
           bool: lambda v: isinstance(v, bool),
           float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
     if kind is not None and not ok[kind](value):
@@ -299,9 +289,9 @@ def plan_import(src_dir: str | os.PathLike, model: Any = None, **overrides: Any)
                          f"{cfg['deltakv_neighbor_count']!r} differ (their loader refuses this too)")
 
     sources: dict[str, str] = {}
-    own_shape = kv_shape(cfg, f"{cfg_path} (their backbone config)")
+    own_shape = config_kv_shape(cfg, f"{cfg_path} (their backbone config)")
     if model is not None:
-        target = tuple(model) if isinstance(model, tuple) else kv_shape(model_config_dict(model), "target model")
+        target = tuple(model) if isinstance(model, tuple) else config_kv_shape(model_config_dict(model), "target model")
         if target != own_shape:
             raise ValueError(f"{src}: the compressor was saved for a backbone with (n_layers, d_kv) = {own_shape} "
                              f"(its config.json), the target model has {target}")
@@ -328,11 +318,9 @@ def plan_import(src_dir: str | os.PathLike, model: Any = None, **overrides: Any)
     sources["d_ff"] = ("checkpoint config.json: down intermediate size" if down == "mlp_swiglu"
                        else "unused by a linear encoder: their fallback width")
     kw["bias"] = _their(cfg, "compressor_linear_bias", "bias", sources, bool)
-    k_name = "deltakv_neighbor_count" if "deltakv_neighbor_count" in cfg or "k_neighbors" not in cfg else "k_neighbors"
-    k = cfg[k_name] if k_name in cfg else THEIR_DEFAULTS["deltakv_neighbor_count"]
-    sources["k"] = (f"checkpoint config.json: {k_name}={k!r}" if k_name in cfg
-                    else f"their default: deltakv_neighbor_count={k!r}")
-    kw["k"] = max(1, int(k))  # their get_cluster_neighbor_count
+    # the legacy name only when the current one is absent (their config class migrates it the same way)
+    k_name = "k_neighbors" if "deltakv_neighbor_count" not in cfg and "k_neighbors" in cfg else "deltakv_neighbor_count"
+    kw["k"] = max(1, _their(cfg, k_name, "k", sources, int))  # their get_cluster_neighbor_count
     kw["alpha"] = float(_their(cfg, "stride_alpha", "alpha", sources, float))
     kw["n_sink"] = _their(cfg, "num_sink_tokens", "n_sink", sources, int)
     kw["window"] = _their(cfg, "num_recent_tokens", "window", sources, int)
@@ -472,7 +460,7 @@ def export_deltakv(codec: ResidualCodec, out_dir: str | os.PathLike, model_confi
     if cfg.decoder != "linear":
         raise ValueError(f"the DeltaKV format holds a linear f_d here; this codec's decoder is {cfg.decoder!r}")
     base = model_config_dict(model_config)
-    shape = kv_shape(base, "model_config")
+    shape = config_kv_shape(base, "model_config")
     if shape != (cfg.n_layers, cfg.d_kv):
         raise ValueError(f"codec (n_layers, d_kv) = {(cfg.n_layers, cfg.d_kv)} does not fit model_config {shape}")
     ratio = 1.0 / cfg.stride
