@@ -88,6 +88,31 @@ def test_jobs_mirror_the_rules(tmp_path):
             "'{}' --out results/runs/paper/llama-3.1-8b/lb_hotpotqa/residualkv/omnikv_filter_layers-2.8.18_keep-"
             "0.1704_n_sink-0_protocol-one_pass_window-32 ") in shown["eval lb_hotpotqa OmniKV"]
     assert '"d_c": 512, "d_ff": 3072' in shown["rkv_codec_import"]
+
+
+def test_eval_commands_are_the_ones_snakemake_prints(tmp_path):
+    """Review finding: the test above compared with strings typed into it, so a change of the rules went unseen.
+    Here the same two eval jobs are planned by Snakemake (`-n -p`) on config/paper.yaml over the same data root; the
+    commands must agree but for --threads (the rule scales it to the cores it is given)."""
+    from test_workflow import _fake_paper_root, snakemake
+
+    root = tmp_path / "root"
+    _fake_paper_root(root)
+    shown = {j.name: gpu_paper._shown(j) for j in gpu_paper.jobs(gpu_paper.PLANS["cuda"], root)}
+    work = tmp_path / "work"
+    work.mkdir()
+
+    def norm(cmd: str) -> str:
+        return re.sub(r" --threads \d+", "", cmd.split(" > ")[0]).strip()
+
+    for name in ("eval longdocurl_K8 conduit@0.1", "eval lb_hotpotqa OmniKV"):
+        run = shown[name].split(" --out ")[1].split()[0]
+        r = snakemake(work, "-n", "-p", f"{run}/metrics.json", "--configfile", str(REPO / "config" / "paper.yaml"),
+                      "--config", f"paths={{root: {root}}}")
+        assert r.returncode == 0, r.stdout[-3000:]
+        planned = [norm(line.removeprefix("Shell command: ")) for line in r.stdout.splitlines()
+                   if line.startswith("Shell command: kvbench eval")]
+        assert planned == [norm(shown[name])], (planned, shown[name])
     assert re.search(r"codec-train .* --steps 2 --seq-len 8192 .*--device cuda --dtype bfloat16 --checkpointing "
                      r"--data-files \S+/corpus/part-000.jsonl$", shown["rkv_codec (2 steps)"])
 

@@ -52,6 +52,7 @@ from typing import Any
 
 import yaml
 
+from kvbench.utils.io import write_json
 from kvbench.utils.jobstats import ENV as STATS_ENV
 
 REPO = Path(__file__).resolve().parents[3]
@@ -178,9 +179,9 @@ def write_checkpoint(model: str, root: Path, tokenizer_dir: Path, device: str, t
     out = root / paper_config()["models"][model]["checkpoint"]
     save_checkpoint(net.eval(), proc, out)
     n = sum(p.numel() for p in net.parameters())
-    (out / "kvbench_random_weights.json").write_text(json.dumps(
-        {"random_weights": True, "architecture": cfg.architectures[0], "parameters": n, "tiny": tiny,
-         "note": RANDOM_NOTE, "source": "kvbench.bench.gpu_paper.write_checkpoint"}, indent=2) + "\n")
+    write_json(out / "kvbench_random_weights.json",
+               {"random_weights": True, "architecture": cfg.architectures[0], "parameters": n, "tiny": tiny,
+                "note": RANDOM_NOTE, "source": "kvbench.bench.gpu_paper.write_checkpoint"})
     print(f"{model}: {n / 1e9:.3f}B random parameters -> {out}")
     return out
 
@@ -197,16 +198,11 @@ def write_data(root: Path, tokenizer_dir: Path, plan: Plan) -> dict:
     from kvbench.data import longctx
     from kvbench.data.corpus import prose_lines
     from kvbench.data.smoke import _save_image
-    from kvbench.utils.io import atomic_path
+    from kvbench.utils.io import write_jsonl
 
     cfg = paper_config()
     tok = transformers.AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
     written = {}
-
-    def dump(path: Path, rows: list[dict]) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with atomic_path(path) as tmp:
-            Path(tmp).write_text("".join(json.dumps(r) + "\n" for r in rows))
 
     path = root / cfg["datasets"][CONDUIT_DATASET]["jsonl"]
     rows = []
@@ -216,7 +212,7 @@ def write_data(root: Path, tokenizer_dir: Path, plan: Plan) -> dict:
                    for p in rec["content"]]
         rows.append({**rec, "content": content, "task": CONDUIT_DATASET,
                      "meta": {**rec["meta"], "stand_in": "kvbench docpages pages (bench.requests), not LongDocURL"}})
-    dump(path, rows)
+    write_jsonl(path, rows)
     written[CONDUIT_DATASET] = str(path)
     samplers = {"niah": longctx.sample_niah, "vt": longctx.sample_vt}
     for name, family in RKV_TASKS.items():
@@ -227,12 +223,12 @@ def write_data(root: Path, tokenizer_dir: Path, plan: Plan) -> dict:
             # a LongBench-like answer length, so the compressed decode path runs (OmniKV selects on decode steps)
             rows.append({**rec, "id": f"{name}-{i:05d}", "task": name, "max_new_tokens": plan.new_tokens,
                          "meta": {**rec["meta"], "stand_in": f"kvbench.data.longctx {family}, not LongBench"}})
-        dump(path, rows)
+        write_jsonl(path, rows)
         written[name] = str(path)
     lines = prose_lines("train")
     docs = [" ".join(lines[j:j + 60]) for j in range(0, min(len(lines), 60 * 400), 60)]
     path = root / "corpus" / "part-000.jsonl"
-    dump(path, [{"id": i, "text": d} for i, d in enumerate(docs)])
+    write_jsonl(path, [{"id": i, "text": d} for i, d in enumerate(docs)])
     written["corpus"] = str(path)
     print(json.dumps(written, indent=2))
     return written
