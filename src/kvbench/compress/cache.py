@@ -326,6 +326,34 @@ class StepState:
     extra: dict = field(default_factory=dict)
 
 
+@dataclass
+class VisualTokens:
+    """The visual tokens of a VLM request, for the presses that act on them (FastV, PACT, DivPrune: ResidualKV
+    Table II baselines). Set by the caller on :attr:`PressCache.visual` before the prefill that contains them;
+    text-only requests leave it None, and a press that needs it raises ValueError naming the record's kind.
+
+    ``positions``: int64 ``[n_vis]``, ascending absolute token positions of the image/video placeholder tokens in
+    the prompt (the positions the cache's keys carry). ``embeds``: ``[n_vis, hidden]`` in the model dtype, the
+    language model's input embeddings at those positions (the vision projector's output; DivPrune and PACT select
+    on them). ``grids``: per image ``(t, h, w)`` of merged patches (``image_grid_thw`` divided by the spatial
+    merge size), in prompt order, so ``positions`` split into images row-major over ``h x w`` (Fig. 13's patch
+    map, PACT's spatial neighbours).
+    """
+
+    positions: torch.Tensor
+    embeds: torch.Tensor
+    grids: list[tuple[int, int, int]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.positions.dim() != 1 or self.positions.dtype != torch.int64:
+            raise ValueError(f"positions must be int64 [n_vis], got {self.positions.dtype} {tuple(self.positions.shape)}")
+        if self.embeds.dim() != 2 or self.embeds.shape[0] != self.positions.shape[0]:
+            raise ValueError(f"embeds must be [n_vis={self.positions.shape[0]}, hidden], got {tuple(self.embeds.shape)}")
+        if self.grids and sum(t * h * w for t, h, w in self.grids) != self.positions.shape[0]:
+            raise ValueError(f"grids {self.grids} hold {sum(t * h * w for t, h, w in self.grids)} tokens, "
+                             f"not the {self.positions.shape[0]} positions given")
+
+
 class PressCache(Cache):
     """A transformers ``Cache`` of :class:`StoreLayer` objects, one per decoder layer.
 
@@ -351,6 +379,8 @@ class PressCache(Cache):
             layers.append(layer_factory(ctx, self))
         super().__init__(layers=layers)
         self.step = StepState()
+        #: the request's visual tokens (:class:`VisualTokens`), set by the caller before the prefill; None: text
+        self.visual: VisualTokens | None = None
         self._attended: list[list[int | torch.Tensor]] = []
         self._selections: list[list[int] | torch.Tensor] = []
 
