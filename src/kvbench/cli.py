@@ -616,19 +616,12 @@ def main(argv: list[str] | None = None) -> int:
     the environment, one JSON line (verb, exit status, wall time, peak CUDA memory) is appended to that file at
     exit (:mod:`kvbench.utils.jobstats`).
     """
-    import os
-    import time
-
-    from kvbench.utils.jobstats import ENV, append_job_stats
+    from kvbench.utils.jobstats import recorded
 
     args = build_parser().parse_args(argv)
-    t0, rc = time.perf_counter(), None
-    try:
-        rc = _run(args)
-    finally:
-        if os.environ.get(ENV):  # scripts/gpu_paper.sh: one line per job (wall time, peak CUDA memory)
-            append_job_stats(os.environ[ENV], args.verb, rc, time.perf_counter() - t0)
-    return rc
+    with recorded(args.verb) as job:  # scripts/gpu_paper.sh: one line per job (wall time, peak CUDA memory)
+        job["rc"] = _run(args)
+    return job["rc"]
 
 
 def _run(args: argparse.Namespace) -> int:

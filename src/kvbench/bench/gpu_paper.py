@@ -53,7 +53,7 @@ from typing import Any
 import yaml
 
 from kvbench.utils.io import write_json
-from kvbench.utils.jobstats import ENV as STATS_ENV
+from kvbench.utils.jobstats import ENV as STATS_ENV, recorded
 
 REPO = Path(__file__).resolve().parents[3]
 PAPER_CONFIG = REPO / "config" / "paper.yaml"
@@ -489,7 +489,15 @@ def main(argv: list[str] | None = None) -> int:
     q.add_argument("--tokenizer", default=None)
     q.add_argument("--tiny", action="store_true")
     a = p.parse_args(argv)
-    t0, rc = time.perf_counter(), None
+    if a.cmd == "run":
+        return _command(a)
+    with recorded(f"gpu_paper prepare {a.what}") as job:  # one stats line per preparation job
+        job["rc"] = _command(a)
+    return job["rc"]
+
+
+def _command(a: argparse.Namespace) -> int:
+    """Run the parsed ``run`` or ``prepare`` command; bad input prints one error line and returns 2."""
     try:
         if a.cmd == "run":
             if a.device == "cuda":
@@ -500,8 +508,7 @@ def main(argv: list[str] | None = None) -> int:
             out, root = Path(a.out), Path(a.root)
             out.mkdir(parents=True, exist_ok=True)
             rows = run(PLANS[a.device], out.resolve(), root.resolve(), a.budget_s)
-            rc = 0 if all(r.get("status") == "ok" for r in rows) else 1
-            return rc
+            return 0 if all(r.get("status") == "ok" for r in rows) else 1
         root = Path(a.root)
         plan = dataclasses.replace(PLANS["cpu" if a.tiny else "cuda"], device=a.device)
         if a.what == "checkpoint":
@@ -514,18 +521,10 @@ def main(argv: list[str] | None = None) -> int:
             write_data(root, Path(a.tokenizer), plan)
         else:
             write_compressor(root, a.device, a.tiny)
-        rc = 0
-        return rc
+        return 0
     except (ValueError, KeyError, FileNotFoundError) as e:
         print(f"gpu_paper: error: {e}", file=sys.stderr)
-        rc = 2
-        return rc
-    finally:
-        if a.cmd == "prepare" and os.environ.get(STATS_ENV):
-            from kvbench.utils.jobstats import append_job_stats
-
-            append_job_stats(os.environ[STATS_ENV], f"gpu_paper prepare {a.what}", rc, time.perf_counter() - t0)
-
+        return 2
 
 if __name__ == "__main__":
     sys.exit(main())

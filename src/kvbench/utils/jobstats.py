@@ -12,9 +12,12 @@ written with one ``write`` in append mode, so processes appending to one file (t
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
+import time
+from typing import Iterator
 
 #: The environment variable naming the JSON-lines file.
 ENV = "KVBENCH_JOB_STATS"
@@ -41,3 +44,16 @@ def append_job_stats(path: str | os.PathLike, verb: str, rc: int | None, wall_s:
     finally:
         os.close(fd)
     return record
+
+
+@contextlib.contextmanager
+def recorded(verb: str) -> Iterator[dict]:
+    """Time the ``with`` body and, when :data:`ENV` names a file, append its line (module doc) at exit, also when
+    an exception escapes (``rc`` null then). The body sets ``job["rc"]`` on the dict it gets to its exit status."""
+    job: dict = {"rc": None}
+    t0 = time.perf_counter()
+    try:
+        yield job
+    finally:
+        if os.environ.get(ENV):
+            append_job_stats(os.environ[ENV], verb, job["rc"], time.perf_counter() - t0)
