@@ -242,3 +242,23 @@ def test_codec_is_recorded_and_checked(rkv_run, tmp_path, capsys):
     assert main(["eval", "--from", d, "--out", str(tmp_path / "r")]) == 2
     err = capsys.readouterr().err
     assert f"method input {w} changed since the run: sha256 {sha256(w)}, recorded {cfg['inputs'][1]['sha256']}" in err
+
+
+def test_the_file_hash_is_memoised_but_sees_a_rewritten_file(tmp_path):
+    """A run hashes its split twice (identity and config.yaml): the second is a lookup, yet a file changed in
+    place (new mtime) is hashed again."""
+    import hashlib
+    import os
+
+    from kvbench.eval import runconfig
+
+    f = tmp_path / "split.jsonl"
+    f.write_text('{"id": 1}\n')
+    assert runconfig.sha256(f) == hashlib.sha256(f.read_bytes()).hexdigest()
+    hits = runconfig._sha256_of.cache_info().hits
+    runconfig.sha256(f)
+    assert runconfig._sha256_of.cache_info().hits == hits + 1
+    st = f.stat()
+    f.write_text('{"id": 2}\n')  # same size
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
+    assert runconfig.sha256(f) == hashlib.sha256(b'{"id": 2}\n').hexdigest()

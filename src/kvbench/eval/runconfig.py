@@ -29,6 +29,7 @@ Light on purpose: no torch at import.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.metadata
 import json
 import os
@@ -107,8 +108,20 @@ class RunArgs:
 # --- describing a run -------------------------------------------------------------------------
 
 def sha256(path: str | os.PathLike, limit_bytes: int = HASH_LIMIT_BYTES) -> str | None:
-    """Hex SHA-256 of a file, or ``None`` when it is larger than ``limit_bytes`` (real 7B weights)."""
-    return None if Path(path).stat().st_size > limit_bytes else sha256_file(path)
+    """Hex SHA-256 of a file, or ``None`` when it is larger than ``limit_bytes`` (real 7B weights).
+
+    Memoised on the file's identity (resolved path, inode, size, mtime in ns): a run's identity and its
+    config.yaml both describe the split and the checkpoint's files, and a file rewritten in place gets a new
+    mtime, so a changed file is hashed again."""
+    st = Path(path).stat()
+    if st.st_size > limit_bytes:
+        return None
+    return _sha256_of(str(Path(path).resolve()), st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=256)
+def _sha256_of(path: str, inode: int, size: int, mtime_ns: int) -> str:
+    return sha256_file(path)
 
 
 def file_entry(path: str | os.PathLike, name: str | None = None) -> dict:
