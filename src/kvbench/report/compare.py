@@ -29,6 +29,7 @@ import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import pandas as pd
 
@@ -132,8 +133,8 @@ def read_ours(path: str | Path, name: str | None = None) -> Ours:
         else:  # ResidualKV tables name their one model in the header; Table 3 its timing model
             m = re.search(r"(?:timing )?model (\S+)", text)
             df["backbone"] = m.group(1).rstrip(";,") if m else ""
-    if "regime" not in df.columns:
-        df["regime"] = ""
+    # one blank for "no regime" (ResidualKV tables have no column, CONDUIT's blank cells read back as NaN)
+    df["regime"] = df["regime"].astype(object).where(df["regime"].notna(), "").astype(str) if "regime" in df.columns else ""
     key = ours.key
     if ours.paper_dir == "residualkv":
         _rkv_cells(ours)
@@ -164,7 +165,7 @@ def _score_cells(ours: Ours) -> None:
     data = _data_columns(df)
     for i, row in df[kind == "score"].iterrows():
         budget = {} if _num(row.get("r")) is None else {"r": _num(row["r"])}
-        base = dict(backbone=row["backbone"], regime=str(row["regime"] if pd.notna(row["regime"]) else ""),
+        base = dict(backbone=row["backbone"], regime=row["regime"],
                     method=row["method"], budget=budget)
         for col in data + ["avg"]:
             scope = frozenset({"average"} if col == "avg" else {"each", col})
@@ -221,7 +222,7 @@ def _latency_cells(ours: Ours) -> None:
 def _diag_cells(ours: Ours) -> None:
     df, key = ours.df, ours.key
     for _, row in df.iterrows():
-        regime = str(row["regime"]) if pd.notna(row["regime"]) else ""
+        regime = row["regime"]
         where = " ".join(f"{k}={row[k]}" for k in ("dataset", "layer", "r", "types") if k in df.columns)
 
         def add(method, col, scope, metric, unit):
@@ -251,7 +252,7 @@ def _evidence_cells(ours: Ours) -> None:
     audit = {"differing answers": "differing answers", "low page coverage": "low page coverage",
              "near-tied": "near-tied", "other": "attention drift"}
     for _, row in ours.df.iterrows():
-        b, regime, group = row["backbone"], str(row["regime"]) if pd.notna(row["regime"]) else "", str(row["group"])
+        b, regime, group = row["backbone"], row["regime"], str(row["group"])
         if row["part"] == "allocation":
             for col, method, metric, unit in (
                     ("CONDUIT - full", "CONDUIT", "CONDUIT − full prefill", "points"),
@@ -278,42 +279,47 @@ def _case_cells(ours: Ours) -> None:
     budgets = {float(m.group(1)) for spec in ours.df["spec"].astype(str) if (m := re.search(r"@([0-9.]+)", spec))}
     budget = {"r": budgets.pop()} if len(budgets) == 1 else {}
     for _, row in ours.df.iterrows():
-        ours.cells.append(Cell(row["backbone"], str(row["regime"]) if pd.notna(row["regime"]) else "", row["method"],
+        ours.cells.append(Cell(row["backbone"], row["regime"], row["method"],
                                budget, "answer", frozenset({"answer"}), "generated answer", "answer", str(row["answer"])))
 
 
 # --- matching ---------------------------------------------------------------------------------
 
-def _paper_backbones(pub: Published, e: Entry, backbone: str, zoo: bool) -> list[str] | None:
-    """The published backbone(s) ``e`` speaks for when set beside our ``backbone`` (None: it does not apply)."""
-    if e.backbone in ("each", "average", "unassigned"):
-        return [e.backbone]
-    if zoo or backbone in pub.models_of(e.backbone):
-        return [e.backbone]  # on the zoo our model stands in for each published one
-    return None
-
-
 def _budget_ok(want: dict, have: dict) -> bool:
     return all(k in have and have[k] is not None and math.isclose(have[k], v, abs_tol=1e-9) for k, v in want.items())
 
 
-def _matches(pub: Published, e: Entry, c: Cell, zoo: bool, method: str | None = None) -> str | None:
-    """None when ``e`` is ``c``'s published neighbour, else why not (the first field that differs)."""
-    if (method or e.method) != c.method:
-        return f"no published figure for method {c.method!r}"
-    if e.column not in c.columns:
-        return f"no published figure for column {c.column!r}"
-    if e.metric != c.metric:
-        return f"no published figure for the metric {c.metric!r} of {c.method!r}"
-    if not any(_budget_ok(b, c.budget) for b in e.budgets()):
-        return f"published only at {_fmt_budget(e.budget)}, ours is at {_fmt_budget(c.budget) or 'no budget'}"
-    if _paper_backbones(pub, e, c.backbone, zoo) is None:
-        return f"published for {e.backbone} ({', '.join(pub.models_of(e.backbone)) or 'no config model'}), not {c.backbone}"
+class Want(NamedTuple):
+    """What a published figure speaks for: an entry's method, column, metric, budgets and backbone, or an
+    ordering's side (its own method and budget with the entry's other fields)."""
+
+    method: str
+    column: str
+    metric: str
+    budgets: tuple[dict, ...]
+    backbone: str
+
+    @staticmethod
+    def of(e: Entry, method: str | None = None, budget: dict | None = None) -> "Want":
+        return Want(method or e.method, e.column, e.metric, tuple(e.budgets()) if budget is None else (budget,),
+                    e.backbone)
+
+
+def _mismatch(pub: Published, w: Want, c: Cell, zoo: bool) -> tuple[int, str] | None:
+    """None when ``w`` is ``c``'s published neighbour, else ``(how far it matched, why not)``: the first field that
+    differs, in the order method, column, metric, budget, backbone (the entry that matched furthest explains a
+    cell without a neighbour best)."""
+    if w.method != c.method:
+        return 0, f"no published figure for method {c.method!r}"
+    if w.column not in c.columns:
+        return 1, f"no published figure for column {c.column!r}"
+    if w.metric != c.metric:
+        return 2, f"no published figure for the metric {c.metric!r} of {c.method!r}"
+    if not any(_budget_ok(b, c.budget) for b in w.budgets):
+        return 3, f"published only at {_fmt_budget(w.budgets[0])}, ours is at {_fmt_budget(c.budget) or 'no budget'}"
+    if w.backbone not in ("each", "average", "unassigned") and not zoo and c.backbone not in pub.models_of(w.backbone):
+        return 4, f"published for {w.backbone} ({', '.join(pub.models_of(w.backbone)) or 'no config model'}), not {c.backbone}"
     return None
-
-
-_CHECKS = ("no published figure for method", "no published figure for column", "no published figure for the metric",
-           "published only at", "published for")
 
 
 def _cell_rows(pub: Published, ours: Ours) -> tuple[list[dict], set]:
@@ -322,11 +328,11 @@ def _cell_rows(pub: Published, ours: Ours) -> tuple[list[dict], set]:
     for c in ours.cells:
         base = {"part": "cell", "backbone": c.backbone, "regime": c.regime, "method": c.method,
                 "budget": _fmt_budget(c.budget), "column": c.column, "metric": c.metric, "unit": c.unit, "ours": c.value}
-        reasons, hit = [], False
+        misses, hit = [], False
         for e in entries:
-            why = _matches(pub, e, c, ours.zoo)
-            if why:
-                reasons.append(why)
+            miss = _mismatch(pub, Want.of(e), c, ours.zoo)
+            if miss:
+                misses.append(miss)
                 continue
             hit = True
             used.add(e.id)
@@ -350,8 +356,7 @@ def _cell_rows(pub: Published, ours: Ours) -> tuple[list[dict], set]:
             rows.append(row)
         if not hit:
             # the entry that matched furthest (method, column, metric, budget, backbone) explains best
-            why = max(reasons, key=lambda r: next(i for i, p in enumerate(_CHECKS) if r.startswith(p))) if reasons \
-                else f"the sources give no figure for {pub.paper} {ours.key}"
+            why = max(misses, key=lambda m: m[0])[1] if misses else f"the sources give no figure for {pub.paper} {ours.key}"
             rows.append({**base, "reason": why})
     return rows, used
 
@@ -405,12 +410,10 @@ def published_orderings(pub: Published, key: str) -> list[Ordering]:
 
 
 def _find(ours: Ours, pub: Published, o: Ordering, method: str, budget: dict, backbone: str, where: str) -> Cell | None:
-    probe = Entry(id="_", table=ours.key, source={"doc": "", "where": ""}, kind="qualitative", backbone=o.e.backbone,
-                  column=o.e.column, metric=o.e.metric, unit=o.e.unit, method=method, text="_", budget=budget)
-    for c in ours.cells:
-        if c.backbone == backbone and c.where == where and _matches(pub, probe, c, ours.zoo) is None:
-            return c
-    return None
+    """Our cell of one side of ordering ``o``: ``method`` at ``budget`` in ``backbone``'s ``where`` slot."""
+    want = Want.of(o.e, method, budget)
+    return next((c for c in ours.cells
+                 if c.backbone == backbone and c.where == where and _mismatch(pub, want, c, ours.zoo) is None), None)
 
 
 def _verdict(relation: str, diff: float, lo: float | None, hi: float | None, told: bool | None) -> str:
