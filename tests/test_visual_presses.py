@@ -294,3 +294,55 @@ def test_bad_parameters_are_refused_naming_the_value(cls, kwargs, needle):
 def test_a_layer_the_model_lacks_is_refused(model, press, needle):
     with pytest.raises(ValueError, match=needle):
         press.new_cache(model)
+
+
+# -- on a VLM with M-RoPE (Qwen2.5-VL: 3-axis positions for the image) ---------------------------------------
+@pytest.fixture(scope="module")
+def vlm_request(vlm_dir):
+    """The random-weight zoo Qwen2.5-VL, one image request: (model, input embeddings with the image features,
+    3-axis position ids, image positions). The image features are computed outside the press's attention (the
+    vision tower's attention has no cache layer)."""
+    import numpy as np
+    from PIL import Image
+    from transformers import AutoProcessor, Qwen2_5_VLForConditionalGeneration
+
+    proc = AutoProcessor.from_pretrained(vlm_dir)
+    vlm = Qwen2_5_VLForConditionalGeneration.from_pretrained(vlm_dir, dtype=torch.float32).eval()
+    img = Image.fromarray(np.random.default_rng(0).integers(0, 256, (112, 112, 3), dtype=np.uint8), "RGB")
+    enc = proc(text=["Page:<|vision_start|><|image_pad|><|vision_end|>Which digit?"], images=[img], return_tensors="pt")
+    pos = (enc["mm_token_type_ids"][0] == 1).nonzero().flatten()
+    with torch.no_grad():
+        feats = vlm.model.get_image_features(enc["pixel_values"], enc["image_grid_thw"], return_dict=True).pooler_output
+        emb = vlm.get_input_embeddings()(enc["input_ids"]).clone()
+        emb[0, pos] = torch.cat(list(feats), 0)
+        p3, _ = vlm.model.get_rope_index(enc["input_ids"], enc["mm_token_type_ids"], image_grid_thw=enc["image_grid_thw"])
+    return vlm, emb, p3, pos
+
+
+def run_vlm(vlm_request, press):
+    vlm, emb, p3, pos = vlm_request
+    cache = press.new_cache(vlm)
+    if press.name != "full":
+        cache.visual = VisualTokens(pos, emb[0, pos])
+    with torch.inference_mode(), press_attention(vlm, cache):
+        logits = vlm(inputs_embeds=emb, position_ids=p3, cache=cache, use_cache=True).logits[0]
+    return logits, cache
+
+
+@pytest.mark.slow
+def test_on_an_mrope_vlm_keep_all_is_exact_and_pact_merges_with_the_model_s_own_rope(vlm_request):
+    full, ref = run_vlm(vlm_request, Press())
+    for press in (FastVPress(keep=1.0), DivPrunePress(keep=1.0), PACTPress(layer=1, keep=1.0, cutoff=0.0)):
+        assert torch.equal(run_vlm(vlm_request, press)[0], full), press.name
+    vlm, emb, p3, _ = vlm_request
+    _, cache = run_vlm(vlm_request, PACTPress(layer=1, cutoff=0.3))
+    red = cache.layers[-1].state.reduction
+    assert red.centers.numel() > 0
+    # the merged key: members' keys unrotated with their own M-RoPE angles, averaged, rotated at the centre's
+    cos, sin = vlm.model.language_model.rotary_emb(emb, p3)
+    fn = cache.layers[1].ctx.apply_rope
+    pre = rope.unrotate(fn, ref.layers[1]._stored.keys, cos, sin)
+    at = torch.searchsorted(cache.layers[1]._stored.positions[0, 0], red.centers)
+    for c, p in enumerate(red.centers.tolist()):
+        k = rope.rotate(fn, pre[:, :, red.members[red.member_of == c]].mean(2, keepdim=True), cos[:, [p]], sin[:, [p]])
+        assert torch.allclose(cache.layers[1]._stored.keys[:, :, at[c]], k[:, :, 0], atol=1e-5)
