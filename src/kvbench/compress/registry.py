@@ -7,9 +7,12 @@ is the family of press specs (``<press>[+<selector>][:key=value,...]``, :mod:`kv
 from __future__ import annotations
 
 from kvbench.compress.cache import Press
+from kvbench.compress.presses.divprune import DivPrunePress
+from kvbench.compress.presses.fastv import FastVPress
 from kvbench.compress.presses.kivi import KIVIPress
 from kvbench.compress.presses.kvzip import KVzipPress
 from kvbench.compress.presses.omnikv import OmniKVPress
+from kvbench.compress.presses.pact import PACTPress
 from kvbench.compress.presses.palu import PaluPress
 from kvbench.compress.presses.pyramidkv import PyramidKVPress
 from kvbench.compress.presses.quest import QuestPress
@@ -25,7 +28,8 @@ class FullKV(Press):
 
 
 PRESSES: dict[str, type[Press]] = {cls.name: cls for cls in (
-    FullKV, SnapKVPress, PyramidKVPress, KVzipPress, QuestPress, OmniKVPress, KIVIPress, PaluPress, ResidualKVPress)}
+    FullKV, SnapKVPress, PyramidKVPress, KVzipPress, QuestPress, OmniKVPress, KIVIPress, PaluPress, ResidualKVPress,
+    FastVPress, PACTPress, DivPrunePress)}
 
 #: Press specs: no budget ``@r``; the canonical form keeps every parameter the spec spelled; a trained
 #: codec (``codec_dir``), KVzip's and Palu's tokenizer and Palu's calibration windows (``calib_ids``) are
