@@ -31,6 +31,11 @@ def test_a_repeated_token_has_cosine_one_at_its_gap():
     assert dist[0].item() == 1
 
 
+def test_a_tie_goes_to_the_earliest_token():
+    cos, dist = max_cosine_to_earlier(torch.ones(6, 3))  # every earlier token matches exactly
+    assert torch.equal(dist, torch.arange(1, 6)) and torch.allclose(cos, torch.ones(5))
+
+
 def test_cosine_matches_a_brute_force_over_chunks(monkeypatch):
     from kvbench.compress.residualkv import observations
 

@@ -89,3 +89,15 @@ def test_smoke_row_has_ratios_and_no_published_values(tmp_path):
     assert (row["2d_k"], row["d_c/2d_k"], row["d_ff/2d_k"], row["full_attention_layers"]) == (128, 0.25, 1.5, "0+1")
     assert row["paper backbone"] == "" and pd.isna(row["published d_c"]) and row["d_c mismatch"] == ""
     assert "the tiny zoo LM" in row["notes"] and "Llama-3.1-8B 0.25/1.5" in row["notes"]
+
+
+def test_compare_sets_each_width_beside_the_published_one(tmp_path):
+    from kvbench.report import compare
+
+    spec = _paper_spec(tmp_path, {"d_c": 256, "d_ff": 3072}, QWEN7B)
+    tables.write("residualkv/tableI", spec, tmp_path / "tableI.csv", root=tmp_path)
+    df = compare.compare(tmp_path / "tableI.csv", PUBLISHED, tmp_path / "c.csv", name="residualkv/tableI")
+    cells = df[df["part"] == "cell"].set_index(["backbone", "metric"])
+    assert cells.loc[("llama-3.1-8b", "d_c"), "diff"] == -256 and cells.loc[("llama-3.1-8b", "d_ff"), "diff"] == 0
+    assert cells.loc[("qwen2.5-7b-1m", "2d_k"), "paper_backbone"] == "Qwen2.5-7B"
+    assert bool(cells.loc[("qwen2.5-7b-1m", "2d_k"), "comparable"])
