@@ -138,8 +138,9 @@ def test_csv_panels_and_figure(lm, tmp_path):
     published = Path(__file__).resolve().parents[1] / "config" / "published" / "residualkv.yaml"
     summary = rkv_fig3.plot(tmp_path / "fig3.csv", tmp_path / "fig3.pdf", tmp_path / "fig3_summary.csv", published)
     assert (tmp_path / "fig3.pdf").read_bytes()[:4] == b"%PDF"
-    pub = summary.dropna(subset=["published"]).set_index("quantity")["published"]
-    assert pub.to_dict() == {"mean max cosine": 0.92, "best matches farther than 16 tokens %": 59.7}
+    pub = summary.dropna(subset=["published"]).set_index("quantity")
+    assert pub["published"].to_dict() == {"mean max cosine": 0.92, "best matches farther than 16 tokens %": 59.7}
+    assert not pub["comparable"].any() and "comparable False: the tiny zoo LM" in (tmp_path / "fig3_summary.csv").read_text()
     ours = summary.set_index(["quantity", "series"])["ours"]
     assert ours[("mean max cosine", "raw")] == pytest.approx(float(torch.cat([l.tensors()["cos"] for l in obs.layers]).mean()))
 

@@ -134,9 +134,10 @@ def write(obs: Observations, out: str | Path, profile: str, zoo: bool) -> pd.Dat
     return df
 
 
-def summary_frame(df: pd.DataFrame, published: str | Path | None) -> pd.DataFrame:
+def summary_frame(df: pd.DataFrame, published: str | Path | None, comparable: bool = True) -> pd.DataFrame:
     """The headline numbers (layer ``all``) with the paper's beside the two it gives (``published``: the paper's
-    published-figures file; None: no published column)."""
+    published-figures file; None: no published column); ``comparable`` False (the tiny zoo LM, not the paper's
+    checkpoint) marks the differences as meaningless in absolute terms."""
     ours = df[(df["panel"] == "summary") & (df["layer"].astype(str) == "all")]
     pub: dict[str, tuple] = {}
     if published is not None:
@@ -151,6 +152,7 @@ def summary_frame(df: pd.DataFrame, published: str | Path | None) -> pd.DataFram
         v, backbone, source = pub.get(r["quantity"], (None, "", "")) if r["series"] == "raw" else (None, "", "")
         rows.append({"quantity": r["quantity"], "series": r["series"], "ours": r["value"], "published": v,
                      "published_backbone": backbone, "diff": None if v is None else r["value"] - v,
+                     "comparable": comparable if v is not None else None,
                      "source": source, "reason": "" if v is not None else "the paper only plots it (no number)"})
     return pd.DataFrame(rows)
 
@@ -176,8 +178,11 @@ def plot(data: str | Path, out: str | Path, summary_out: str | Path, published: 
     if missing:
         raise ValueError(f"{data}: panel(s) {missing} missing (written by kvbench analyze rkv-observations?)")
     d = df[df["layer"].astype(str) == "all"]
-    summary = summary_frame(df, published)
-    write_csv(summary, head + ["# Fig. 3 headline numbers (layer 'all'); published: the paper's, where it gives one"],
+    zoo = any("tiny zoo" in line for line in head)
+    summary = summary_frame(df, published, comparable=not zoo)
+    write_csv(summary, head + ["# Fig. 3 headline numbers (layer 'all'); published: the paper's, where it gives one"
+                               + ("; comparable False: the tiny zoo LM on smoke contexts, not the paper's checkpoint "
+                                  "and texts, so the differences are not the paper's" if zoo else "")],
               str(summary_out))
     s = summary[summary["series"] == "raw"].set_index("quantity")["ours"]
     fig, axes = plt.subplots(2, 3, figsize=(12, 6.5))
