@@ -5,8 +5,8 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 import torch
-
 from _zoo_fixtures import text_record, write_split
+
 from kvbench.compress.residualkv.observations import (
     ReferenceSchedule,
     cumulative_explained_variance,

@@ -6,7 +6,6 @@ import json
 import re
 
 import yaml
-
 from test_workflow import PAPER_CONFIG, _fake_paper_root, planned_jobs, snakemake
 
 TARGETS = ["results/residualkv/tableI.csv", "figures/residualkv/fig3.pdf"]
@@ -49,7 +48,7 @@ def test_paper_table_i_and_fig3_resolve(tmp_path):
     for m in with_entry:
         assert f"{root}/{cfg['models'][m]['checkpoint']}/config.json" in r.stdout
     spec = json.loads(re.search(r"kvbench report residualkv/tableI --spec '(.*?)' --out", r.stdout).group(1))
-    assert [m["name"] for m in spec["models"]][0] == "llama-3.1-8b" and len(spec["models"]) == 6
+    assert spec["models"][0]["name"] == "llama-3.1-8b" and len(spec["models"]) == 6
     # Fig. 3 on the paper's checkpoint, on a GPU, over the configured LongBench contexts
     fig3 = cfg["residualkv"]["fig3"]
     assert f"--model {root}/checkpoints/Qwen2.5-7B-Instruct-1M --model-name qwen2.5-7b-1m" in r.stdout

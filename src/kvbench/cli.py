@@ -547,7 +547,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("report", help="tables and figures from finished runs")
     s.add_argument("what", help="a table target (conduit/table1 ... conduit/table5, conduit/table11 ... "
-                   "conduit/table15, conduit/staleness_gap, residualkv/tableIII, residualkv/tableVI, "
+                   "conduit/table15, conduit/staleness_gap, residualkv/tableI, residualkv/tableIII, residualkv/tableVI, "
                    "residualkv/tableVII, residualkv/tableVIII: see kvbench.report.tables), zoo, zoo-figure, "
                    "conduit-fig3, conduit-fig4, residualkv-fig{3,5,6,8,10,11,12}, compare (a table beside the "
                    "published figures: --table, [--published], --out <table>.compare.csv) or compare-page (--compare "

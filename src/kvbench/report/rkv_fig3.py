@@ -25,7 +25,10 @@ import numpy as np
 import pandas as pd
 import torch
 
-from kvbench.compress.residualkv.observations import Observations, cumulative_explained_variance
+from kvbench.compress.residualkv.observations import (
+    Observations,
+    cumulative_explained_variance,
+)
 from kvbench.report.plan import write_csv
 
 COLUMNS = ["panel", "quantity", "layer", "series", "x_lo", "x_hi", "count", "value"]

@@ -23,7 +23,11 @@ from typing import Any
 
 import torch
 
-from kvbench.compress.residualkv.references import mean_reference, nearest_references, reference_mask
+from kvbench.compress.residualkv.references import (
+    mean_reference,
+    nearest_references,
+    reference_mask,
+)
 
 #: Entries of one chunk of the [rows, T] cosine matrix (float32: 16 MiB).
 _CHUNK_ENTRIES = 1 << 22
