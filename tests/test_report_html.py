@@ -135,7 +135,7 @@ def _item_name(path: str) -> str:
         return "Ours beside the published figures"
     if m := re.fullmatch(r"table(\w+)", stem):
         return f"Table {m.group(1)}"
-    if m := re.fullmatch(r"fig(\d+)(_throughput)?", stem):
+    if m := re.fullmatch(r"fig(\d+)(_throughput|_summary)?", stem):
         return f"Figure {m.group(1)}" if "/conduit/" in path else f"Fig. {m.group(1)}"
     return {"staleness_gap": "staleness gap", "zoo": "zoo", "zoo_training": "zoo", "kvpress": "Parity with kvpress"}[stem]
 

@@ -198,10 +198,40 @@ def _replay(a: argparse.Namespace) -> int:
     return 0 if out["match"] else 1
 
 
+def _analyze(a: argparse.Namespace) -> None:
+    """``kvbench analyze rkv-observations``: ResidualKV Fig. 3's data (:mod:`kvbench.report.rkv_fig3`)."""
+    import torch
+
+    from kvbench.compress.residualkv.observations import ReferenceSchedule, observe
+    from kvbench.compress.residualkv.train import DTYPES
+    from kvbench.models.loader import load_model
+    from kvbench.report import rkv_fig3
+
+    splits = {}
+    for item in a.split:
+        task, sep, path = item.partition("=")
+        if not sep or not task or not path:
+            raise ValueError(f"--split takes TASK=FILE (a task name and its JSONL split), got {item!r}")
+        splits[task] = path
+    if a.device == "auto":
+        a.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if a.device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device {a.device}: no CUDA device is visible (torch.cuda.is_available() is False)")
+    torch.set_num_threads(a.threads)
+    schedule = ReferenceSchedule(k=a.k, n_sink=a.n_sink, stride=a.stride, alpha=a.alpha, grid=a.grid, block=a.block)
+    model, proc = load_model(a.model, dtype=DTYPES[a.dtype], device=a.device)
+    obs = observe(model, proc, splits, schedule, records_per_task=a.records_per_task, max_tokens=a.max_tokens,
+                  context_tokens=a.context_tokens, model_name=a.model_name or str(a.model))
+    df = rkv_fig3.write(obs, a.out, a.profile, a.zoo)
+    s = df[(df["panel"] == "summary") & (df["layer"] == "all") & (df["series"] == "raw")].set_index("quantity")["value"]
+    print(json.dumps({"out": a.out, "contexts": len(obs.contexts), "tokens": obs.n_tokens, "layers": len(obs.layers),
+                      **{k: round(float(v), 4) for k, v in s.items()}}, indent=2))
+
+
 def _report(a: argparse.Namespace) -> None:
     from kvbench.report import zoo
 
-    figures = {"zoo-figure", "conduit-fig3", "conduit-fig4", *(f"residualkv-fig{n}" for n in (5, 6, 8, 10, 11, 12))}
+    figures = {"zoo-figure", "conduit-fig3", "conduit-fig4", *(f"residualkv-fig{n}" for n in (3, 5, 6, 8, 10, 11, 12))}
     if a.what in figures and not str(a.out).endswith(".pdf"):
         raise ValueError(f"--out of {a.what} must end in .pdf, got {a.out!r}")
     if a.what in ("compare", "compare-page"):  # ours beside the published figures (kvbench.report.compare)
@@ -233,6 +263,14 @@ def _report(a: argparse.Namespace) -> None:
         from kvbench.report import rkv_figures, rkv_report
 
         what = a.what.removeprefix("residualkv-")
+        if what == "fig3":  # the observations' CSV (kvbench analyze rkv-observations) -> PDF + headline summary
+            from kvbench.report import rkv_fig3
+
+            if not a.raw or not a.data_out:
+                raise ValueError(f"{a.what} needs --raw (fig3.csv of `kvbench analyze rkv-observations`) and "
+                                 "--data-out (the headline summary CSV)")
+            rkv_fig3.plot(a.raw, a.out, a.data_out, published=a.published)
+            return
         if what in ("fig8", "fig6"):
             if not a.raw:
                 raise ValueError(f"{a.what} needs --raw (the profiling CSV)")
@@ -509,9 +547,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("report", help="tables and figures from finished runs")
     s.add_argument("what", help="a table target (conduit/table1 ... conduit/table5, conduit/table11 ... "
-                   "conduit/table15, conduit/staleness_gap, residualkv/tableIII, residualkv/tableVI, "
+                   "conduit/table15, conduit/staleness_gap, residualkv/tableI, residualkv/tableIII, residualkv/tableVI, "
                    "residualkv/tableVII, residualkv/tableVIII: see kvbench.report.tables), zoo, zoo-figure, "
-                   "conduit-fig3, conduit-fig4, residualkv-fig{5,6,8,10,11,12}, compare (a table beside the "
+                   "conduit-fig3, conduit-fig4, residualkv-fig{3,5,6,8,10,11,12}, compare (a table beside the "
                    "published figures: --table, [--published], --out <table>.compare.csv) or compare-page (--compare "
                    "CSVs, --out results/compare.md)")
     s.add_argument("--runs", nargs="*", default=[], help="run directories (eval outputs)")
@@ -519,9 +557,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--spec", default="", help="tables: the workflow's JSON (profile and the paper's config section)")
     s.add_argument("--conduit", default="",
                    help="conduit-fig3, conduit-fig4: JSON {profile, conduit: config section, splits, zoo_models}")
-    s.add_argument("--data-out", default=None, help="conduit-fig3, conduit-fig4, residualkv-fig{5,10,11,12}: CSV of the plotted numbers")
+    s.add_argument("--data-out", default=None, help="conduit-fig3, conduit-fig4, residualkv-fig{5,10,11,12}: CSV of the plotted numbers; "
+                   "residualkv-fig3: the headline summary CSV")
     s.add_argument("--residualkv", default="", help="residualkv-*: JSON {profile, residualkv: config section}")
-    s.add_argument("--raw", default=None, help="residualkv-fig8 / -fig6: the profiling CSV to plot; "
+    s.add_argument("--raw", default=None, help="residualkv-fig8 / -fig6: the profiling CSV to plot; residualkv-fig3: fig3.csv; "
                    "residualkv-fig11: the `bench rkv-variants` CSV (throughput panel)")
     s.add_argument("--timing-out", default=None, help="zoo: CSV of the training wall-clock times (kept out of the table)")
     s.add_argument("--allow-missing", action="store_true",
@@ -530,10 +569,37 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--table", default=None, help="compare: the built table (results/<paper>/<table>.csv)")
     s.add_argument("--name", default=None, help="compare: <paper>/<table> when --table is not results/<paper>/<table>.csv")
     s.add_argument("--published", default=None,
-                   help="compare: the published figures (default config/published/<paper>.yaml)")
+                   help="compare: the published figures (default config/published/<paper>.yaml); residualkv-fig3: "
+                        "the file whose fig3 entries the summary sets beside ours (none: no published column)")
     s.add_argument("--compare", nargs="*", default=[], help="compare-page: the compare CSVs to summarise")
     s.add_argument("--out", required=True)
     s.set_defaults(func=_report)
+
+    s = sub.add_parser("analyze", help="analyses of a model's KV cache: rkv-observations (ResidualKV Fig. 3's data: "
+                                        "max cosine to earlier tokens, match distance, raw vs reference residuals)")
+    s.add_argument("what", choices=["rkv-observations"])
+    s.add_argument("--model", required=True, help="HF checkpoint directory or zoo name (an LM; a VLM runs text only)")
+    s.add_argument("--model-name", default="", help="the config's name of the model (in the CSV header)")
+    s.add_argument("--split", nargs="+", required=True, metavar="TASK=FILE",
+                   help="JSONL test splits of text records (context + question); their contexts are analysed")
+    s.add_argument("--out", required=True, help="long CSV of every panel (kvbench.report.rkv_fig3), written atomically")
+    s.add_argument("--profile", default="adhoc", help="profile name for the CSV header")
+    s.add_argument("--zoo", action="store_true", help="the model is the tiny zoo LM (the header says so)")
+    s.add_argument("--records-per-task", type=_positive_int, default=2, help="contexts per split (its first records)")
+    s.add_argument("--max-tokens", type=_int_at_least(2, "an integer >= 2"), default=4096,
+                   help="tokens analysed in all (the last context is truncated)")
+    s.add_argument("--context-tokens", type=_int_at_least(2, "an integer >= 2"), default=None,
+                   help="at most this many tokens of each context (default: whole contexts)")
+    s.add_argument("--k", type=_positive_int, default=4, help="references averaged per token (main codec's k)")
+    s.add_argument("--n-sink", type=_nonneg_int, default=8, help="sink tokens (main codec's n_sink)")
+    s.add_argument("--stride", type=_positive_int, default=10, help="reference stride (main codec's stride)")
+    s.add_argument("--alpha", type=float, default=0.0, help="dynamic-stride growth (main codec's alpha)")
+    s.add_argument("--grid", choices=["paper", "code"], default="paper", help="reference grid (main codec's grid)")
+    s.add_argument("--block", type=_positive_int, default=128, help="the code grid's block (main codec's window)")
+    s.add_argument("--device", type=_device, default="auto", help="auto (CUDA if available), cpu or cuda[:i]")
+    s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="model dtype")
+    s.add_argument("--threads", type=_positive_int, default=1)
+    s.set_defaults(func=_analyze)
 
     s = sub.add_parser("parity", help="parity with NVIDIA's kvpress (results/parity/kvpress.csv): prepare = the tiny "
                                        "model, contexts, mapped parameters and kvbench's kept sets; compare = the CSV "

@@ -240,16 +240,22 @@ AMBIGUOUS_FIGURES = ["3", "4"]
 
 def residualkv_table_numerals():
     """Roman numerals of the ResidualKV tables (`results/table<ROMAN>.csv` short names)."""
-    from kvbench.report.residualkv import TABLES
+    from kvbench.report.tables import TABLES
 
-    return [t.key.removeprefix("table") for t in TABLES.values()]
+    return [t.key.removeprefix("table") for t in TABLES.values() if t.name.startswith("residualkv/")]
 CONDUIT_FIGURES = ["3", "4"]
+RESIDUALKV_AMBIGUOUS_FIGURES = ["3"]  # built, but only under its canonical name (rkv_observations.smk)
 
 
 def ambiguous_figure(wc):
     """Input function of figures/fig3.pdf and fig4.pdf: always raises, naming the canonical targets that exist."""
-    built = (f"this pipeline builds CONDUIT's as figures/conduit/fig{wc.n}.pdf; ResidualKV's Figure {wc.n} is not a target"
-             if wc.n in CONDUIT_FIGURES else f"neither CONDUIT's nor ResidualKV's Figure {wc.n} is a target of this pipeline")
+    if wc.n in CONDUIT_FIGURES and wc.n in RESIDUALKV_AMBIGUOUS_FIGURES:
+        built = (f"this pipeline builds both, CONDUIT's as figures/conduit/fig{wc.n}.pdf and ResidualKV's as "
+                 f"figures/residualkv/fig{wc.n}.pdf: ask for one of them")
+    elif wc.n in CONDUIT_FIGURES:
+        built = f"this pipeline builds CONDUIT's as figures/conduit/fig{wc.n}.pdf; ResidualKV's Figure {wc.n} is not a target"
+    else:
+        built = f"neither CONDUIT's nor ResidualKV's Figure {wc.n} is a target of this pipeline"
     raise ValueError(f"figures/fig{wc.n}.pdf is ambiguous: both papers have a Figure {wc.n}; {built}.")
 
 
@@ -542,7 +548,7 @@ def configured_tables():
     for t in TABLES.values():
         if t.section not in config:
             continue
-        if t.section == "residualkv" and not RKV.configured(t.key):
+        if t.section == "residualkv" and not (RKV.configured(t.key) or t.key in RKV_MODEL_TABLES):
             continue
         names.append(t.name)
     return names
@@ -604,7 +610,7 @@ def table_inputs(wc):
     if table.section == "conduit":
         return conduit_run_inputs(table.key)(wc)
     if table.section == "residualkv":
-        return rkv_run_inputs(table.key)(wc)
+        return rkv_table_i_inputs(wc) if table.key in RKV_MODEL_TABLES else rkv_run_inputs(table.key)(wc)
     if table.section == "conduit_diagnostics":
         types = sorted(set(config["conduit_diagnostics"]["datasets"].values()))
         if table.key == "table13" and len(types) < 2:
@@ -621,7 +627,7 @@ def table_spec(wc):
     if table.section == "conduit":
         return conduit_report_spec(table.key)
     if table.section == "residualkv":
-        return rkv_report_spec()
+        return rkv_table_i_spec() if table.key in RKV_MODEL_TABLES else rkv_report_spec()
     if table.section == "conduit_diagnostics":
         return json.dumps({"profile": PROFILE, "conduit_diagnostics": config["conduit_diagnostics"],
                            "captures": diag_captures(), "regimes": config["conduit"].get("regimes", {}),
@@ -697,7 +703,8 @@ def report_items():
         items.append(["figures/conduit/fig3.pdf", "results/conduit/fig3.csv"])
         items.append(["figures/conduit/fig4.pdf", "results/conduit/fig4.csv"])
     if RKV:
-        items += [["results/residualkv/fig11_throughput.csv"]]
+        items += [["results/residualkv/fig11_throughput.csv"], ["results/residualkv/fig3.csv"]]
+        items.append(["figures/residualkv/fig3.pdf", "results/residualkv/fig3_summary.csv", "results/residualkv/fig3.csv"])
         for n in RESIDUALKV_ONLY_FIGURES:
             item = [f"figures/residualkv/fig{n}.pdf", f"results/residualkv/fig{n}.csv"]
             items += [item + (["results/residualkv/fig11_throughput.csv"] if n == "11" else [])]

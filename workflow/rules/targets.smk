@@ -3,7 +3,8 @@
 #   results/table<ROMAN>.csv  (Roman)   <- results/residualkv/table<ROMAN>.csv (ResidualKV)
 #   figures/fig<N>.pdf, N in 5,6,8,10,11,12 <- figures/residualkv/fig<N>.pdf (Figs. 9 and 13 are not built)
 #   figures/fig3.pdf, fig4.pdf: both papers have them, so the short name fails
-#   while the DAG is built (also under -n), naming both canonical targets.
+#   while the DAG is built (also under -n), naming the canonical targets that exist
+#   (fig3: figures/conduit/fig3.pdf and figures/residualkv/fig3.pdf; fig4: CONDUIT's only).
 # A canonical target without a producing rule fails with Snakemake's
 # MissingInputException naming it; nothing here fabricates content.
 

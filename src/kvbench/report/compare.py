@@ -136,7 +136,9 @@ def read_ours(path: str | Path, name: str | None = None) -> Ours:
     # one blank for "no regime" (ResidualKV tables have no column, CONDUIT's blank cells read back as NaN)
     df["regime"] = df["regime"].astype(object).where(df["regime"].notna(), "").astype(str) if "regime" in df.columns else ""
     key = ours.key
-    if ours.paper_dir == "residualkv":
+    if ours.paper_dir == "residualkv" and key == "tableI":
+        _table_i_cells(ours)
+    elif ours.paper_dir == "residualkv":
         _rkv_cells(ours)
     elif key == "table3":
         _latency_cells(ours)
@@ -199,6 +201,16 @@ def _rkv_cells(ours: Ours) -> None:
             column, metric, unit = named.get(col, (col, "score", "points"))
             scope = frozenset({column} if col in named else {"each", col})
             ours.cells.append(Cell(row["backbone"], "", row["method"], budget, col, scope, metric, unit, v))
+
+
+def _table_i_cells(ours: Ours) -> None:
+    """ResidualKV Table I (:mod:`kvbench.report.rkv_table1`): each model's 2d_k, d_c and d_ff as the published
+    ``codec`` column's metrics of the same names (method ``codec``, unit ``dims``)."""
+    for _, row in ours.df.iterrows():
+        for col in ("2d_k", "d_c", "d_ff"):
+            v = _num(row.get(col))
+            if v is not None:
+                ours.cells.append(Cell(row["backbone"], "", "codec", {}, col, frozenset({"codec"}), col, "dims", v))
 
 
 def _latency_cells(ours: Ours) -> None:
@@ -340,7 +352,8 @@ def _cell_rows(pub: Published, ours: Ours) -> tuple[list[dict], set]:
                    "comparable": not ours.zoo and e.unit != "answer"}
             if e.kind == "value":
                 row["published"] = e.value
-                if e.ordinal and isinstance(c.value, float):
+                # a width (dims) has no meaningful order between two methods, but ours - published is its mismatch
+                if (e.ordinal or e.unit == "dims") and isinstance(c.value, float):
                     row["diff"] = round(c.value - e.value, 4)
                 else:
                     row["reason"] = "not a number to subtract (see the ordering part)"
