@@ -49,6 +49,9 @@ class EvalMethod(abc.ABC):
     """
 
     name: ClassVar[str] = ""
+    #: The method answers multi-query records (``multi_turns``, :mod:`kvbench.eval.multiquery`): its
+    #: :meth:`predict` then returns one string per query. Methods without it are refused such splits.
+    multi_query: ClassVar[bool] = False
 
     @abc.abstractmethod
     def predict(self, model: Any, proc: Any, record: dict, base_dir: str | Path | None) -> str:
