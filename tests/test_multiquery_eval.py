@@ -54,10 +54,22 @@ def test_n_queries_equal_n_single_query_runs_on_the_same_context(lm_dir, tmp_pat
         assert all(q["kr_packed"] == 1.0 and q["cr"] == 1.0 for r in rows for q in r["plan"]["queries"])
 
 
-def test_one_query_method_refuses_a_multi_query_split_before_loading(tmp_path):
+def test_one_query_method_refuses_a_multi_query_split_before_loading(tmp_path, monkeypatch):
+    from kvbench.eval.methods import FullCache
+
+    monkeypatch.setattr(FullCache, "multi_query", False)
     split = write_split(tmp_path / "test.jsonl", [mq_record(0)])
     with pytest.raises(ValueError, match="'m0' holds several queries .*method 'full'"):
         run_eval("/nonexistent/model", split, method="full", out_dir=tmp_path / "run")
+
+
+def test_full_method_answers_each_query_as_its_own_request(lm_dir, tmp_path):
+    rec = mq_record(0)
+    run_eval(lm_dir, write_split(tmp_path / "mq" / "test.jsonl", [rec]), method="full", out_dir=tmp_path / "a", threads=1)
+    run_eval(lm_dir, write_split(tmp_path / "one" / "test.jsonl", single(rec)), method="full", out_dir=tmp_path / "b",
+             threads=1)
+    row, ones = read_jsonl(tmp_path / "a" / "predictions.jsonl")[0], read_jsonl(tmp_path / "b" / "predictions.jsonl")
+    assert row["prediction"] == [r["prediction"] for r in ones] and row["scores"] == [r["score"] for r in ones]
 
 
 @pytest.mark.parametrize("change, match", [

@@ -219,8 +219,10 @@ def test_paper_dry_run_resolves_with_local_files(tmp_path):
     r = snakemake(tmp_path, "-n", "-p", "--configfile", str(PAPER_CONFIG), "--config", f"paths={{root: {root}}}")
     assert r.returncode == 0, r.stdout
     n_runs = sum(len(t) for t in cfg["eval"]["matrix"].values()) * len(cfg["eval"].get("methods", ["full"]))
-    # Checkpoints are never trained and JSONL splits never materialised: only eval jobs.
-    assert planned_jobs(r.stdout) == {"eval": n_runs, "all": 1}
+    # Checkpoints are never trained and JSONL splits never materialised: only eval jobs, and the conversion of
+    # each of SCBench's own files the matrix reads (datasets with `scbench:`, workflow/rules/scbench.smk)
+    scb = {d for t in cfg["eval"]["matrix"].values() for d in t if "scbench" in cfg["datasets"][d]}
+    assert planned_jobs(r.stdout) == {"eval": n_runs, "all": 1, "scbench_convert": len(scb)}
     assert f"--model {root}/checkpoints/Qwen2.5-VL-3B-Instruct " in r.stdout
     assert f"--split {root}/benchmarks/longbench/narrativeqa.jsonl " in r.stdout
     assert "results/runs/paper/qwen3-4b/scb_kv/full" in r.stdout
