@@ -81,6 +81,7 @@ def test_full_method_answers_each_query_as_its_own_request(lm_dir, tmp_path):
     ({"multi_turns": [{"input": "q", "answer": "a", "metric": "bleu"}]}, r"'metric' must be one of"),
     ({"multi_turns": [{"input": "q", "answer": "a", "max_new_tokens": 0}]}, r"'max_new_tokens' must be a positive"),
     ({"multi_turns": ["q"]}, r"multi_turns\[0\] must be an object"),
+    ({"multi_turns": [{"input": "q", "answer": ["a", "b"]}]}, r"a list of answers needs a metric that takes one"),
 ])
 def test_bad_multi_query_records_are_named(tmp_path, change, match):
     with pytest.raises(ValueError, match=match):

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from kvbench.eval.scbench_metrics import SCBENCH_METRICS
+
 #: The field of a multi-query record that holds its queries.
 TURNS = "multi_turns"
 
@@ -31,7 +33,8 @@ def check_turns(record: dict, where: str, metrics: dict[str, Callable]) -> None:
     Raises:
         ValueError: naming ``where`` and the turn: not a non-empty list of objects; an ``input`` that is not a
             non-empty string; an ``answer`` that is not a string or a non-empty list of strings; an unknown
-            turn ``metric``; a turn ``max_new_tokens`` that is not a positive int; or a record that also has
+            turn ``metric``; a list of answers under a metric that takes one string (not an SCBench scorer); a turn
+            ``max_new_tokens`` that is not a positive int; or a record that also has
             ``question``/``answer`` (which would be ambiguous) or is not a text record.
     """
     turns = record.get(TURNS)
@@ -55,6 +58,10 @@ def check_turns(record: dict, where: str, metrics: dict[str, Callable]) -> None:
             raise ValueError(f"{at}: 'answer' must be a string or a non-empty list of strings, got {a!r}")
         if "metric" in t and t["metric"] not in metrics:
             raise ValueError(f"{at}: 'metric' must be one of {sorted(metrics)}, got {t['metric']!r}")
+        metric = t.get("metric", record.get("metric"))
+        if isinstance(a, list) and metric not in SCBENCH_METRICS:
+            raise ValueError(f"{at}: a list of answers needs a metric that takes one ({sorted(SCBENCH_METRICS)}), "
+                             f"got metric {metric!r}")
         m = t.get("max_new_tokens", 1)
         if isinstance(m, bool) or not isinstance(m, int) or m < 1:
             raise ValueError(f"{at}: 'max_new_tokens' must be a positive int, got {m!r}")
