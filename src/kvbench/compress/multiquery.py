@@ -38,10 +38,13 @@ from kvbench.compress.generate import _forward
 class Snapshot:
     """The per-request state of every layer of ``cache`` (deep copies of their attributes), restorable in place.
 
-    Not copied (shared with the live layers, they are no per-request state): the model's modules
-    (``torch.nn.Module``: a codec, a key norm), presses and selectors (and the objects bound methods such as
-    ``after_commit`` are bound to), the layers' :class:`~kvbench.compress.cache.LayerContext` and RoPE table,
-    the cache itself and the layers themselves (a layer that refers to another keeps referring to the live one).
+    Not copied (shared with the live layers, they are no per-request state), when a layer holds them as attributes
+    (one level: what the stores of :mod:`kvbench.compress` hold): the model's modules (``torch.nn.Module``: a codec,
+    a key norm), presses and selectors (and the objects bound methods such as ``after_commit`` are bound to), the
+    layers' :class:`~kvbench.compress.cache.LayerContext` and RoPE table; nor, wherever they are referred to, the
+    cache itself and the layers themselves (a layer that refers to another keeps referring to the live one). A new
+    store that nests such an object deeper gets it copied (correct, only slower); the registry-driven test in
+    tests/test_multiquery.py checks the result for every press.
     Restoring assigns fresh copies of the saved attributes to the same layer objects, so hooks registered by
     :meth:`~kvbench.compress.cache.StoreLayer.attach` (closures over the layer) stay valid.
     """
