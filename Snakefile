@@ -47,6 +47,7 @@ wildcard_constraints:
 
 include: "workflow/rules/tokenizer.smk"
 include: "workflow/rules/data.smk"
+include: "workflow/rules/scbench.smk"
 include: "workflow/rules/models.smk"
 include: "workflow/rules/eval.smk"
 include: "workflow/rules/report.smk"

@@ -59,6 +59,11 @@ NOT_DEFAULTED = {
     "residualkv.tableVII": ("smoke", ["results/residualkv/tableVII.csv"], "residualkv.tableVII is not set"),
     "residualkv.tableVIII": ("smoke", ["results/residualkv/tableVIII.csv"], "residualkv.tableVIII is not set"),
     "residualkv.stride_sweep": ("smoke", ["residualkv"], "residualkv.stride_sweep is not set"),
+    "residualkv.tableIV": ("smoke", ["results/residualkv/tableIV.csv"], "residualkv.tableIV is not set"),
+    # absent: Table IV's columns are `tasks` (single-query records answered the same way, one query each)
+    "residualkv.target_tasks": ("smoke", ["residualkv"], None),
+    # absent: the file is read as kvbench records (no conversion)
+    "datasets.*.scbench": ("paper", ["all"], None),
     "residualkv.stride_sweep.stride": ("smoke", ["residualkv"], None),
     # codec-training recipe keys without defaults, so that older recipes keep their hashes (issue #16 item 1)
     **{f"residualkv.train.{k}": ("smoke", ["residualkv"], None) for k in ("dtype", "batch", "data_files", "text_field")},

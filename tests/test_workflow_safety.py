@@ -27,6 +27,7 @@ LM_CKPT = "checkpoints/lm $(touch pwned)"
 VLM_CKPT = "checkpoints/vlm `touch pwned`"
 DOC_JSONL = "benchmarks/doc;touch pwned.jsonl"
 TEXT_JSONL = "benchmarks/text $(touch pwned).jsonl"
+SCB_JSONL = "benchmarks/scbench/kv 'touch pwned'.jsonl"   # one of SCBench's own files (rule scbench_convert)
 COMPRESSOR = "compressors/their `touch pwned` dir"
 # The zoo LM's KV shape (8 layers, 2 KV heads of 32): the ResidualKV plan checks the smoke codecs against it.
 LM_SHAPE = {"num_hidden_layers": 8, "hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2}
@@ -40,7 +41,7 @@ def _hostile_config(tmp_path: Path) -> tuple[dict, Path]:
     for ckpt, shape in ((LM_CKPT, LM_SHAPE), (VLM_CKPT, {})):
         (root / ckpt).mkdir(parents=True)
         (root / ckpt / "config.json").write_text(json.dumps(shape))
-    for split in (DOC_JSONL, TEXT_JSONL):
+    for split in (DOC_JSONL, TEXT_JSONL, SCB_JSONL):
         (root / split).parent.mkdir(parents=True, exist_ok=True)
         (root / split).write_text("{}\n")
     cfg = load(CONFIG)
@@ -48,14 +49,15 @@ def _hostile_config(tmp_path: Path) -> tuple[dict, Path]:
     cfg["models"].update({"ckpt-lm": {"kind": "lm", "checkpoint": LM_CKPT},
                           "ckpt-vlm": {"kind": "vlm", "checkpoint": VLM_CKPT}})
     cfg["datasets"].update({"doc-jsonl": {"kind": "vlm", "jsonl": DOC_JSONL},
-                            "text-jsonl": {"kind": "text", "jsonl": TEXT_JSONL}})
+                            "text-jsonl": {"kind": "text", "jsonl": TEXT_JSONL},
+                            "scb-jsonl": {"kind": "text", "jsonl": SCB_JSONL, "scbench": "scbench_kv"}})
     cfg["eval"]["matrix"] = {"tiny-qwen2-lm": ["niah_1k"], "tiny-qwen2.5-vl": ["docpages"],
                              "ckpt-lm": ["text-jsonl"], "ckpt-vlm": ["doc-jsonl"]}
     cfg["conduit"].update(models=["ckpt-vlm"], regimes={}, multi_image={"K8": {"dataset": "doc-jsonl"}},
                           single_image={"K1": {"dataset": "doc-jsonl"}})
     cfg["conduit_diagnostics"]["datasets"] = {"doc-jsonl": "page", "docpages": "grid"}   # Table 13 needs two types
     cfg["conduit_latency"]["model"] = "ckpt-vlm"
-    cfg["residualkv"].update(model="ckpt-lm", tasks=["text-jsonl"])
+    cfg["residualkv"].update(model="ckpt-lm", tasks=["text-jsonl"], target_tasks={"tableIV": ["scb-jsonl"]})
     cfg["residualkv"]["fig8"].update(model=str(root / LM_CKPT), codec_dir=str(root / "codec dir;touch pwned"))
     # the main codec imported from an authors' compressor under a hostile name (rule rkv_codec_import); the
     # variants still train (rkv_codec)
@@ -108,7 +110,7 @@ def test_hostile_paths_stay_one_argument_in_every_rule(tmp_path):
             assert ";" not in argv and "#" not in argv, cmd
     # the hostile paths really went through the rules that read them
     assert {"eval", "conduit_cache", "table", "rkv_codec", "conduit_latency", "rkv_throughput",
-            "rkv_codec_import"} <= carrying
+            "rkv_codec_import", "scbench_convert"} <= carrying
     # and running each rule's command (kvbench and cp stubbed) runs nothing else
     scratch = tmp_path / "scratch"
     scratch.mkdir()

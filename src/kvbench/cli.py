@@ -56,6 +56,12 @@ def _data(a: argparse.Namespace) -> None:
     print(json.dumps(meta, indent=2, default=str))
 
 
+def _scbench_convert(a: argparse.Namespace) -> None:
+    from kvbench.data.scbench import convert
+
+    print(json.dumps(convert(a.task, a.src, a.out), indent=2))
+
+
 def _json_object(text: str, flag: str) -> dict:
     """``text`` parsed as a JSON object (empty text: ``{}``); ValueError naming ``flag`` otherwise."""
     try:
@@ -419,6 +425,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--n-train", type=int, default=256)
     s.add_argument("--n-test", type=int, default=200)
     s.set_defaults(func=_data)
+
+    s = sub.add_parser("scbench-convert", help="one of SCBench's task files -> multi-query records (ResidualKV "
+                       "Table IV on the paper profile; kvbench.data.scbench)")
+    s.add_argument("--task", required=True, help="SCBench task, e.g. scbench_kv, scbench_qa_eng")
+    s.add_argument("--src", required=True, help="SCBench's JSONL of that task (data/<task>.jsonl)")
+    s.add_argument("--out", required=True, help="output JSONL")
+    s.set_defaults(func=_scbench_convert)
 
     s = sub.add_parser("train", help="train one tiny zoo model on the CPU (resumable)")
     s.add_argument("--model", required=True, help="zoo model name, e.g. tiny-qwen2-lm or tiny-qwen2.5-vl")

@@ -18,6 +18,7 @@ MODELS = config["models"]
 DATASETS = config["datasets"]
 ZOO_MODELS = [m for m, spec in MODELS.items() if "zoo" in spec]
 SMOKE_DATASETS = [d for d, spec in DATASETS.items() if "smoke" in spec]
+SCBENCH_DATASETS = [d for d, spec in DATASETS.items() if "scbench" in spec]   # SCBench's own files (scbench.smk)
 
 
 def _check_matrix():
@@ -157,10 +158,17 @@ def model_dir(model):
 
 
 def split_file(task):
-    """Evaluated JSONL split of a dataset."""
+    """Evaluated JSONL split of a dataset (an SCBench file: its conversion, scbench.smk)."""
     if "smoke" in DATASETS[task]:
         return f"data/{PROFILE}/{task}-{DATA_HASHES[task]}/test.jsonl"
+    if "scbench" in DATASETS[task]:
+        return scbench_split(task)
     return local_path(DATASETS[task]["jsonl"])
+
+
+def scbench_split(task):
+    """The conversion of SCBench's own file of dataset ``task`` (`scbench:`; rule scbench_convert)."""
+    return f"data/{PROFILE}/{task}-scbench/test.jsonl"
 
 
 def train_dir(model):
@@ -242,7 +250,7 @@ def residualkv_table_numerals():
     """Roman numerals of the ResidualKV tables (`results/table<ROMAN>.csv` short names)."""
     from kvbench.report.tables import TABLES
 
-    return [t.key.removeprefix("table") for t in TABLES.values() if t.name.startswith("residualkv/")]
+    return [t.key.removeprefix("table") for t in TABLES.values() if t.paper == "ResidualKV"]
 CONDUIT_FIGURES = ["3", "4"]
 RESIDUALKV_AMBIGUOUS_FIGURES = ["3"]  # built, but only under its canonical name (rkv_observations.smk)
 
@@ -382,6 +390,10 @@ def _rkv_plan():
     for task in section["tasks"]:
         if task not in DATASETS:
             raise ValueError(f"config residualkv.tasks: {task!r} is not defined under `datasets`")
+    for target, tasks in (section.get("target_tasks") or {}).items():
+        for task in tasks:
+            if task not in DATASETS:
+                raise ValueError(f"config residualkv.target_tasks.{target}: {task!r} is not defined under `datasets`")
     try:
         shape = known_model_shape(section["model"], MODELS[section["model"]],
                                   None if is_zoo(section["model"]) else model_dir(section["model"]))

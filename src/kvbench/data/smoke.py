@@ -21,7 +21,7 @@ from typing import Any
 
 from PIL import Image
 
-from kvbench.data import digitgrid, docpages, lcc, longctx
+from kvbench.data import digitgrid, docpages, lcc, longctx, shared_context
 from kvbench.utils import io
 
 
@@ -41,6 +41,10 @@ FAMILIES: dict[str, Family] = {
     "kv": Family(longctx.sample_kv, "text", "kvbench.data.longctx"),
     "vt": Family(longctx.sample_vt, "text", "kvbench.data.longctx"),
     "lcc": Family(lcc.sample, "text", "kvbench.data.lcc"),
+    # several queries about one context (multi_turns), ResidualKV Table IV; evaluation only, never trained on
+    "kv_mq": Family(shared_context.sample_kv_mq, "text", "kvbench.data.shared_context"),
+    "niah_mq": Family(shared_context.sample_niah_mq, "text", "kvbench.data.shared_context"),
+    "vt_mq": Family(shared_context.sample_vt_mq, "text", "kvbench.data.shared_context"),
 }
 
 
@@ -59,6 +63,8 @@ def _tasks() -> dict[str, TaskSpec]:
         for k in (1, 2, 4):
             tasks[f"{fam}_{k}k"] = TaskSpec(fam, "text", {"length_tokens": 1024 * k})
     tasks["lcc"] = TaskSpec("lcc", "text", {"length_tokens": 1000})
+    for fam, n in (("kv", 4), ("niah", 4), ("vt", 3)):  # the 1k retrieval tasks, several queries per context
+        tasks[f"{fam}_1k_mq"] = TaskSpec(f"{fam}_mq", "text", {"length_tokens": 1024, "n_queries": n})
     return tasks
 
 

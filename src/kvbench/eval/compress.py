@@ -29,9 +29,11 @@ import torch
 
 from kvbench.compress import accounting
 from kvbench.compress.generate import greedy_generate, split_prompt
+from kvbench.compress.multiquery import answer_queries
 from kvbench.compress.registry import PRESS
 from kvbench.compress.residualkv.codec import CODEC_FILE, CONFIG_FILE
 from kvbench.eval.methods import EvalMethod, FatalRunError, eos_ids
+from kvbench.eval.multiquery import TURNS, is_multi, turn_budgets
 from kvbench.utils.spec import parse
 
 
@@ -51,6 +53,7 @@ class CompressMethod(EvalMethod):
     """
 
     name: ClassVar[str] = "compress"
+    multi_query: ClassVar[bool] = True
     spec: str = "full"
     codec_dir: str = ""
     audit_requests: int = 4
@@ -67,6 +70,7 @@ class CompressMethod(EvalMethod):
         self._audit: dict | None = None
         self._n = 0
         self._fits = False
+        self._multi = False   # the split holds multi-query records (check_records)
 
     def press(self) -> Any:
         """The press instance (built once; a ResidualKV press loads and checks its codec here).
@@ -93,7 +97,12 @@ class CompressMethod(EvalMethod):
         two = press.protocol == "shared_context" or press.context_pass
         prefill = ("two chunks: the context (then compressed), then the question reading the compressed cache"
                    if two else "one chunk: context + question (exact); decoding reads the compressed cache")
-        return {**super().protocol(), "press_protocol": press.protocol, "prefill": prefill}
+        out = {**super().protocol(), "press_protocol": press.protocol, "prefill": prefill}
+        if self._multi:  # only for such splits, so the recorded protocol of single-query runs is unchanged
+            out["queries"] = ("multi-query records (multi_turns): the context prefilled once as its own chunk, then "
+                              "each query from the post-context cache, restored per query (SCBench multi-request / "
+                              "SCDQ mode, kvbench.compress.multiquery)")
+        return out
 
     def input_files(self) -> list[Path]:
         """The trained codec's two files (``codec.json``, ``codec.safetensors``) when the press takes one."""
@@ -106,13 +115,14 @@ class CompressMethod(EvalMethod):
             if r.get("kind") != "text" or not isinstance(r.get("context"), str):
                 raise ValueError(f"record {r.get('id')!r}: compression methods run on text records with a "
                                  f"'context' field (kind {r.get('kind')!r})")
+        self._multi = any(is_multi(r) for r in records)
         self.press()
 
     def start(self, index: int) -> None:
         # the run's record index, not a count of this process's calls: a resumed run audits the same records
         self._n = index
 
-    def predict(self, model: Any, proc: Any, record: dict, base_dir: str | Path | None) -> str:
+    def predict(self, model: Any, proc: Any, record: dict, base_dir: str | Path | None) -> str | list[str]:
         tok = getattr(proc, "tokenizer", proc)
         if not self._fits:
             try:  # a press that cannot serve this model (layers out of range, a codec of another shape) stops the run
@@ -120,6 +130,8 @@ class CompressMethod(EvalMethod):
             except ValueError as e:
                 raise FatalRunError(f"method {self.spec!r} does not fit the model: {e}") from e
             self._fits = True
+        if is_multi(record):
+            return self._predict_queries(model, proc, tok, record)
         ids, split = split_prompt(tok, record)
         split = self.press().first_chunk(ids.shape[1], split)
         new, cache = greedy_generate(model, self.press(), ids, split, int(record["max_new_tokens"]), eos_ids(model, proc))
@@ -127,6 +139,28 @@ class CompressMethod(EvalMethod):
                                       n_context=split if 0 < split else ids.shape[1])
         self._n += 1
         return self.decode(proc, record, torch.tensor(new))
+
+    def _predict_queries(self, model: Any, proc: Any, tok: Any, record: dict) -> list[str]:
+        """A multi-query record (:mod:`kvbench.eval.multiquery`): the context prefilled once as its own chunk
+        (compressed by the press), then each query answered from the post-context cache (SCBench's multi-request
+        mode: :func:`kvbench.compress.multiquery.answer_queries`), whatever the press's ``protocol`` (a one-pass
+        prompt would recompute the context per query). Audit: the record's means over queries of KR, kept share,
+        tokens and CR (each query's over its own chunk and decode steps), the last query's bytes by layer, and
+        ``queries``: each query's own values."""
+        context, queries = query_ids(tok, record)
+        n_ctx = context.shape[1]
+        per_query: list[dict] = []
+        answers, _ = answer_queries(model, self.press(), context, queries, turn_budgets(record), eos_ids(model, proc),
+                                    audit=lambda cache: self._audit_row(model, cache, n_ctx, n_context=n_ctx))
+        for a in answers:
+            row = dict(a.audit, cr=_compute_ratio(a.attended, n_ctx + a.n_query))
+            per_query.append(row)
+        keys = ("n_tokens", "kr_packed", "kr_resident", "kept", "cr")
+        mean = {k: _mean_or_none([q[k] for q in per_query]) for k in keys}
+        self._audit = {**per_query[-1], **mean, "n_context": n_ctx,
+                       "queries": [{k: q[k] for k in (*keys, "kept_target")} for q in per_query]}
+        self._n += 1
+        return [self.decode(proc, record, torch.tensor(a.new_ids)) for a in answers]
 
     def _audit_row(self, model: Any, cache: Any, n_prompt: int, question_chunk: bool = True,
                    n_context: int | None = None) -> dict:
@@ -155,6 +189,40 @@ class CompressMethod(EvalMethod):
 
     def audit(self) -> dict | None:
         return self._audit
+
+
+def query_ids(tok: Any, record: dict) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Token ids of a multi-query record: the context ``[1, n_context]`` and each query ``[1, n_q]``.
+
+    Each ``context + query`` is tokenised together and split where the query starts (:func:`split_prompt`: a
+    token straddling the boundary belongs to the context), as a single-query record is, so every query meets the
+    tokens the model was trained and evaluated on.
+
+    Raises:
+        ValueError: the split differs between queries (a query whose first characters merge with the context's
+            last token otherwise than the others' do, so no one context chunk serves them all), or a query with
+            no token of its own; naming the record and the query.
+    """
+    context, queries = None, []
+    for i, turn in enumerate(record[TURNS]):
+        ids, split = split_prompt(tok, {"id": record.get("id"), "context": record["context"], "question": turn["input"]})
+        if context is None:
+            context = ids[:, :split]
+        elif not torch.equal(ids[:, :split], context):
+            raise ValueError(f"record {record.get('id')!r}: query {i} changes the context's tokens at the boundary "
+                             f"({ids.shape[1] - split} query tokens, context {split} vs {context.shape[1]} tokens); "
+                             "the queries cannot share one context chunk (start every query with the same separator)")
+        if split >= ids.shape[1]:
+            raise ValueError(f"record {record.get('id')!r}: query {i} ({turn['input']!r}) has no token after the context")
+        queries.append(ids[:, split:])
+    if context.shape[1] == 0:
+        raise ValueError(f"record {record.get('id')!r}: empty context (a multi-query record shares its context)")
+    return context, queries
+
+
+def _mean_or_none(xs: list) -> float | None:
+    xs = [x for x in xs if x is not None]
+    return sum(xs) / len(xs) if xs else None
 
 
 def _compute_ratio(attended: list[list[int]], first_visible: int) -> float | None:

@@ -24,6 +24,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from kvbench.eval.multiquery import TURNS
 from kvbench.models.prompting import encode_record
 
 #: Decoding of every method (:meth:`EvalMethod.greedy_kwargs`), as ``config.yaml`` records it.
@@ -49,6 +50,9 @@ class EvalMethod(abc.ABC):
     """
 
     name: ClassVar[str] = ""
+    #: The method answers multi-query records (``multi_turns``, :mod:`kvbench.eval.multiquery`): its
+    #: :meth:`predict` then returns one string per query. Methods without it are refused such splits.
+    multi_query: ClassVar[bool] = False
 
     @abc.abstractmethod
     def predict(self, model: Any, proc: Any, record: dict, base_dir: str | Path | None) -> str:
@@ -149,12 +153,26 @@ class FullCache(EvalMethod):
     """
 
     name: ClassVar[str] = "full"
+    multi_query: ClassVar[bool] = True
 
     @torch.inference_mode()
-    def predict(self, model: Any, proc: Any, record: dict, base_dir: str | Path | None) -> str:
+    def predict(self, model: Any, proc: Any, record: dict, base_dir: str | Path | None) -> str | list[str]:
+        if TURNS in record:
+            # each query an independent request over context + query, prefilled in one pass (SCBench's SCDQ runs
+            # of full attention under vLLM: generate(context ids + query ids) per query); the context is
+            # recomputed per query: the full-cache reference, not a shared-context method
+            return [self.predict(model, proc, one, base_dir) for one in single_queries(record)]
         inputs, prompt_len = self.encode(model, proc, record, base_dir)
         out = model.generate(**inputs, **self.greedy_kwargs(model, proc, record["max_new_tokens"]))
         return self.decode(proc, record, out[0, prompt_len:])
+
+
+def single_queries(record: dict) -> list[dict]:
+    """The queries of a multi-query record as single-query records on its context (each turn's ``input`` the
+    ``question``, its ``answer``, metric and budget the record's fields)."""
+    base = {k: v for k, v in record.items() if k != TURNS}
+    return [{**base, "question": t["input"], "answer": t["answer"], "metric": t.get("metric", record["metric"]),
+             "max_new_tokens": int(t.get("max_new_tokens", record["max_new_tokens"]))} for t in record[TURNS]]
 
 
 def eos_ids(model: Any, proc: Any) -> set[int]:

@@ -9,12 +9,15 @@
 - :func:`aggregate`: mean score with a 95% confidence interval (Wilson for
   binary scores, normal approximation otherwise) and mean chance level.
 
-Every metric maps ``(prediction: str, gold: str) -> float`` in ``[0, 1]``.
+Every metric maps ``(prediction: str, gold: str) -> float`` in ``[0, 1]``; SCBench's scorers
+(:mod:`kvbench.eval.scbench_metrics`, ``scb_*``) also take a list of golds.
 """
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
+
+from kvbench.eval.scbench_metrics import SCBENCH_METRICS
 
 #: z quantile of a two-sided 95% interval.
 Z95 = 1.959963984540054
@@ -69,6 +72,7 @@ def edit_sim(pred: str, gold: str) -> float:
 METRICS: dict[str, Callable[[str, str], float]] = {
     "exact_match": exact_match,
     "edit_sim": edit_sim,
+    **SCBENCH_METRICS,   # SCBench's scorers (ResidualKV Table IV); golds may be lists there
 }
 
 

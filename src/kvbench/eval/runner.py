@@ -6,7 +6,9 @@
 - ``predictions.jsonl``: one row per sample: ``id``, ``prediction``, ``gold``,
   ``score`` (float in [0, 1]), ``chance``, ``metric``, ``status`` (``"ok"`` or
   ``"error"``), ``error`` (message or ``None``) and, for refresh and compression
-  methods, ``plan``. No wall-clock value: two runs give the same bytes.
+  methods, ``plan``. A multi-query record (``multi_turns``, :mod:`kvbench.eval.multiquery`) has lists of
+  predictions and golds, per-query ``scores`` and their mean as ``score``. No wall-clock value: two runs give
+  the same bytes.
 - ``metrics.json``: :func:`kvbench.eval.metrics.aggregate` plus ``task``,
   ``method``, ``model``, ``metric``, ``split`` (no wall-clock value either).
 - ``timing.csv``: ``id, latency_ms`` (wall time of ``predict``, ms), one line per
@@ -43,6 +45,7 @@ import torch
 
 from kvbench.eval.methods import FatalRunError
 from kvbench.eval.metrics import METRICS, aggregate
+from kvbench.eval.multiquery import TURNS, check_turns, is_multi, score_turns
 from kvbench.eval.registry import get_method
 from kvbench.eval.resume import RunLog
 from kvbench.eval.runconfig import (
@@ -83,8 +86,9 @@ def validate_records(records: list[dict], path: str | os.PathLike = "") -> None:
     for i, r in enumerate(records, 1):
         rid = r.get("id", f"<line {i}>")
         where = f"{path}: record {rid!r}"
+        multi = is_multi(r)  # queries in multi_turns instead of question/answer (kvbench.eval.multiquery)
         for f in REQUIRED_FIELDS:
-            if f not in r:
+            if f not in r and not (multi and f in ("question", "answer")):
                 raise ValueError(f"{where}: missing required field {f!r}")
         if r["kind"] not in KIND_FIELDS:
             raise ValueError(f"{where}: field 'kind' must be one of {sorted(KIND_FIELDS)}, got {r['kind']!r}")
@@ -99,6 +103,8 @@ def validate_records(records: list[dict], path: str | os.PathLike = "") -> None:
         if isinstance(c, bool) or not isinstance(c, int | float) or not 0 <= c <= 1:  # NaN fails the range too
             raise ValueError(f"{where}: field 'chance' must be a number in [0, 1] (the record's chance-level "
                              f"score), got {c!r}")
+        if multi:
+            check_turns(r, where, METRICS)
         if rid in seen:
             raise ValueError(f"{where}: duplicate record id {rid!r} (ids must be unique in a split)")
         seen.add(rid)
@@ -252,6 +258,11 @@ def run_eval(
     if not records:
         raise ValueError(f"{split_path}: no records to evaluate (limit={limit})")
     validate_records(records, split_path)
+    multi = next((r for r in records if is_multi(r)), None)
+    if multi is not None and not evaluator.multi_query:
+        raise ValueError(f"{split_path}: record {multi['id']!r} holds several queries ({TURNS}), and method {method!r} "
+                         "answers one query per record; run a compression press (its shared-context protocol "
+                         "answers each query from the compressed context: kvbench.compress.multiquery)")
     evaluator.check_records(records)
     method_cfg = evaluator.config()
     protocol = {**evaluator.protocol(), "record_seeds": RECORD_SEEDS}
@@ -286,7 +297,11 @@ def run_eval(
         ts = time.perf_counter()
         try:
             pred = evaluator.predict(model, proc, r, split_path.parent)
-            score, status, err = float(METRICS[r["metric"]](pred, r["answer"])), "ok", None
+            if is_multi(r):  # one prediction per query; the record's score is their mean
+                scores = score_turns(r, pred, METRICS)
+                score, status, err = sum(scores) / len(scores), "ok", None
+            else:
+                score, status, err = float(METRICS[r["metric"]](pred, r["answer"])), "ok", None
         except FatalRunError:
             raise
         except Exception as e:  # noqa: BLE001 - one bad sample must not kill the run
@@ -294,8 +309,11 @@ def run_eval(
             pred, score, status, err = None, 0.0, "error", f"{type(e).__name__}: {e}"
             print(f"[kvbench eval] sample {r['id']!r} failed:\n{traceback.format_exc()}", file=sys.stderr)
         latency_ms = (time.perf_counter() - ts) * 1e3
-        row = {"id": r["id"], "prediction": pred, "gold": r["answer"], "score": score, "chance": r["chance"],
+        gold = [t["answer"] for t in r[TURNS]] if is_multi(r) else r["answer"]
+        row = {"id": r["id"], "prediction": pred, "gold": gold, "score": score, "chance": r["chance"],
                "metric": r["metric"], "status": status, "error": err}
+        if is_multi(r):
+            row["scores"] = scores if status == "ok" else None
         if status == "ok" and (audit := evaluator.audit()) is not None:
             row["plan"] = audit  # refresh runs: the executed plan (kvbench.eval.audit)
         log.append(row, latency_ms)

@@ -110,12 +110,13 @@ def score_table(plan: RKVPlan, target: str, root: str | Path = ".", shape: tuple
     pct = lambda x: None if math.isnan(x) else round(100 * x, 1)  # noqa: E731
     for row in plan.rows(target):
         cells, notes = {"method": row.label, "spec": row.spec}, []
-        runs = [run_summary(Path(root) / plan.run_dir(task, row.spec)) for task in plan.tasks]
-        for task, s in zip(plan.tasks, runs):
+        tasks = plan.target_tasks(target)
+        runs = [run_summary(Path(root) / plan.run_dir(task, row.spec)) for task in tasks]
+        for task, s in zip(tasks, runs):
             cells[task] = round(s["score"], 2)
             if s["errors"]:
                 notes.append(f"{task}: {s['errors']}/{s['n']} samples failed (scored 0)")
-        cells["avg"] = round(_mean([cells[t] for t in plan.tasks]), 2)
+        cells["avg"] = round(_mean([cells[t] for t in tasks]), 2)
         cells["KR_packed %"] = pct(_mean([s["kr_packed"] for s in runs]))
         resident = [s["kr_resident"] for s in runs]
         cells["KR_resident %"] = None if any(math.isnan(x) for x in resident) else pct(_mean(resident))

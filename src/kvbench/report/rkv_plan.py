@@ -525,9 +525,14 @@ class RKVPlan:
         """``results/runs/<profile>/<model>/<task>/residualkv/<slug>``."""
         return self.run(task, spec).path(self.profile)
 
+    def target_tasks(self, target: str | None) -> list[str]:
+        """The task columns of ``target``: the section's ``target_tasks.<target>`` (Table IV's multi-query tasks),
+        else ``tasks``."""
+        return list((self.s.get("target_tasks") or {}).get(target) or self.tasks)
+
     def runs(self, target: str) -> list[tuple[str, str]]:
         """``(task, spec)`` of every run ``target`` reads."""
-        return [(t, r.spec) for r in self.rows(target) for t in self.tasks]
+        return [(t, r.spec) for r in self.rows(target) for t in self.target_tasks(target)]
 
     def run_slugs(self) -> dict[str, str]:
         """``{slug: canonical spec}`` over every target.
@@ -547,9 +552,10 @@ class RKVPlan:
     def header(self, title: str, target: str | None = None) -> list[str]:
         """The CSV header lines of a table or figure: what was run, and that it is not the paper's numbers;
         with ``target``, the protocol its rows ran under (:meth:`protocols`)."""
-        what = (f"model {self.model} (tiny zoo LM trained here, not the paper's models); tasks {', '.join(self.tasks)} "
+        tasks = ", ".join(self.target_tasks(target))
+        what = (f"model {self.model} (tiny zoo LM trained here, not the paper's models); tasks {tasks} "
                 "(RULER/SCBench/LongBench-style smoke tasks in place of LongBench)" if self.zoo else
-                f"model {self.model} (local checkpoint); tasks {', '.join(self.tasks)} (local benchmark files)")
+                f"model {self.model} (local checkpoint); tasks {tasks} (local benchmark files)")
         return [f"# kvbench ResidualKV {title}, profile {self.profile!r}: {what}; "
                 + ("not the paper's numbers" if self.zoo else "computed by this pipeline, not copied from the paper"),
                ] + ([f"# protocol: {'; '.join(PROTOCOL_NOTES[p] for p in self.protocols(target))} "
