@@ -47,7 +47,7 @@ def _check_names():
 
     # refresh policies serve VLM records with cached images, presses serve text records: a method of the eval
     # matrix that cannot serve one of its datasets would fail only at run time, after the models had trained
-    serves = {"refresh": "vlm", "press": "text"}
+    serves = {"refresh": "vlm"}  # presses serve both (VLM records: kvbench.compress.generate_vlm)
     for method in config["eval"]["methods"]:
         try:
             check_method_spec(method)  # a registry name (full), a refresh spec (reuse) or a press
@@ -240,9 +240,9 @@ AMBIGUOUS_FIGURES = ["3", "4"]
 
 def residualkv_table_numerals():
     """Roman numerals of the ResidualKV tables (`results/table<ROMAN>.csv` short names)."""
-    from kvbench.report.residualkv import TABLES
+    from kvbench.report.tables import TABLES
 
-    return [t.key.removeprefix("table") for t in TABLES.values()]
+    return [t.key.removeprefix("table") for t in TABLES.values() if t.name.startswith("residualkv/")]
 CONDUIT_FIGURES = ["3", "4"]
 
 
@@ -391,6 +391,30 @@ RKV_CODECS = RKV.codec_names("trained") if RKV else {}  # "<variant>-<recipe has
 RKV_IMPORTS = RKV.codec_names("imported") if RKV else {}  # "main-import-<hash>" -> variant (rkv_codec_import)
 
 
+def _mm_plan():
+    """ResidualKV Table II's plan (:class:`kvbench.report.rkv_multimodal.MMPlan`), None without `residualkv.tableII`."""
+    from kvbench.report.rkv_multimodal import MMPlan
+
+    section = config.get("residualkv", {}).get("tableII")
+    if not section:
+        return None
+    for m in section["models"]:
+        if m not in MODELS or MODELS[m]["kind"] != "vlm":
+            raise ValueError(f"config residualkv.tableII.models: {m!r} must be a `vlm` model defined under `models`")
+    for t in section["tasks"]:
+        if t not in DATASETS or DATASETS[t]["kind"] != "vlm":
+            raise ValueError(f"config residualkv.tableII.tasks: {t!r} must be a `vlm` dataset defined under `datasets`")
+    return MMPlan(section, PROFILE, {m: is_zoo(m) for m in section["models"]})
+
+
+MM = _mm_plan()
+
+
+def mm_report_spec():
+    """The JSON Table II's writer reads (:meth:`kvbench.report.rkv_multimodal.MMPlan.from_spec`)."""
+    return json.dumps({"profile": PROFILE, "tableII": config["residualkv"]["tableII"], "zoo": MM.zoo}, sort_keys=True)
+
+
 def rkv_plan():
     if RKV is None:
         raise ValueError("this config has no `residualkv:` section, so it has no ResidualKV targets "
@@ -460,6 +484,9 @@ def _runs():
             for m, d, s in CONDUIT.runs(target):
                 run = CONDUIT.run(m, d, s)
                 runs[(m, d, run.name)] = run
+    if MM:
+        for run in MM.runs():
+            runs[(run.model, run.dataset, run.name)] = run
     if RKV:
         for target in RKV.targets():
             for task, s in RKV.runs(target):
@@ -479,15 +506,20 @@ def run_of(wc):
 
 #: Per run group: the config section's threads and record limit (`eval`, `conduit`, `residualkv`).
 def run_threads(wc):
-    section = {"eval": config["eval"], "conduit": config.get("conduit", {}), "residualkv": config.get("residualkv", {})}
+    section = {"eval": config["eval"], "conduit": config.get("conduit", {}), "residualkv": config.get("residualkv", {}),
+               "residualkv_mm": config.get("residualkv", {}).get("tableII", {})}
     return section[run_of(wc).group].get("threads", 1)
 
 
 def run_limit(wc):
     """`--limit N` arguments (none: every record), each quoted in the command (`{params.limit:q}`)."""
     key = {"eval": ("eval", "limit"), "conduit": ("conduit", "n_test"), "residualkv": ("residualkv", "n_test")}
-    section, name = key[run_of(wc).group]
-    n = config.get(section, {}).get(name)
+    group = run_of(wc).group
+    if group == "residualkv_mm":
+        n = MM.n_test
+    else:
+        section, name = key[group]
+        n = config.get(section, {}).get(name)
     return [] if n is None else ["--limit", str(n)]
 
 
@@ -542,7 +574,9 @@ def configured_tables():
     for t in TABLES.values():
         if t.section not in config:
             continue
-        if t.section == "residualkv" and not RKV.configured(t.key):
+        if t.name == "residualkv/tableII" and not MM:
+            continue
+        if t.section == "residualkv" and t.name != "residualkv/tableII" and not RKV.configured(t.key):
             continue
         names.append(t.name)
     return names
@@ -603,6 +637,11 @@ def table_inputs(wc):
                          f"{table.path} (config/config.yaml shows one)")
     if table.section == "conduit":
         return conduit_run_inputs(table.key)(wc)
+    if table.name == "residualkv/tableII":
+        if not MM:
+            raise ValueError("this config has no `residualkv.tableII:` mapping, so it has no ResidualKV Table II "
+                             "(config/config.yaml shows one)")
+        return [f"{run.path(PROFILE)}/predictions.jsonl" for run in MM.runs()]
     if table.section == "residualkv":
         return rkv_run_inputs(table.key)(wc)
     if table.section == "conduit_diagnostics":
@@ -620,6 +659,8 @@ def table_spec(wc):
     table = table_of(wc.table)
     if table.section == "conduit":
         return conduit_report_spec(table.key)
+    if table.name == "residualkv/tableII":
+        return mm_report_spec()
     if table.section == "residualkv":
         return rkv_report_spec()
     if table.section == "conduit_diagnostics":

@@ -1,0 +1,96 @@
+"""ResidualKV Table II (kvbench.report.rkv_multimodal): plan, writer, and the target in smoke and paper dry runs."""
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+import pytest
+import yaml
+from test_workflow import CONFIG, PAPER_CONFIG, _fake_paper_root, planned_jobs, snakemake
+
+from kvbench.report.rkv_multimodal import MMPlan
+from kvbench.report.tables import TABLES
+from kvbench.utils.io import write_jsonl
+
+SECTION = {"models": ["tiny-qwen2.5-vl"], "tasks": ["docpages", "digitgrid"], "n_test": 2,
+           "rows": [{"label": "Full cache", "method": "fullkv"}, {"label": "SnapKV", "method": "snapkv:keep=0.1"}]}
+
+
+def test_plan_runs_rows_and_protocol():
+    plan = MMPlan(SECTION, "smoke", {"tiny-qwen2.5-vl": True})
+    assert [r.spec for r in plan.rows] == ["fullkv:protocol=shared_context", "snapkv:keep=0.1,protocol=shared_context"]
+    runs = plan.runs()
+    assert len(runs) == 4 and {r.group for r in runs} == {"residualkv_mm"}
+    assert runs[0].path("smoke") == "results/runs/smoke/tiny-qwen2.5-vl/docpages/residualkv/fullkv_protocol-shared_context"
+    own = MMPlan({**SECTION, "rows": [{"label": "F", "method": "fullkv:protocol=one_pass"}]}, "smoke", {})
+    assert own.rows[0].spec == "fullkv:protocol=one_pass"
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"rows": [{"label": "A", "method": "fullkv"}, {"label": "A", "method": "snapkv"}]}, "given twice"),
+    ({"rows": [{"label": "R", "method": "residualkv"}]}, "row 'R'.*codec trained on the VLM"),
+    ({"rows": [{"label": "X", "method": "nosuchpress"}]}, "row 'X'"),
+    ({"tasks": []}, r"misses key\(s\) \['tasks'\]"),
+])
+def test_plan_refuses_bad_sections(change, match):
+    with pytest.raises(ValueError, match=match):
+        MMPlan({**SECTION, **change}, "smoke", {})
+
+
+def _fake_run(root, plan, model, task, spec, scores, kr, cr, kept):
+    d = root / plan.run(model, task, spec).path(plan.profile)
+    d.mkdir(parents=True)
+    write_jsonl(d / "predictions.jsonl", [
+        {"id": str(i), "status": "ok", "score": s,
+         "plan": {"kr_packed": kr, "kr_resident": kr + 0.1, "cr": cr, "kept": kept, "n_tokens": 100}}
+        for i, s in enumerate(scores)])
+
+
+def test_table_ii_cells_and_header(tmp_path):
+    spec = {"profile": "smoke", "tableII": SECTION, "zoo": {"tiny-qwen2.5-vl": True}}
+    plan = MMPlan.from_spec(json.dumps(spec))
+    for task, (full, snap) in {"docpages": ([1, 1], [1, 0]), "digitgrid": ([1, 0], [0, 0])}.items():
+        _fake_run(tmp_path, plan, "tiny-qwen2.5-vl", task, plan.rows[0].spec, full, 1.0, 1.0, 1.0)
+        _fake_run(tmp_path, plan, "tiny-qwen2.5-vl", task, plan.rows[1].spec, snap, 0.3, 0.2, 0.25)
+    out = tmp_path / "results/residualkv/tableII.csv"
+    TABLES["residualkv/tableII"].build(json.dumps(spec), str(out), str(tmp_path))
+    df = pd.read_csv(out, comment="#").set_index("method")
+    assert list(df.columns[:4]) == ["model", "spec", "docpages", "digitgrid"]
+    assert df.loc["Full cache", "docpages"] == 100 and df.loc["Full cache", "avg"] == 75
+    assert df.loc["SnapKV", "avg"] == 25 and df.loc["SnapKV", "KR_packed %"] == 30
+    assert df.loc["SnapKV", "KR_resident %"] == 40 and df.loc["SnapKV", "CR %"] == 20 and df.loc["SnapKV", "kept %"] == 25
+    header = [ln for ln in out.read_text().splitlines() if ln.startswith("#")]
+    text = " ".join(header)
+    assert "tiny zoo VLM" in text and "not the paper's numbers" in text
+    assert "7/36 = 19.4%" in text and "SnapKV: keep=0.1" in text and "Full cache: full cache" in text
+
+
+def test_missing_run_is_named(tmp_path):
+    spec = {"profile": "smoke", "tableII": SECTION, "zoo": {}}
+    with pytest.raises(FileNotFoundError, match="docpages/residualkv/fullkv_protocol-shared_context"):
+        TABLES["residualkv/tableII"].build(spec, str(tmp_path / "t.csv"), str(tmp_path))
+
+
+def test_smoke_target_plans_its_vlm_runs(tmp_path):
+    section = yaml.safe_load(CONFIG.read_text())["residualkv"]["tableII"]
+    r = snakemake(tmp_path, "-n", "-p", "results/tableII.csv")   # the short name resolves to ResidualKV's
+    assert r.returncode == 0, r.stdout[-3000:]
+    assert planned_jobs(r.stdout)["eval"] == len(section["rows"]) * len(section["tasks"]) * len(section["models"])
+    assert "--method snapkv:keep=0.1,protocol=shared_context" in r.stdout
+    assert f"--limit {section['n_test']}" in r.stdout and "tiny-qwen2.5-vl/docpages/residualkv/" in r.stdout
+
+
+def test_paper_target_resolves_on_local_checkpoints(tmp_path):
+    root = tmp_path / "kvbench-data"
+    cfg = _fake_paper_root(root)
+    section = cfg["residualkv"]["tableII"]
+    r = snakemake(tmp_path, "-n", "-p", "results/residualkv/tableII.csv", "--configfile", str(PAPER_CONFIG),
+                  "--config", f"paths={{root: {root}}}")
+    assert r.returncode == 0, r.stdout[-3000:]
+    assert planned_jobs(r.stdout) == {"eval": len(section["rows"]) * len(section["tasks"]) * len(section["models"]),
+                                      "table": 1}
+    for m in section["models"]:
+        assert f"--model {root}/{cfg['models'][m]['checkpoint']} " in r.stdout
+    for t in section["tasks"]:
+        assert f"--split {root}/{cfg['datasets'][t]['jsonl']} " in r.stdout
+    assert "(local checkpoints)" not in r.stdout  # the header is the writer's, not the plan's
