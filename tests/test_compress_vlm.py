@@ -7,17 +7,10 @@ import pytest
 import torch
 from _reuse_fixtures import record, tiny_vlm
 
-from kvbench.compress.cache import Press, StoreLayer
-from kvbench.compress.generate_vlm import (
-    MRopeUnsupported,
-    encode_vlm,
-    greedy_generate_vlm,
-    is_mrope,
-    new_vlm_cache,
-    question_start,
-)
+from kvbench.compress.cache import Press, RopeTable, StoreLayer
+from kvbench.compress.generate_vlm import MRopeTable, encode_vlm, greedy_generate_vlm, is_mrope, question_start
 from kvbench.eval.compress import CompressMethod
-from kvbench.eval.methods import FatalRunError, FullCache, eos_ids
+from kvbench.eval.methods import FullCache, eos_ids
 
 
 @pytest.fixture(scope="module")
@@ -103,29 +96,59 @@ def test_visual_tokens_are_set_before_the_prefill(vlm):
     assert vis.grids == [(int(t), int(h) // merge, int(w) // merge) for t, h, w in inputs["image_grid_thw"].tolist()]
 
 
-def test_a_press_that_rerotates_keys_is_refused_on_mrope(vlm):
-    """ResidualKV/Palu restore keys by 1-D RoPE at sequence positions: wrong under M-RoPE, so the run stops."""
+def test_the_cache_rope_table_is_the_models_3d_rotation(vlm):
+    """ResidualKV/Palu invert RoPE on the keys they are given (LayerContext.unrotate) and rotate restored keys by the
+    cache's table: on M-RoPE that table must give, at every sequence position (image tokens, the text after them,
+    decode steps), the model's own 3-D rotation, so unrotating the stored keys gives k_proj's output. A 1-D table
+    (sequence positions) fails this at the image tokens and everything after them."""
     model, proc = vlm
     assert is_mrope(model)
+    inputs = encode_vlm(model, proc, _records(1)[0], None)
+    raw = []
+    attn = model.model.language_model.layers[0].self_attn
+    handle = attn.k_proj.register_forward_hook(lambda _m, _a, out: raw.append(out[0]))
+    try:
+        _, cache = greedy_generate_vlm(model, Press(), inputs, 0, 3, set())
+    finally:
+        handle.remove()
+    k_pre = torch.cat(raw)                                         # [T + 2, H_kv * D]: prompt, then 2 decode steps
+    layer = cache.layers[0]
+    view = layer.history()
+    assert isinstance(layer.ctx.rope, MRopeTable) and len(view) == k_pre.shape[0]
+    layer.ctx.rope.reach(layer.seen)
+    got = layer.ctx.unrotate(view.keys, view.positions[0, 0])      # [1, H_kv, n, D]
+    torch.testing.assert_close(got[0].transpose(0, 1).reshape(k_pre.shape), k_pre, atol=1e-5, rtol=1e-4)
+    one_d = RopeTable(layer.ctx.rotary_emb, layer.ctx.dtype)
+    one_d.reach(layer.seen)
+    cos, sin = one_d(view.positions[0, 0])
+    wrong = layer.ctx.apply_rope(view.keys[:, :1, :1], view.keys, cos, -sin)[1]
+    assert not torch.allclose(wrong[0].transpose(0, 1).reshape(k_pre.shape), k_pre, atol=1e-3)
 
-    class Rotating(StoreLayer):
-        def commit(self, chunk, query):
-            self.ctx.unrotate(chunk.keys, chunk.positions[0, 0])
-            super().commit(chunk, query)
 
-    class RotatingPress(Press):
-        name = "rotating"
+def test_residualkv_with_an_identity_codec_reproduces_the_full_cache_on_the_vlm(vlm, tmp_path):
+    """A press that stores pre-RoPE codes and restores keys (ResidualKV) runs on the M-RoPE VLM: with an identity
+    codec it answers as the full cache."""
+    from kvbench.compress.residualkv.cache import ResidualKVPress
+    from kvbench.compress.residualkv.codec import ResidualCodec
 
-        def make_layer(self, ctx, cache):
-            return Rotating(ctx, cache)
-
-    cache = new_vlm_cache(RotatingPress(), model)
-    with pytest.raises(MRopeUnsupported, match="M-RoPE"):
-        cache.layers[0].ctx.rope(torch.arange(3))
-    method = CompressMethod(spec="fullkv")
-    method._press = RotatingPress()
-    with pytest.raises(FatalRunError, match="re-rotates keys"):
-        method.predict(model, proc, _records(1)[0], None)
+    model, proc = vlm
+    cfg = model.config.get_text_config()
+    d_kv = 2 * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads)
+    # linear f_c, f_d = identity (d_c = d_kv): restore = (kv - mean_ref) + mean_ref, as tests/test_rkv_cache.py
+    codec = ResidualCodec.for_model(model, d_c=d_kv, d_ff=d_kv, encoder="linear", decoder="linear", bits=16,
+                                    n_sink=2, window=4, stride=5)
+    with torch.no_grad():
+        for p in codec.parameters():
+            p.copy_(torch.eye(*p.shape) if p.dim() == 2 else torch.zeros_like(p))
+    codec_dir = codec.save(tmp_path / "id") or tmp_path / "id"
+    inputs = encode_vlm(model, proc, _records(1)[0], None)
+    split = question_start(proc, _records(1)[0], inputs["input_ids"])
+    press = ResidualKVPress(codec_dir=str(codec_dir), bits=32, ref_fp8=False)
+    press.load()
+    got, cache = greedy_generate_vlm(model, press, inputs, split, 4, set())
+    want, _ = greedy_generate_vlm(model, Press(), inputs, split, 4, set())
+    assert got == want
+    assert len(cache.layers[1].codes.positions()) > 0   # tokens were coded and restored, not kept raw
 
 
 def test_a_context_pass_press_is_refused_on_vlm_records(vlm):

@@ -18,10 +18,10 @@ Visual tokens: before the prefill's first decoder layer runs, :attr:`PressCache.
 forward pre-hook on the text decoder, so the vision tower runs once, inside the model's own forward, with
 everything it adds, e.g. Qwen3-VL's deepstack features).
 
-Presses that re-rotate keys (ResidualKV and Palu restore pre-RoPE keys and rotate them at 1-D sequence positions,
-:class:`~kvbench.compress.cache.LayerContext`) are refused on M-RoPE models: their 1-D rotation is not the model's
-3-D one, so their restored keys would be silently wrong. :func:`new_vlm_cache` installs a RoPE table that raises
-:class:`MRopeUnsupported` on first use; eviction presses store post-RoPE keys and never rotate.
+Presses that re-rotate keys (ResidualKV and Palu invert RoPE on the keys they are given and rotate restored keys
+at their positions, :class:`~kvbench.compress.cache.LayerContext`) read the cache's RoPE table by sequence position;
+on an M-RoPE model :func:`new_vlm_cache` gives them :class:`MRopeTable`, which holds the model's 3-D rotation of each
+sequence position, so their rotations are the model's own. Eviction presses store post-RoPE keys and never rotate.
 """
 from __future__ import annotations
 
@@ -29,11 +29,8 @@ from typing import Any
 
 import torch
 
-from kvbench.compress.cache import Press, PressCache, VisualTokens, press_attention
-
-
-class MRopeUnsupported(ValueError):
-    """A press re-rotated keys on an M-RoPE model (module docstring)."""
+from kvbench.compress.cache import Press, PressCache, RopeTable, VisualTokens, press_attention
+from kvbench.models import rope
 
 
 def is_mrope(model: Any) -> bool:
@@ -46,29 +43,46 @@ def is_mrope(model: Any) -> bool:
     return False
 
 
-class _RefusingRope:
-    """Stands in for a cache's :class:`~kvbench.compress.cache.RopeTable` on an M-RoPE model: any lookup raises."""
+class MRopeTable(RopeTable):
+    """cos/sin of an M-RoPE model's rotary embedding, indexed by SEQUENCE position: the table a cache's layers read
+    (:class:`~kvbench.compress.cache.RopeTable`, :meth:`LayerContext.rotate`/``unrotate``, ResidualKV's kernel path)
+    maps sequence position p to the model's 3-D position of token p, so presses that restore pre-RoPE keys rotate
+    them exactly as the model did: by the prompt's ``[3, 1, T]`` positions (images by (t, h, w)), then, for decode
+    steps at p >= T, by ``max(prompt positions) + 1 + (p - T)`` on every axis (the model's ``rope_deltas``).
 
-    def __init__(self, press: str):
-        self.press = press
+    Args:
+        rotary_emb: the text decoder's rotary module; dtype: the model's dtype.
+        prompt_positions: int64 ``[3, 1, T]``, :func:`prompt_positions`.
+    """
 
-    def reach(self, n: int) -> None:
-        pass
+    def __init__(self, rotary_emb: Any, dtype: torch.dtype, prompt_positions: torch.Tensor):
+        super().__init__(rotary_emb, dtype)
+        if prompt_positions.dim() != 3 or prompt_positions.shape[:2] != (3, 1):
+            raise ValueError(f"prompt_positions must be int64 [3, 1, T], got {tuple(prompt_positions.shape)}")
+        self.prompt = prompt_positions
 
-    def __call__(self, positions: torch.Tensor):
-        raise MRopeUnsupported(
-            f"press {self.press!r} re-rotates keys (restores pre-RoPE keys at 1-D sequence positions), which is wrong "
-            "for an M-RoPE model (Qwen2.5-VL/Qwen3-VL rotate image tokens by 3-D (t, h, w) positions); run an "
-            "eviction press (fullkv, snapkv, fastv, ...) on this model, or add 3-D positions to LayerContext")
+    def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cap = 0 if self.cos is None else self.cos.shape[0]
+        if cap < self.needed:
+            cap = max(self.needed, 2 * cap)
+            t = self.prompt.shape[-1]
+            start = int(self.prompt.max()) + 1
+            tail = torch.arange(start, start + max(0, cap - t), device=self.prompt.device).view(1, 1, -1).expand(3, 1, -1)
+            pos = torch.cat([self.prompt[..., :cap], tail], -1)
+            cos, sin = rope.cos_sin(self.rotary_emb, pos.to(positions.device), self.dtype)
+            self.cos, self.sin = cos[0], sin[0]
+        return self.cos.index_select(0, positions).unsqueeze(0), self.sin.index_select(0, positions).unsqueeze(0)
 
 
-def new_vlm_cache(press: Press, model: Any) -> PressCache:
-    """``press``'s empty cache for ``model``; on an M-RoPE model its RoPE table refuses lookups (module doc)."""
+def new_vlm_cache(press: Press, model: Any, positions: torch.Tensor) -> PressCache:
+    """``press``'s empty cache for ``model``; on an M-RoPE model its layers share an :class:`MRopeTable` over the
+    prompt's ``positions`` (:func:`prompt_positions`) instead of the 1-D table."""
     cache = press.new_cache(model)
-    if is_mrope(model):
-        refusing = _RefusingRope(press.name)
+    if positions.dim() == 3:
+        first = cache.layers[0].ctx
+        table = MRopeTable(first.rotary_emb, first.dtype, positions)
         for layer in cache.layers:
-            layer.ctx.rope = refusing
+            layer.ctx.rope = table
     return cache
 
 
@@ -163,7 +177,6 @@ def greedy_generate_vlm(model: Any, press: Press, inputs: dict, split: int, max_
     Raises:
         ValueError: a visual token after ``split`` (the context chunk must hold every image), or a press with a
             context pass (KVzip: :attr:`~kvbench.compress.cache.Press.context_pass`).
-        MRopeUnsupported: the press re-rotates keys on an M-RoPE model.
     """
     if press.context_pass:
         # its scoring pass re-reads the context from token ids, where a VLM's image tokens are placeholders
@@ -178,7 +191,7 @@ def greedy_generate_vlm(model: Any, press: Press, inputs: dict, split: int, max_
                          "every image must precede the question")
     pos = prompt_positions(model, inputs)
     grids = merged_grids(model, inputs, len(vis))
-    cache = new_vlm_cache(press, model)
+    cache = new_vlm_cache(press, model, pos)
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
 
     def capture(_module, args, kwargs):

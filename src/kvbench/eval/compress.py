@@ -29,7 +29,7 @@ import torch
 
 from kvbench.compress import accounting
 from kvbench.compress.generate import greedy_generate, split_prompt
-from kvbench.compress.generate_vlm import MRopeUnsupported, encode_vlm, greedy_generate_vlm, question_start
+from kvbench.compress.generate_vlm import encode_vlm, greedy_generate_vlm, question_start
 from kvbench.compress.registry import PRESS
 from kvbench.compress.residualkv.codec import CODEC_FILE, CONFIG_FILE
 from kvbench.eval.methods import EvalMethod, FatalRunError, eos_ids
@@ -128,11 +128,8 @@ class CompressMethod(EvalMethod):
             inputs = encode_vlm(model, proc, record, base_dir)
             ids = inputs["input_ids"]
             split = self.press().first_chunk(ids.shape[1], question_start(proc, record, ids))
-            try:
-                new, cache = greedy_generate_vlm(model, self.press(), inputs, split, int(record["max_new_tokens"]),
-                                                 eos_ids(model, proc))
-            except MRopeUnsupported as e:  # every record would fail the same way
-                raise FatalRunError(f"method {self.spec!r} does not fit the model: {e}") from e
+            new, cache = greedy_generate_vlm(model, self.press(), inputs, split, int(record["max_new_tokens"]),
+                                             eos_ids(model, proc))
         else:
             ids, split = split_prompt(tok, record)
             split = self.press().first_chunk(ids.shape[1], split)
