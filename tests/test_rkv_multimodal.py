@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pandas as pd
 import pytest
@@ -28,13 +29,32 @@ def test_plan_runs_rows_and_protocol():
 
 @pytest.mark.parametrize("change, match", [
     ({"rows": [{"label": "A", "method": "fullkv"}, {"label": "A", "method": "snapkv"}]}, "given twice"),
-    ({"rows": [{"label": "R", "method": "residualkv"}]}, "row 'R'.*codec trained on the VLM"),
+    ({"rows": [{"label": "R", "method": "residualkv"}]}, "row 'R'.*configure residualkv.tableII.codec"),
+    ({"rows": [{"label": "R", "method": "fullkv", "models": ["other-vlm"]}]}, r"row 'R': models \['other-vlm'\]"),
     ({"rows": [{"label": "X", "method": "nosuchpress"}]}, "row 'X'"),
     ({"tasks": []}, r"misses key\(s\) \['tasks'\]"),
 ])
 def test_plan_refuses_bad_sections(change, match):
     with pytest.raises(ValueError, match=match):
         MMPlan({**SECTION, **change}, "smoke", {})
+
+
+def test_rows_may_be_restricted_to_backbones_and_codecs_are_per_backbone():
+    section = {**SECTION, "models": ["a", "b"], "codec": {"config": {"d_c": 32}, "train": {"steps": 5}},
+               "rows": [{"label": "Full cache", "method": "fullkv"},
+                        {"label": "ResidualKV", "method": "residualkv:full_layers=0", "models": ["a"]},
+                        {"label": "ResidualKV", "method": "residualkv:full_layers=0+1", "models": ["b"]}]}
+    plan = MMPlan(section, "paper", {})
+    assert [r.label for r in plan.rows_of("a")] == ["Full cache", "ResidualKV"]
+    assert plan.rows_of("b")[1].spec.startswith("residualkv:full_layers=0+1")
+    assert len(plan.runs()) == 2 * 2 * 2 and plan.takes_codec(plan.rows[1].spec) and not plan.takes_codec("fullkv")
+    one = plan.codec_recipe("a", "ckpt/a", 0, ["t.jsonl"])
+    assert one != plan.codec_recipe("b", "ckpt/b", 0, ["t.jsonl"])
+    placed = MMPlan({**section, "codec": {**section["codec"], "train": {"steps": 5, "device": "cuda"}}}, "paper", {})
+    assert placed.codec_recipe("a", "ckpt/a", 0, ["t.jsonl"]) == one   # where it trains is not in the recipe
+    with pytest.raises(ValueError, match="given twice for 'a'"):
+        MMPlan({**section, "rows": section["rows"] + [{"label": "ResidualKV", "method": "fullkv", "models": ["a"]}]},
+               "paper", {})
 
 
 def _fake_run(root, plan, model, task, spec, scores, kr, cr, kept):
@@ -78,6 +98,12 @@ def test_smoke_target_plans_its_vlm_runs(tmp_path):
     assert planned_jobs(r.stdout)["eval"] == len(section["rows"]) * len(section["tasks"]) * len(section["models"])
     assert "--method snapkv:keep=0.1,protocol=shared_context" in r.stdout
     assert f"--limit {section['n_test']}" in r.stdout and "tiny-qwen2.5-vl/docpages/residualkv/" in r.stdout
+    # the ResidualKV row's codec: trained on the VLM's own train splits (visual tokens included), read by its runs
+    assert planned_jobs(r.stdout)["rkv_mm_codec"] == 1
+    codec = re.search(r"--out (codecs/smoke/tiny-qwen2\.5-vl/mm-[0-9a-f]{8}) ", r.stdout).group(1)
+    assert re.search(r"--data vlm --data-files data/smoke/docpages-[0-9a-f]{8}/train\.jsonl "
+                     r"data/smoke/digitgrid-[0-9a-f]{8}/train\.jsonl ", r.stdout)
+    assert f'"codec_dir": "{codec}/codec"' in r.stdout
 
 
 def test_paper_target_resolves_on_local_checkpoints(tmp_path):
@@ -87,8 +113,12 @@ def test_paper_target_resolves_on_local_checkpoints(tmp_path):
     r = snakemake(tmp_path, "-n", "-p", "results/residualkv/tableII.csv", "--configfile", str(PAPER_CONFIG),
                   "--config", f"paths={{root: {root}}}")
     assert r.returncode == 0, r.stdout[-3000:]
-    assert planned_jobs(r.stdout) == {"eval": len(section["rows"]) * len(section["tasks"]) * len(section["models"]),
+    rows = sum(len(r.get("models") or section["models"]) for r in section["rows"])
+    assert planned_jobs(r.stdout) == {"eval": rows * len(section["tasks"]), "rkv_mm_codec": len(section["models"]),
                                       "table": 1}
+    train = f"--data-files {root}/{section['codec']['data_files'][0]} "
+    assert r.stdout.count(train) == 2 and "--device cuda --dtype bfloat16 --checkpointing" in r.stdout
+    assert "full_layers=0+1+2+3+10+21+29" in r.stdout   # Qwen3-VL-8B's Table I layers, its own row
     for m in section["models"]:
         assert f"--model {root}/{cfg['models'][m]['checkpoint']} " in r.stdout
     for t in section["tasks"]:

@@ -410,6 +410,26 @@ def _mm_plan():
 MM = _mm_plan()
 
 
+def mm_codec_files():
+    """Training records of Table II's codecs: `residualkv.tableII.codec.data_files` (local JSONL, under `paths.root`),
+    else the tasks' smoke train splits."""
+    files = MM.section["codec"].get("data_files") or []
+    if files:
+        return [local_path(f) for f in files]
+    not_smoke = [t for t in MM.tasks if "smoke" not in DATASETS[t]]
+    if not_smoke:
+        raise ValueError(f"config residualkv.tableII.codec: tasks {not_smoke} have no train split here; give the codec's "
+                         "training records as codec.data_files (local JSONL of VLM records)")
+    return [os.path.join(os.path.dirname(split_file(t)), "train.jsonl") for t in MM.tasks]
+
+
+def mm_codec_dir(model):
+    """`codecs/<profile>/<model>/mm-<recipe hash>`: Table II's codec of backbone `model`."""
+    from kvbench.utils.recipe import recipe_hash
+
+    return f"codecs/{PROFILE}/{model}/mm-{recipe_hash(MM.codec_recipe(model, model_dir(model), SEED, mm_codec_files()))}"
+
+
 def mm_report_spec():
     """The JSON Table II's writer reads (:meth:`kvbench.report.rkv_multimodal.MMPlan.from_spec`)."""
     return json.dumps({"profile": PROFILE, "tableII": config["residualkv"]["tableII"], "zoo": MM.zoo}, sort_keys=True)
@@ -536,6 +556,9 @@ def _run_resource(wc):
     if run.group == "conduit" and run.spec != "full":  # `full` is FullCache (model.generate): no image cache
         root = f"cache/conduit/{wc.profile}/{wc.model}/{wc.task}"
         return {"cache": f"{root}/index.json"}, {"cache_dir": root, "build_missing": False}
+    if run.group == "residualkv_mm" and MM.takes_codec(run.spec):
+        codec = f"{mm_codec_dir(run.model)}/codec"
+        return {"codec": f"{codec}/codec.json"}, {"codec_dir": codec}
     if run.group == "residualkv":
         variant = rkv_plan().codec_of(run.spec)
         if variant is not None:

@@ -15,7 +15,13 @@ Config (``residualkv.tableII``)::
     tasks: [docpages, digitgrid]       # VLM datasets (``datasets:``)
     n_test: 100                        # records per task (null: all)
     protocol: shared_context           # added to every row's spec unless it spells its own
+    codec: {config: {d_c: 32, ...}, train: {steps: 300, lr: 0.001}, data_files: [...]}   # ResidualKV rows' codec
     rows: [{label: Full cache, method: fullkv}, {label: SnapKV, method: "snapkv:keep=0.1"}, ...]
+                                       # a row's optional `models` restricts it to some backbones
+
+A ResidualKV row reads one codec per backbone, trained by ``kvbench codec-train --data vlm`` on the backbone's own
+image records (the smoke tasks' train splits, or ``codec.data_files``), visual tokens included
+(:mod:`kvbench.compress.residualkv.vlm_data`).
 """
 from __future__ import annotations
 
@@ -63,11 +69,20 @@ class MMPlan:
             raise ValueError(f"config residualkv.tableII misses key(s) {missing} (config/config.yaml shows one)")
         self.models: list[str] = list(self.section["models"])
         self.tasks: list[str] = list(self.section["tasks"])
-        labels = [r["label"] for r in self.section["rows"]]
-        dup = sorted({x for x in labels if labels.count(x) > 1})
-        if dup:
-            raise ValueError(f"config residualkv.tableII.rows: label(s) {dup} given twice")
         self.rows = [Row(r["label"], self._spec(r)) for r in self.section["rows"]]
+        #: per row, the backbones it runs on (its ``models``, default all): e.g. ResidualKV with each backbone's
+        #: Table I full-attention layers
+        self.row_models = [list(r.get("models") or self.models) for r in self.section["rows"]]
+        for r, ms in zip(self.section["rows"], self.row_models):
+            bad = sorted(set(ms) - set(self.models))
+            if bad:
+                raise ValueError(f"config residualkv.tableII.rows, row {r['label']!r}: models {bad} are not in "
+                                 f"tableII.models {self.models}")
+        for m in self.models:
+            labels = [row.label for row in self.rows_of(m)]
+            dup = sorted({x for x in labels if labels.count(x) > 1})
+            if dup:
+                raise ValueError(f"config residualkv.tableII.rows: label(s) {dup} given twice for {m!r}")
         slugs: dict[str, str] = {}
         for row in self.rows:
             slug = press_spec(row.spec).slug
@@ -88,11 +103,29 @@ class MMPlan:
                 parsed = press_spec(with_params(row["method"], protocol=self.protocol))
         except ValueError as e:
             raise ValueError(f"{where}: {e}") from None
-        if "codec_dir" in parsed.cls.__dataclass_fields__:
-            raise ValueError(f"{where}: {parsed.name!r} needs a codec trained on the VLM's language model, which this "
-                             "pipeline does not build yet (docs/decisions.md, 'ResidualKV Table II')")
+        if self.takes_codec(parsed.canonical) and not self.section.get("codec"):
+            raise ValueError(f"{where}: {parsed.name!r} needs a codec trained on each backbone's language model: "
+                             "configure residualkv.tableII.codec (config/config.yaml shows one)")
         parsed.build()  # the press's own checks, at DAG time
         return parsed.canonical
+
+    def rows_of(self, model: str) -> list[Row]:
+        """The rows that run on backbone ``model``, in config order."""
+        return [row for row, ms in zip(self.rows, self.row_models) if model in ms]
+
+    @staticmethod
+    def takes_codec(spec: str) -> bool:
+        """Whether the press of ``spec`` reads a trained codec (ResidualKV)."""
+        return "codec_dir" in press_spec(spec).cls.__dataclass_fields__
+
+    def codec_recipe(self, model: str, model_dir: str, seed: int, data_files: list[str]) -> dict:
+        """Everything that determines ``model``'s codec weights (``tableII.codec``: CodecConfig fields and training
+        keys; the seed, backbone directory and training files): its directory is ``codecs/<profile>/<model>/mm-<hash>``."""
+        codec = self.section["codec"]
+        # where it trains is not what it learns (the LM codecs' PLACEMENT_KEYS); the dtype is
+        train = {k: v for k, v in codec.get("train", {}).items() if k not in ("device", "checkpointing")}
+        return {"codec": codec.get("config", {}), "train": train, "seed": seed,
+                "model": str(model_dir), "data_files": sorted(data_files)}
 
     @property
     def protocol(self) -> str:
@@ -110,7 +143,7 @@ class MMPlan:
 
     def runs(self) -> list[Run]:
         """Every run of the table: backbone x task x row."""
-        return [self.run(m, t, r.spec) for m in self.models for r in self.rows for t in self.tasks]
+        return [self.run(m, t, r.spec) for m in self.models for r in self.rows_of(m) for t in self.tasks]
 
     def header(self) -> list[str]:
         """The CSV's ``#`` lines: what ran (tiny zoo or local checkpoints), protocol, budgets and the paper's CR caveat."""
@@ -121,7 +154,7 @@ class MMPlan:
                 f"model(s) {', '.join(self.models)} (local checkpoints); tasks {', '.join(self.tasks)} (local benchmark "
                 "files); computed by this pipeline, not copied from the paper")
         protocols = sorted({press_spec(r.spec).params["protocol"] for r in self.rows})
-        budgets = "; ".join(f"{r.label}: {_budget(r.spec)}" for r in self.rows)
+        budgets = "; ".join(dict.fromkeys(f"{r.label}: {_budget(r.spec)}" for r in self.rows))
         return [
             f"# kvbench ResidualKV Table II (multimodal: methods x image tasks, KR/CR), profile {self.profile!r}: {what}",
             f"# protocol: {'; '.join(PROTOCOL_NOTES[p] for p in protocols)}; the context chunk holds the system "
@@ -152,7 +185,7 @@ def score_table(plan: MMPlan, root: str | Path = ".") -> pd.DataFrame:
     pct = lambda x: None if math.isnan(x) else round(100 * x, 1)  # noqa: E731
     out = []
     for model in plan.models:
-        for row in plan.rows:
+        for row in plan.rows_of(model):
             cells, notes = {"model": model, "method": row.label, "spec": row.spec}, []
             dirs = [Path(root) / plan.run(model, t, row.spec).path(plan.profile) for t in plan.tasks]
             runs = [run_summary(d) for d in dirs]
