@@ -430,6 +430,32 @@ def mm_codec_dir(model):
     return f"codecs/{PROFILE}/{model}/mm-{recipe_hash(MM.codec_recipe(model, model_dir(model), SEED, mm_codec_files()))}"
 
 
+def mm_check_codec(wc):
+    """Params guard: the codec directory's recipe hash must be the config's (an older one has no rule)."""
+    want = os.path.basename(mm_codec_dir(wc.model))
+    if wc.mmcodec != want:
+        raise ValueError(f"codec {wc.mmcodec!r} of {wc.model!r}: this config trains Table II's codec as {want!r}; "
+                         "the older directory is kept but is not rebuilt")
+    return want
+
+
+def mm_codec_placement():
+    """`--device/--dtype/--checkpointing` flags of Table II's codec training (`tableII.codec.train`), when not defaults."""
+    t = MM.section["codec"]["train"]
+    flags = []
+    if t.get("device", "cpu") != "cpu":
+        flags += ["--device", t["device"]]
+    if t.get("dtype", "float32") != "float32":
+        flags += ["--dtype", t["dtype"]]
+    if t.get("checkpointing"):
+        flags.append("--checkpointing")
+    return " ".join(flags)
+
+
+def mm_codec_gpus(wc):
+    return 1 if str(MM.section["codec"]["train"].get("device", "cpu")).startswith("cuda") else 0
+
+
 def mm_report_spec():
     """The JSON Table II's writer reads (:meth:`kvbench.report.rkv_multimodal.MMPlan.from_spec`)."""
     return json.dumps({"profile": PROFILE, "tableII": config["residualkv"]["tableII"], "zoo": MM.zoo}, sort_keys=True)

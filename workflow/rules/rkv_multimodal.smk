@@ -6,32 +6,6 @@
 #                   -> codecs/<profile>/<model>/mm-<recipe hash>/{codec/,curves.csv,summary.json}
 
 
-def mm_check_codec(wc):
-    """Params guard: the codec directory's recipe hash must be the config's (an older one has no rule)."""
-    want = os.path.basename(mm_codec_dir(wc.model))
-    if wc.mmcodec != want:
-        raise ValueError(f"codec {wc.mmcodec!r} of {wc.model!r}: this config trains Table II's codec as {want!r}; "
-                         "the older directory is kept but is not rebuilt")
-    return want
-
-
-def mm_codec_placement():
-    """`--device/--dtype/--checkpointing` flags of Table II's codec training (`tableII.codec.train`), when not defaults."""
-    t = MM.section["codec"]["train"]
-    flags = []
-    if t.get("device", "cpu") != "cpu":
-        flags += ["--device", t["device"]]
-    if t.get("dtype", "float32") != "float32":
-        flags += ["--dtype", t["dtype"]]
-    if t.get("checkpointing"):
-        flags.append("--checkpointing")
-    return " ".join(flags)
-
-
-def mm_codec_gpus(wc):
-    return 1 if str(MM.section["codec"]["train"].get("device", "cpu")).startswith("cuda") else 0
-
-
 rule rkv_mm_codec:
     input:
         model=lambda wc: os.path.join(model_dir(wc.model), "config.json"),
