@@ -55,9 +55,11 @@ def test_get_method_routes_press_specs():
         get_method("residualkv").press()
 
 
-def test_compress_method_refuses_vlm_records():
-    with pytest.raises(ValueError, match="text records"):
-        get_method("fullkv").check_records([{"id": "a", "kind": "vlm"}])
+def test_compress_method_refuses_records_it_cannot_serve():
+    # VLM records are served since issue #17 (kvbench.compress.generate_vlm, tests/test_compress_vlm.py)
+    get_method("fullkv").check_records([{"id": "a", "kind": "vlm"}])
+    with pytest.raises(ValueError, match="'b'.*text records with a 'context' field"):
+        get_method("fullkv").check_records([{"id": "b", "kind": "text"}])
 
 
 def test_plan_maps_specs_to_runs_and_codecs():

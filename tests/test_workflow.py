@@ -214,9 +214,11 @@ def _fake_paper_root(root: Path) -> dict:
     for spec in cfg["models"].values():
         (root / spec["checkpoint"]).mkdir(parents=True, exist_ok=True)
         (root / spec["checkpoint"] / "config.json").write_text(json.dumps(shape) + "\n")
-    for spec in cfg["datasets"].values():
-        (root / spec["jsonl"]).parent.mkdir(parents=True, exist_ok=True)
-        (root / spec["jsonl"]).write_text("{}\n")
+    # the benchmark splits, and ResidualKV Table II's codec training records
+    for path in [spec["jsonl"] for spec in cfg["datasets"].values()] + \
+            cfg["residualkv"].get("tableII", {}).get("codec", {}).get("data_files", []):
+        (root / path).parent.mkdir(parents=True, exist_ok=True)
+        (root / path).write_text("{}\n")
     return cfg
 
 

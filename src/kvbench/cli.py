@@ -99,8 +99,10 @@ def _codec_train(a: argparse.Namespace) -> None:
         raise ValueError(f"--slice-s must be a number of seconds >= 0 (0: no slice), got {a.slice_s}")
     if not a.lr > 0:
         raise ValueError(f"--lr must be > 0, got {a.lr}")
-    if a.data_files and a.data != "text":
-        raise ValueError(f"--data-files is a text corpus: it needs --data text, got --data {a.data}")
+    if a.data_files and a.data == "tasks":
+        raise ValueError(f"--data-files is a text corpus or VLM records: it needs --data text or vlm, got --data {a.data}")
+    if a.data == "vlm" and not a.data_files:
+        raise ValueError("--data vlm trains on VLM record files: give them as --data-files (e.g. the tasks' train.jsonl)")
     if a.text_field != "text" and not a.data_files:
         raise ValueError(f"--text-field {a.text_field!r} names a column of --data-files, which are not given")
     if a.device == "auto":
@@ -462,12 +464,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "the command fails (exit 3) saying how many steps are done; rerunning resumes. The codec "
                         "and summary.json are written only when all steps are done (default, or 0: no slice)")
     s.add_argument("--lr", type=float, default=2e-4, help="AdamW peak learning rate (paper §V-A: 2e-4)")
-    s.add_argument("--data", default="text", choices=["text", "tasks"],
-                   help="text: packed corpus windows (the paper's kind of data); tasks: the zoo LM's own task mixture")
+    s.add_argument("--data", default="text", choices=["text", "tasks", "vlm"],
+                   help="text: packed corpus windows (the paper's kind of data); tasks: the zoo LM's own task mixture; "
+                        "vlm: a VLM's image records (--data-files: JSONL in the benchmark record format)")
     s.add_argument("--data-files", nargs="+", default=None, metavar="FILE",
                    help="with --data text: a local corpus (.jsonl/.json/.parquet with a text column, or .txt lines; "
                         "the paper's FineWeb-Edu in that layout) instead of the bundled one; 1%% of its documents "
-                        "(by index hash) are held out for the validation windows")
+                        "(by index hash) are held out for the validation windows; with --data vlm: JSONL files of "
+                        "VLM records (1 in 10 records, by id hash, held out)")
     s.add_argument("--text-field", default="text", help="the corpus files' text column (default: text)")
     s.add_argument("--device", type=_device, default="cpu",
                    help="torch device of the backbone and codec: cpu, cuda, cuda:1, auto (under torchrun: each "

@@ -48,7 +48,7 @@ def _check_names():
 
     # refresh policies serve VLM records with cached images, presses serve text records: a method of the eval
     # matrix that cannot serve one of its datasets would fail only at run time, after the models had trained
-    serves = {"refresh": "vlm", "press": "text"}
+    serves = {"refresh": "vlm"}  # presses serve both (VLM records: kvbench.compress.generate_vlm)
     for method in config["eval"]["methods"]:
         try:
             check_method_spec(method)  # a registry name (full), a refresh spec (reuse) or a press
@@ -409,6 +409,76 @@ RKV_CODECS = RKV.codec_names("trained") if RKV else {}  # "<variant>-<recipe has
 RKV_IMPORTS = RKV.codec_names("imported") if RKV else {}  # "main-import-<hash>" -> variant (rkv_codec_import)
 
 
+def _mm_plan():
+    """ResidualKV Table II's plan (:class:`kvbench.report.rkv_multimodal.MMPlan`), None without `residualkv.tableII`."""
+    from kvbench.report.rkv_multimodal import MMPlan
+
+    section = config.get("residualkv", {}).get("tableII")
+    if not section:
+        return None
+    for m in section["models"]:
+        if m not in MODELS or MODELS[m]["kind"] != "vlm":
+            raise ValueError(f"config residualkv.tableII.models: {m!r} must be a `vlm` model defined under `models`")
+    for t in section["tasks"]:
+        if t not in DATASETS or DATASETS[t]["kind"] != "vlm":
+            raise ValueError(f"config residualkv.tableII.tasks: {t!r} must be a `vlm` dataset defined under `datasets`")
+    return MMPlan(section, PROFILE, {m: is_zoo(m) for m in section["models"]})
+
+
+MM = _mm_plan()
+
+
+def mm_codec_files():
+    """Training records of Table II's codecs: `residualkv.tableII.codec.data_files` (local JSONL, under `paths.root`),
+    else the tasks' smoke train splits."""
+    files = MM.section["codec"].get("data_files") or []
+    if files:
+        return [local_path(f) for f in files]
+    not_smoke = [t for t in MM.tasks if "smoke" not in DATASETS[t]]
+    if not_smoke:
+        raise ValueError(f"config residualkv.tableII.codec: tasks {not_smoke} have no train split here; give the codec's "
+                         "training records as codec.data_files (local JSONL of VLM records)")
+    return [os.path.join(os.path.dirname(split_file(t)), "train.jsonl") for t in MM.tasks]
+
+
+def mm_codec_dir(model):
+    """`codecs/<profile>/<model>/mm-<recipe hash>`: Table II's codec of backbone `model`."""
+    from kvbench.utils.recipe import recipe_hash
+
+    return f"codecs/{PROFILE}/{model}/mm-{recipe_hash(MM.codec_recipe(model, model_dir(model), SEED, mm_codec_files()))}"
+
+
+def mm_check_codec(wc):
+    """Params guard: the codec directory's recipe hash must be the config's (an older one has no rule)."""
+    want = os.path.basename(mm_codec_dir(wc.model))
+    if wc.mmcodec != want:
+        raise ValueError(f"codec {wc.mmcodec!r} of {wc.model!r}: this config trains Table II's codec as {want!r}; "
+                         "the older directory is kept but is not rebuilt")
+    return want
+
+
+def mm_codec_placement():
+    """`--device/--dtype/--checkpointing` flags of Table II's codec training (`tableII.codec.train`), when not defaults."""
+    t = MM.section["codec"]["train"]
+    flags = []
+    if t.get("device", "cpu") != "cpu":
+        flags += ["--device", t["device"]]
+    if t.get("dtype", "float32") != "float32":
+        flags += ["--dtype", t["dtype"]]
+    if t.get("checkpointing"):
+        flags.append("--checkpointing")
+    return " ".join(flags)
+
+
+def mm_codec_gpus(wc):
+    return 1 if str(MM.section["codec"]["train"].get("device", "cpu")).startswith("cuda") else 0
+
+
+def mm_report_spec():
+    """The JSON Table II's writer reads (:meth:`kvbench.report.rkv_multimodal.MMPlan.from_spec`)."""
+    return json.dumps({"profile": PROFILE, "tableII": config["residualkv"]["tableII"], "zoo": MM.zoo}, sort_keys=True)
+
+
 def rkv_plan():
     if RKV is None:
         raise ValueError("this config has no `residualkv:` section, so it has no ResidualKV targets "
@@ -478,6 +548,9 @@ def _runs():
             for m, d, s in CONDUIT.runs(target):
                 run = CONDUIT.run(m, d, s)
                 runs[(m, d, run.name)] = run
+    if MM:
+        for run in MM.runs():
+            runs[(run.model, run.dataset, run.name)] = run
     if RKV:
         for target in RKV.targets():
             for task, s in RKV.runs(target):
@@ -497,15 +570,20 @@ def run_of(wc):
 
 #: Per run group: the config section's threads and record limit (`eval`, `conduit`, `residualkv`).
 def run_threads(wc):
-    section = {"eval": config["eval"], "conduit": config.get("conduit", {}), "residualkv": config.get("residualkv", {})}
+    section = {"eval": config["eval"], "conduit": config.get("conduit", {}), "residualkv": config.get("residualkv", {}),
+               "residualkv_mm": config.get("residualkv", {}).get("tableII", {})}
     return section[run_of(wc).group].get("threads", 1)
 
 
 def run_limit(wc):
     """`--limit N` arguments (none: every record), each quoted in the command (`{params.limit:q}`)."""
     key = {"eval": ("eval", "limit"), "conduit": ("conduit", "n_test"), "residualkv": ("residualkv", "n_test")}
-    section, name = key[run_of(wc).group]
-    n = config.get(section, {}).get(name)
+    group = run_of(wc).group
+    if group == "residualkv_mm":
+        n = MM.n_test
+    else:
+        section, name = key[group]
+        n = config.get(section, {}).get(name)
     return [] if n is None else ["--limit", str(n)]
 
 
@@ -522,6 +600,9 @@ def _run_resource(wc):
     if run.group == "conduit" and run.spec != "full":  # `full` is FullCache (model.generate): no image cache
         root = f"cache/conduit/{wc.profile}/{wc.model}/{wc.task}"
         return {"cache": f"{root}/index.json"}, {"cache_dir": root, "build_missing": False}
+    if run.group == "residualkv_mm" and MM.takes_codec(run.spec):
+        codec = f"{mm_codec_dir(run.model)}/codec"
+        return {"codec": f"{codec}/codec.json"}, {"codec_dir": codec}
     if run.group == "residualkv":
         variant = rkv_plan().codec_of(run.spec)
         if variant is not None:
@@ -560,7 +641,9 @@ def configured_tables():
     for t in TABLES.values():
         if t.section not in config:
             continue
-        if t.section == "residualkv" and not (RKV.configured(t.key) or t.key in RKV_MODEL_TABLES):
+        if t.name == "residualkv/tableII" and not MM:
+            continue
+        if t.section == "residualkv" and t.name != "residualkv/tableII" and not (RKV.configured(t.key) or t.key in RKV_MODEL_TABLES):
             continue
         names.append(t.name)
     return names
@@ -621,6 +704,11 @@ def table_inputs(wc):
                          f"{table.path} (config/config.yaml shows one)")
     if table.section == "conduit":
         return conduit_run_inputs(table.key)(wc)
+    if table.name == "residualkv/tableII":
+        if not MM:
+            raise ValueError("this config has no `residualkv.tableII:` mapping, so it has no ResidualKV Table II "
+                             "(config/config.yaml shows one)")
+        return [f"{run.path(PROFILE)}/predictions.jsonl" for run in MM.runs()]
     if table.section == "residualkv":
         return rkv_table_i_inputs(wc) if table.key in RKV_MODEL_TABLES else rkv_run_inputs(table.key)(wc)
     if table.section == "conduit_diagnostics":
@@ -638,6 +726,8 @@ def table_spec(wc):
     table = table_of(wc.table)
     if table.section == "conduit":
         return conduit_report_spec(table.key)
+    if table.name == "residualkv/tableII":
+        return mm_report_spec()
     if table.section == "residualkv":
         return rkv_table_i_spec() if table.key in RKV_MODEL_TABLES else rkv_report_spec()
     if table.section == "conduit_diagnostics":

@@ -30,6 +30,7 @@ import torch
 from kvbench.compress import accounting
 from kvbench.compress.generate import greedy_generate, split_prompt
 from kvbench.compress.multiquery import answer_queries
+from kvbench.compress.generate_vlm import encode_vlm, greedy_generate_vlm, question_start
 from kvbench.compress.registry import PRESS
 from kvbench.compress.residualkv.codec import CODEC_FILE, CONFIG_FILE
 from kvbench.eval.methods import EvalMethod, FatalRunError, eos_ids
@@ -39,7 +40,8 @@ from kvbench.utils.spec import parse
 
 @dataclass
 class CompressMethod(EvalMethod):
-    """A compression press run over text records (see the module docstring).
+    """A compression press run over text records and VLM records (images through
+    :mod:`kvbench.compress.generate_vlm`, the full VLM eval's prompt; see the module docstring).
 
     Parameters:
         spec: press spec.
@@ -112,9 +114,11 @@ class CompressMethod(EvalMethod):
 
     def check_records(self, records: list[dict]) -> None:
         for r in records:
+            if r.get("kind") == "vlm":
+                continue  # images + text through kvbench.compress.generate_vlm
             if r.get("kind") != "text" or not isinstance(r.get("context"), str):
-                raise ValueError(f"record {r.get('id')!r}: compression methods run on text records with a "
-                                 f"'context' field (kind {r.get('kind')!r})")
+                raise ValueError(f"record {r.get('id')!r}: compression methods run on VLM records or on text records "
+                                 f"with a 'context' field (kind {r.get('kind')!r})")
         self._multi = any(is_multi(r) for r in records)
         self.press()
 
@@ -132,9 +136,17 @@ class CompressMethod(EvalMethod):
             self._fits = True
         if is_multi(record):
             return self._predict_queries(model, proc, tok, record)
-        ids, split = split_prompt(tok, record)
-        split = self.press().first_chunk(ids.shape[1], split)
-        new, cache = greedy_generate(model, self.press(), ids, split, int(record["max_new_tokens"]), eos_ids(model, proc))
+        if record.get("kind") == "vlm":
+            inputs = encode_vlm(model, proc, record, base_dir)
+            ids = inputs["input_ids"]
+            split = self.press().first_chunk(ids.shape[1], question_start(proc, record, ids))
+            new, cache = greedy_generate_vlm(model, self.press(), inputs, split, int(record["max_new_tokens"]),
+                                             eos_ids(model, proc))
+        else:
+            ids, split = split_prompt(tok, record)
+            split = self.press().first_chunk(ids.shape[1], split)
+            new, cache = greedy_generate(model, self.press(), ids, split, int(record["max_new_tokens"]),
+                                         eos_ids(model, proc))
         self._audit = self._audit_row(model, cache, ids.shape[1], question_chunk=0 < split < ids.shape[1],
                                       n_context=split if 0 < split else ids.shape[1])
         self._n += 1

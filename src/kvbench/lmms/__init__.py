@@ -9,7 +9,9 @@ entry-point group ``lmms_eval.models``. kvbench declares one entry point there
 
 - ``kvbench``: any policy, chosen with ``policy=`` (default ``conduit``);
 - ``kvbench_<policy>`` for every registered policy (``-`` becomes ``_``:
-  ``kvbench_conduit``, ``kvbench_kvshare_conduit``, ``kvbench_full``, ...), with that policy preset.
+  ``kvbench_conduit``, ``kvbench_kvshare_conduit``, ``kvbench_full``, ...), with that policy preset;
+- ``kvbench_press`` (``press=`` picks a compression press, its parameters as further arguments) and
+  ``kvbench_press_<press>`` per registered press (``kvbench_press_snapkv``, ...): :mod:`kvbench.lmms.press`.
 
 Model arguments: ``pretrained`` (checkpoint directory or zoo name), ``policy``,
 ``r``, ``lam`` (λ, policies that take it), ``cache_dir`` (per-image KV caches),
@@ -43,7 +45,21 @@ def manifests() -> list:
     base = "kvbench.lmms.model."
     out = [ModelManifest(model_id=MODEL_ID, simple_class_path=base + "KVBenchReuse")]
     out += [ModelManifest(model_id=model_id(p), simple_class_path=base + class_name(p)) for p in available_policies()]
-    return out
+    return out + press_manifests()
+
+
+def press_manifests() -> list:
+    """lmms-eval manifests of the compression presses (:mod:`kvbench.lmms.press`): ``kvbench_press`` (``press=``
+    picks one) and ``kvbench_press_<press>`` per registered press (ResidualKV Table II through lmms-eval)."""
+    from lmms_eval.models.registry_v2 import ModelManifest
+
+    from kvbench.compress.registry import PRESS
+    from kvbench.lmms.press import PRESS_MODEL_ID, press_class_name, press_model_id
+
+    base = "kvbench.lmms.press."
+    out = [ModelManifest(model_id=PRESS_MODEL_ID, simple_class_path=base + "KVBenchPress")]
+    return out + [ModelManifest(model_id=press_model_id(p), simple_class_path=base + press_class_name(p))
+                  for p in PRESS.classes]
 
 
 def register() -> None:

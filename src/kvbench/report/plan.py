@@ -20,7 +20,9 @@ from dataclasses import dataclass
 from typing import Any
 
 #: Run groups: the config section that asks for a run -> its sub-directory under the run's dataset.
-GROUPS = {"eval": "", "conduit": "conduit", "residualkv": "residualkv"}
+GROUPS = {"eval": "", "conduit": "conduit", "residualkv": "residualkv",
+          # ResidualKV Table II's VLM runs (kvbench.report.rkv_multimodal): their own record limit, same directory name
+          "residualkv_mm": "residualkv"}
 
 
 @dataclass(frozen=True)

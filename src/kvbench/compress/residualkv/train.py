@@ -45,6 +45,7 @@ import torch.nn.functional as F
 from kvbench.compress.cache import decoder_layers
 from kvbench.compress.residualkv.codec import CodecConfig, ResidualCodec, model_kv_shape
 from kvbench.compress.residualkv.keys import codec_keys
+from kvbench.compress.residualkv.vlm_data import VLMRecordStream
 from kvbench.compress.residualkv.references import (
     mean_reference,
     nearest_references,
@@ -175,7 +176,9 @@ def compressed_forward(model: Any, codec: ResidualCodec, input_ids: torch.Tensor
     Args:
         model: HF causal LM (Qwen2/Qwen3/Llama layout, or a VLM's text model); not modified.
         codec: one layer codec per decoder layer; its config gives sinks, stride and k.
-        input_ids: int64 ``[B, T]``, no padding, positions 0..T-1.
+        input_ids: int64 ``[B, T]``, no padding, positions 0..T-1; or a VLM's input tensors (a dict with
+            ``input_ids`` and its ``pixel_values``, ... : :class:`~kvbench.compress.residualkv.vlm_data.VLMRecordStream`),
+            the model placing its own (M-RoPE) positions.
         detach_refs: see :func:`compress_kv`.
         hooks: keep the compressed pass's hooks on ``model`` until this stack closes (default: removed on
             return). Activation checkpointing re-runs each layer in the backward pass, which must code its kv
@@ -196,12 +199,12 @@ def compressed_forward(model: Any, codec: ResidualCodec, input_ids: torch.Tensor
                          f"model (n_layers={n_layers}, d_kv={d_kv})")
     rec: list[dict] = [{} for _ in range(n_layers)]
     with torch.no_grad(), _record_kv(model, rec):
-        model(input_ids=input_ids, use_cache=False)
+        model(**_inputs(input_ids), use_cache=False)
     teacher = [torch.cat([r["k"], r["v"]], -1) for r in rec]
     kv_hat: list = [None] * n_layers
     with contextlib.ExitStack() as own:
         (hooks or own).enter_context(_compress_hooks(model, codec, kv_hat, detach_refs))
-        logits = model(input_ids=input_ids, use_cache=False).logits
+        logits = model(**_inputs(input_ids), use_cache=False).logits
     # the first pass's kv_hat: a recompute in the backward pass writes the list again (same values)
     return logits, list(kv_hat), teacher
 
@@ -317,8 +320,11 @@ class TaskStream:
         return enc["input_ids"], enc["input_ids"].clone() if full_loss else enc["labels"]
 
 
-#: Training data of the codec: plain text (the paper's kind) or the zoo LM's task mixture.
-DATA = {"text": TokenStream, "tasks": TaskStream}
+#: Training data of the codec: plain text (the paper's kind), the zoo LM's task mixture, or a VLM's image records
+#: (:class:`~kvbench.compress.residualkv.vlm_data.VLMRecordStream`: ``data_files`` name them).
+DATA = {"text": TokenStream, "tasks": TaskStream, "vlm": VLMRecordStream}
+#: Data kinds read from ``data_files``.
+FILE_DATA = ("text", "vlm")
 
 
 #: Dtypes the backbone may run in (``Placement.dtype``).
@@ -379,8 +385,16 @@ class Placement:
         return [step * self.batch + self.world.rank + self.world.size * a for a in range(self.grad_accum)]
 
 
-def _to(batch: tuple[torch.Tensor, torch.Tensor], device: str) -> tuple[torch.Tensor, torch.Tensor]:
-    return batch[0].to(device), batch[1].to(device)
+def _to(batch: tuple, device: str) -> tuple:
+    """``(ids or model inputs, labels)`` on ``device`` (a VLM stream gives a dict of input tensors)."""
+    x, labels = batch
+    x = {k: v.to(device) for k, v in x.items()} if isinstance(x, dict) else x.to(device)
+    return x, labels.to(device)
+
+
+def _inputs(x: torch.Tensor | dict) -> dict:
+    """Model keyword arguments of a batch's ids ``[B, T]`` or of a VLM's input tensors."""
+    return dict(x) if isinstance(x, dict) else {"input_ids": x}
 
 
 @torch.no_grad()
@@ -406,7 +420,7 @@ def baseline_ntp(model: Any, windows: list[torch.Tensor], place: Placement | Non
     for batch in windows:
         ids, labels = _to(batch, place.device)
         with place.autocast():
-            logits = model(input_ids=ids, use_cache=False).logits
+            logits = model(**_inputs(ids), use_cache=False).logits
         total += ntp_loss(logits, labels).item()
     return total / len(windows)
 
@@ -467,7 +481,9 @@ def train_codec(model: Any, tokenizer: Any, codec: ResidualCodec, *, out_dir: st
         slice_s: wall-clock seconds this call may train (checked after each step, so at least one step
             runs); when they are up before ``steps``, the state is saved and :class:`SliceEnded` raised,
             and a rerun resumes. ``None``: train to the end.
-        data: ``"text"`` (packed corpus windows, :class:`TokenStream`) or ``"tasks"`` (:class:`TaskStream`).
+        data: ``"text"`` (packed corpus windows, :class:`TokenStream`), ``"tasks"`` (:class:`TaskStream`) or
+            ``"vlm"`` (a VLM's image records from ``data_files``, ``tokenizer`` its processor:
+            :class:`~kvbench.compress.residualkv.vlm_data.VLMRecordStream`).
         data_files, text_field: with ``data="text"``, a local corpus instead of the bundled one
             (:func:`kvbench.data.local_text.local_documents`; validation windows from its held-out documents).
         place: device, dtype, accumulation, checkpointing and data-parallel world (:class:`Placement`; default:
@@ -481,7 +497,7 @@ def train_codec(model: Any, tokenizer: Any, codec: ResidualCodec, *, out_dir: st
         codec_params.
 
     Raises:
-        ValueError: unknown ``objective`` or ``data``, ``data_files`` with ``data`` other than ``"text"``,
+        ValueError: unknown ``objective`` or ``data``, ``data_files`` with ``data="tasks"`` (or none with ``"vlm"``),
             non-positive ``steps``/``seq_len``/``slice_s``,
             ``seq_len`` above the model's ``max_position_embeddings``, ``out_dir`` an existing file, codec not
             fitting the model, or ``out_dir/state`` written with another configuration.
@@ -492,8 +508,8 @@ def train_codec(model: Any, tokenizer: Any, codec: ResidualCodec, *, out_dir: st
         raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
     if data not in DATA:
         raise ValueError(f"data must be one of {sorted(DATA)}, got {data!r}")
-    if data_files and data != "text":
-        raise ValueError(f"data_files are a text corpus: they need data='text', got data={data!r}")
+    if data_files and data not in FILE_DATA:
+        raise ValueError(f"data_files are a text corpus or VLM records: they need data in {FILE_DATA}, got data={data!r}")
     place = place or Placement()
     if steps <= 0 or seq_len <= 1:
         raise ValueError(f"steps must be > 0 and seq_len > 1, got steps={steps}, seq_len={seq_len}")

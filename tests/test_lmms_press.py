@@ -1,0 +1,56 @@
+"""Compression presses as lmms-eval models (kvbench.lmms.press; ResidualKV Table II through lmms-eval's tasks)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+lmms_eval = pytest.importorskip("lmms_eval")
+from test_lmms_adapter import _evaluate, task  # noqa: E402,F401  (the offline docpages task fixture)
+
+torch.set_num_threads(1)
+
+
+def test_every_press_is_registered_by_name():
+    from lmms_eval import models
+
+    from kvbench.compress.registry import PRESS
+    from kvbench.lmms.press import PRESS_MODEL_ID, press_model_id
+
+    names = set(models.list_available_models())
+    assert {PRESS_MODEL_ID, *(press_model_id(p) for p in PRESS.classes)} <= names
+    assert models.get_model("kvbench_press_snapkv").default_press == "snapkv"
+
+
+def test_model_args_make_one_press_spec():
+    from kvbench.lmms.press import press_spec
+
+    assert press_spec("snapkv", {"keep": "0.1", "window": 8}).canonical == "snapkv:keep=0.1,window=8"
+    with pytest.raises(ValueError, match="hold ',', '=' or ':'"):
+        press_spec("snapkv", {"keep": "0.1,window=8"})
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(press="nope"), "unknown method 'nope'"), (dict(batch_size=2), "batch_size"),
+    (dict(press="snapkv", temperature=1), "unknown parameter 'temperature' for 'snapkv'")])
+def test_bad_model_args_fail_before_loading(bad, match):
+    from kvbench.lmms.press import KVBenchPress
+
+    with pytest.raises(ValueError, match=match):
+        KVBenchPress(pretrained="/nonexistent", **bad)
+
+
+def test_fullkv_by_name_matches_the_full_eval_and_snapkv_matches_kvbench_eval(task, vlm_dir):  # noqa: F811
+    """`--model kvbench_press_fullkv` answers as `kvbench eval --method full`; a SnapKV object as CompressMethod."""
+    from kvbench.eval.compress import CompressMethod
+    from kvbench.eval.methods import FullCache
+    from kvbench.lmms.press import KVBenchPress
+    from kvbench.models import load_model
+
+    root, records = task
+    _, preds = _evaluate("kvbench_press_fullkv", root / "tasks", model_args=f"pretrained={vlm_dir}")
+    model, proc = load_model(vlm_dir)
+    assert preds == [FullCache().predict(model, proc, r, root / "data") for r in records]
+    lm = KVBenchPress(pretrained=str(vlm_dir), press="snapkv", keep=0.1, window=4)
+    _, preds = _evaluate(lm, root / "tasks")
+    method = CompressMethod(spec="snapkv:keep=0.1,window=4")
+    assert preds == [method.predict(model, proc, r, root / "data") for r in records]
