@@ -103,3 +103,88 @@ def test_residualkv_codes_generated_tokens_as_they_leave_the_window(tiny_lm, tmp
         assert len(layer.window) == 4
     # 48 prompt tokens: 2 sinks, 4 raw, 42 coded or references; each decode forward codes one more token
     assert coded == [42, 52, 62]
+
+
+# -- sampling ---------------------------------------------------------------------------------------
+def test_sampling_greedy_top_k_and_top_p():
+    from kvbench.compress.generate import GREEDY, Sampling
+
+    logits = torch.tensor([0.0, 3.0, 2.0, -1.0])
+    assert GREEDY.pick(logits) == 1
+    torch.manual_seed(0)
+    assert {Sampling(temperature=1.0, top_k=1).pick(logits) for _ in range(20)} == {1}
+    # probabilities 0.035, 0.70, 0.26, 0.013: top-p 0.9 keeps tokens 1 and 2 only
+    assert {Sampling(temperature=1.0, top_p=0.9).pick(logits) for _ in range(200)} == {1, 2}
+    assert len({Sampling(temperature=5.0).pick(logits) for _ in range(200)}) == 4
+
+
+@pytest.mark.parametrize("kw, match", [({"temperature": -1.0}, "temperature"), ({"top_p": 0.0}, "top_p"),
+                                       ({"top_k": -2}, "top_k"), ({"top_k": 1.5}, "top_k")])
+def test_sampling_bad_settings_raise(kw, match):
+    from kvbench.compress.generate import Sampling
+
+    with pytest.raises(ValueError, match=match):
+        Sampling(**kw)
+
+
+def test_sampled_decode_is_a_function_of_the_seed(tiny_lm):
+    from kvbench.compress.generate import Sampling
+
+    s = Sampling(temperature=0.6, top_p=0.95, top_k=20)
+    runs = []
+    for seed in (7, 7, 8):
+        torch.manual_seed(seed)
+        runs.append(greedy_generate(tiny_lm, Press(), PROMPT, 48, 12, eos=set(), sampling=s)[0])
+    assert runs[0] == runs[1] and runs[0] != runs[2]
+
+
+def test_compress_method_records_sampling_only_when_it_samples():
+    from kvbench.eval.compress import CompressMethod
+
+    assert "sampling" not in CompressMethod(spec="fullkv").config()
+    cfg = CompressMethod(spec="fullkv", temperature=0.6, top_p=0.95, top_k=20).config()
+    assert cfg["sampling"] == {"temperature": 0.6, "top_p": 0.95, "top_k": 20}
+    with pytest.raises(ValueError, match="top_p"):
+        CompressMethod(spec="fullkv", top_p=2.0)
+
+
+# -- the chain task and its metric ------------------------------------------------------------------
+def test_chain_record_is_an_induction_chain(tokenizer):
+    from kvbench.data.smoke import sample
+
+    r = sample("chain", random.Random(0), "test", tokenizer, hops=40, n_distractors=2)
+    chain = r["answer"].split()
+    assert len(chain) == 40 == r["max_new_tokens"] and r["meta"]["final"] == chain[-1]
+    stmts = [s.split() for s in r["context"][len("Chains:"):].split(".") if s.strip()]
+    assert len(stmts) == 3 * 40
+    nxt = {a: b for a, b in stmts}
+    x, walked = r["meta"]["num"], []
+    for _ in range(40):
+        x = nxt[x]
+        walked.append(x)
+    assert walked == chain
+    # each hop's latest earlier occurrence is its own statement's key: the statement naming it comes before
+    order = {tuple(s): i for i, s in enumerate(stmts)}
+    assert all(order[(a, b)] < order[(b, c)] for a, b, c in zip([r["meta"]["num"]] + chain, chain, chain[1:]))
+    assert "extra_queries" not in r["meta"] and r["metric"] == "final_answer"
+    train = sample("chain", random.Random(0), "train", tokenizer, hops=16, min_hops=8, n_distractors=1)
+    assert 8 <= train["meta"]["hops"] <= 16 and len(train["meta"]["extra_queries"]) == 1
+
+
+@pytest.mark.parametrize("kw, match", [({"hops": 0}, "hops"), ({"hops": 8, "min_hops": 9}, "min_hops"),
+                                       ({"n_distractors": -1}, "n_distractors"), ({"hops": 800}, "lexicon has")])
+def test_chain_bad_parameters_raise(tokenizer, kw, match):
+    from kvbench.data.chain import sample_chain
+
+    with pytest.raises(ValueError, match=match):
+        sample_chain(random.Random(0), "test", tokenizer, **kw)
+
+
+@pytest.mark.parametrize("pred, gold, score", [
+    (" AB CD EF", " XX YY EF", 1.0), (" AB CD", " AB CE", 0.0), ("", "", 0.0),
+    ("so the answer is \\boxed{204}.", "204", 1.0), ("\\boxed{\\frac{1}{2}} then \\boxed{33}", "33", 1.0),
+    ("\\boxed{3", "3", 0.0)])
+def test_final_answer_metric(pred, gold, score):
+    from kvbench.eval.metrics import final_answer
+
+    assert final_answer(pred, gold) == score

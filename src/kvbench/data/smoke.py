@@ -21,7 +21,7 @@ from typing import Any
 
 from PIL import Image
 
-from kvbench.data import digitgrid, docpages, lcc, longctx
+from kvbench.data import chain, digitgrid, docpages, lcc, longctx
 from kvbench.utils import io
 
 
@@ -41,6 +41,7 @@ FAMILIES: dict[str, Family] = {
     "kv": Family(longctx.sample_kv, "text", "kvbench.data.longctx"),
     "vt": Family(longctx.sample_vt, "text", "kvbench.data.longctx"),
     "lcc": Family(lcc.sample, "text", "kvbench.data.lcc"),
+    "chain": Family(chain.sample_chain, "text", "kvbench.data.chain"),
 }
 
 
@@ -59,6 +60,8 @@ def _tasks() -> dict[str, TaskSpec]:
         for k in (1, 2, 4):
             tasks[f"{fam}_{k}k"] = TaskSpec(fam, "text", {"length_tokens": 1024 * k})
     tasks["lcc"] = TaskSpec("lcc", "text", {"length_tokens": 1000})
+    # ResidualKV Table V's long generation: 128 generated hops over about 770 prompt tokens
+    tasks["chain_128"] = TaskSpec("chain", "text", {"hops": 128, "n_distractors": 1})
     return tasks
 
 
