@@ -3,6 +3,7 @@ generated tokens), the chain task, the final-answer metric and seeded sampling."
 from __future__ import annotations
 
 import random
+import re
 
 import pytest
 import torch
@@ -188,3 +189,107 @@ def test_final_answer_metric(pred, gold, score):
     from kvbench.eval.metrics import final_answer
 
     assert final_answer(pred, gold) == score
+
+
+# -- Table V: plan, writer, workflow ----------------------------------------------------------------
+GEN_SECTION = {
+    "model": "tiny-qwen2-lm", "tasks": ["kv_1k"], "n_test": 2, "threads": 1,
+    "codec": {"d_c": 32, "d_ff": 192, "n_sink": 8, "stride": 10, "window": 32},
+    "train": {"objective": "joint", "steps": 10, "seq_len": 64, "lr": 0.001, "data": "tasks"},
+    "tableIII": [{"label": "Full cache", "method": "fullkv"}],
+    "tableV": [{"label": "Full cache", "method": "fullkv"},
+               {"label": "SnapKV", "method": "snapkv_decoding:keep=1.0,target_size=64,interval=8"},
+               {"label": "ResidualKV", "method": "residualkv+omnikv:full_layers=0+1,keep=0.2"}],
+    "long_generation": {"model": "tiny-qwen3-lm-chain", "tasks": ["chain_128"], "n_test": 3,
+                        "train": {"data": "chain"}},
+}
+
+
+def test_table_v_runs_on_the_long_generation_backbone():
+    from kvbench.report.rkv_generation import generation_plan, generation_section
+    from kvbench.report.rkv_plan import RKVPlan
+
+    main = RKVPlan(GEN_SECTION, "smoke")
+    assert main.targets() == ["tableIII"]          # Table V is left to long_generation's plan
+    plan = generation_plan(GEN_SECTION, "smoke", seed=0, model_dir="zoo/smoke/chain")
+    assert plan.targets() == ["tableV"] and plan.model == "tiny-qwen3-lm-chain" and plan.s["n_test"] == 3
+    assert plan.s["threads"] == 1 and plan.s["train"] == {**GEN_SECTION["train"], "data": "chain"}
+    assert plan.run_dir("chain_128", plan.rows("tableV")[1].spec).startswith(
+        "results/runs/smoke/tiny-qwen3-lm-chain/chain_128/residualkv/snapkv_decoding_")
+    assert plan.codec_dir("main").startswith("codecs/smoke/tiny-qwen3-lm-chain/main-")
+    with pytest.raises(ValueError, match="long_generation: missing \\['tasks'\\]"):
+        generation_section({**GEN_SECTION, "long_generation": {"model": "m"}})
+    with pytest.raises(ValueError, match="unknown \\['bogus'\\]"):
+        generation_section({**GEN_SECTION, "long_generation": {**GEN_SECTION["long_generation"], "bogus": 1}})
+    with pytest.raises(ValueError, match="set long_generation"):
+        generation_section({k: v for k, v in GEN_SECTION.items() if k != "long_generation"})
+    with pytest.raises(ValueError, match="sampling: unknown key"):
+        generation_section({**GEN_SECTION, "long_generation": {**GEN_SECTION["long_generation"],
+                                                               "sampling": {"temp": 0.6}}})
+    with pytest.raises(ValueError, match="top_p"):
+        generation_section({**GEN_SECTION, "long_generation": {**GEN_SECTION["long_generation"],
+                                                               "sampling": {"temperature": 0.6, "top_p": 1.5}}})
+
+
+def test_table_v_cells_and_header(tmp_path):
+    import pandas as pd
+
+    from kvbench.report import tables
+    from kvbench.report.rkv_generation import generation_section
+    from kvbench.utils.io import write_jsonl
+
+    section = generation_section(GEN_SECTION)
+    spec = {"profile": "smoke", "residualkv": section, "seed": 0, "model_dir": str(tmp_path / "absent"), "zoo": True,
+            "splits": {"chain_128": "split.jsonl"}}
+    from kvbench.report.rkv_plan import RKVPlan
+
+    plan = RKVPlan.from_spec(spec)
+    for row, scores, kr, gen in zip(plan.rows("tableV"), ([1, 1, 0], [0, 0, 0], [1, 0, 1]), (1.0, 0.3, 0.25),
+                                    (128, 128, 64)):
+        rows = [{"id": str(i), "score": s, "status": "ok",
+                 "plan": {"kr_packed": kr, "kr_resident": 2 * kr, "cr": kr, "n_tokens": 900, "n_generated": gen}}
+                for i, s in enumerate(scores)]
+        write_jsonl(tmp_path / plan.run_dir("chain_128", row.spec) / "predictions.jsonl", rows)
+    write_jsonl(tmp_path / "split.jsonl", [{"id": f"p{i}-{k}", "meta": {"problem": f"p{i}"}} for i in range(2) for k in range(4)])
+    tables.write("residualkv/tableV", spec, tmp_path / "t5.csv", root=tmp_path)
+    df = pd.read_csv(tmp_path / "t5.csv", comment="#")
+    assert df["method"].tolist() == ["Full cache", "SnapKV", "ResidualKV"]
+    assert df["chain_128"].round(2).tolist() == [66.67, 0.0, 66.67] and df["avg"].round(2).tolist() == [66.67, 0.0, 66.67]
+    assert df["KR_packed %"].tolist() == [100.0, 30.0, 25.0] and df["CR %"].tolist() == [100.0, 30.0, 25.0]
+    assert df["generated tokens"].tolist() == [128.0, 128.0, 64.0] and df["sequence tokens"].tolist() == [900.0] * 3
+    header = (tmp_path / "t5.csv").read_text()
+    assert "tiny zoo LM trained here, not the paper's models" in header and "greedy decoding" in header
+    assert "records per problem: chain_128 4 (score = pass@1" in header
+    assert "SnapKV: snapkv_decoding:interval=8,keep=1.0,protocol=one_pass,target_size=64" in header
+
+
+def test_table_v_smoke_dry_run(tmp_path):
+    from test_workflow import planned_jobs, snakemake
+
+    r = snakemake(tmp_path, "-n", "-p", "results/residualkv/tableV.csv")
+    assert r.returncode == 0, r.stdout[-3000:]
+    jobs = planned_jobs(r.stdout)
+    assert jobs["eval"] == 4 and jobs["rkv_codec"] == 1 and jobs["train"] == 1 and jobs["table"] == 1
+    assert "kvbench train --model tiny-qwen3-lm-chain " in r.stdout and '"chain_128": 0.5' in r.stdout
+    assert re.search(r"--out codecs/smoke/tiny-qwen3-lm-chain/main-[0-9a-f]{8} .*--data chain ", r.stdout)
+    assert "zoo/smoke/tiny-qwen2-lm-" not in r.stdout   # Table V never touches the main zoo LM
+    assert r.stdout.count("--split data/smoke/chain_128-") == 4 and "--limit 50" in r.stdout
+
+
+def test_table_v_paper_dry_run(tmp_path):
+    from test_workflow import PAPER_CONFIG, _fake_paper_root, planned_jobs, snakemake
+
+    root = tmp_path / "kvbench-data"
+    _fake_paper_root(root)
+    r = snakemake(tmp_path, "-n", "-p", "results/residualkv/tableV.csv", "--configfile", str(PAPER_CONFIG),
+                  "--config", f"paths={{root: {root}}}")
+    assert r.returncode == 0, r.stdout[-3000:]
+    jobs = planned_jobs(r.stdout)
+    assert jobs == {"eval": 4, "rkv_codec": 1, "table": 1}
+    assert r.stdout.count(f"kvbench eval --model {root}/checkpoints/Qwen3-4B-Thinking-2507 ") == 4
+    assert r.stdout.count(f"--split {root}/benchmarks/aime/aime_x8.jsonl ") == 4
+    evals = [line for line in r.stdout.splitlines() if line.startswith("Shell command: kvbench eval")]
+    assert len(evals) == 4 and all('"temperature": 0.6' in e and '"top_p": 0.95' in e and '"top_k": 20' in e
+                                   for e in evals)   # every run samples (method params)
+    assert re.search(r"--out codecs/paper/qwen3-4b-thinking/main-[0-9a-f]{8} ", r.stdout)
+    assert "snapkv_decoding:interval=10,keep=1.0,kernel=7,pooling=max,protocol=one_pass,target_size=2048" in r.stdout

@@ -136,6 +136,7 @@ class CompressMethod(EvalMethod):
                                      self._sampling)
         self._audit = self._audit_row(model, cache, ids.shape[1], question_chunk=0 < split < ids.shape[1],
                                       n_context=split if 0 < split else ids.shape[1])
+        self._audit["n_generated"] = len(new)   # Table V's mean generated tokens
         self._n += 1
         return self.decode(proc, record, torch.tensor(new))
 

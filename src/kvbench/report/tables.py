@@ -9,10 +9,11 @@ from pathlib import Path
 import pandas as pd
 
 from kvbench.bench import table3
-from kvbench.report import conduit, conduit_diag, residualkv
+from kvbench.report import conduit, conduit_diag, residualkv, rkv_generation
 from kvbench.report.plan import Table
 
-TABLES: dict[str, Table] = {**conduit.TABLES, **conduit_diag.TABLES, **table3.TABLES, **residualkv.TABLES}
+TABLES: dict[str, Table] = {**conduit.TABLES, **conduit_diag.TABLES, **table3.TABLES, **residualkv.TABLES,
+                           **rkv_generation.TABLES}
 
 
 def write(name: str, spec: str | dict, out: str | Path, root: str | Path = ".") -> pd.DataFrame:
