@@ -59,6 +59,12 @@ NOT_DEFAULTED = {
     "residualkv.tableVII": ("smoke", ["results/residualkv/tableVII.csv"], "residualkv.tableVII is not set"),
     "residualkv.tableVIII": ("smoke", ["results/residualkv/tableVIII.csv"], "residualkv.tableVIII is not set"),
     "residualkv.stride_sweep": ("smoke", ["residualkv"], "residualkv.stride_sweep is not set"),
+    # Table V (long generation) runs on long_generation's backbone; its other keys fall back to the section's
+    "residualkv.tableV": ("smoke", ["results/residualkv/tableV.csv"], "residualkv.tableV is not set"),
+    "residualkv.long_generation": ("smoke", ["residualkv"], "residualkv.long_generation"),
+    **{f"residualkv.long_generation.{k}": ("smoke", ["results/residualkv/tableV.csv"], None)
+       for k in ("codec", "n_test", "protocol", "threads", "train", "sampling", "sampling.temperature",
+                 "sampling.top_k", "sampling.top_p")},
     "residualkv.stride_sweep.stride": ("smoke", ["residualkv"], None),
     # codec-training recipe keys without defaults, so that older recipes keep their hashes (issue #16 item 1)
     **{f"residualkv.train.{k}": ("smoke", ["residualkv"], None) for k in ("dtype", "batch", "data_files", "text_field")},
