@@ -64,6 +64,13 @@ NOT_DEFAULTED = {
     "residualkv.target_tasks": ("smoke", ["residualkv"], None),
     # absent: the file is read as kvbench records (no conversion)
     "datasets.*.scbench": ("paper", ["all"], None),
+    # Table V (long generation) runs on long_generation's backbone; its other keys fall back to the section's
+    "residualkv.tableV": ("smoke", ["results/residualkv/tableV.csv"], "residualkv.tableV is not set"),
+    # (the paper profile has both; the smoke profile's Table V is the config/longgen.yaml overlay)
+    "residualkv.long_generation": ("paper", ["residualkv"], "residualkv.long_generation"),
+    **{f"residualkv.long_generation.{k}": ("paper", ["results/residualkv/tableV.csv"], None)
+       for k in ("codec", "n_test", "protocol", "threads", "train", "sampling", "sampling.temperature",
+                 "sampling.top_k", "sampling.top_p")},
     "residualkv.stride_sweep.stride": ("smoke", ["residualkv"], None),
     # codec-training recipe keys without defaults, so that older recipes keep their hashes (issue #16 item 1)
     **{f"residualkv.train.{k}": ("smoke", ["residualkv"], None) for k in ("dtype", "batch", "data_files", "text_field")},

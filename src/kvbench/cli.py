@@ -464,9 +464,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "the command fails (exit 3) saying how many steps are done; rerunning resumes. The codec "
                         "and summary.json are written only when all steps are done (default, or 0: no slice)")
     s.add_argument("--lr", type=float, default=2e-4, help="AdamW peak learning rate (paper §V-A: 2e-4)")
-    s.add_argument("--data", default="text", choices=["text", "tasks", "vlm"],
+    s.add_argument("--data", default="text", choices=["text", "tasks", "vlm", "chain"],
                    help="text: packed corpus windows (the paper's kind of data); tasks: the zoo LM's own task mixture; "
-                        "vlm: a VLM's image records (--data-files: JSONL in the benchmark record format)")
+                        "vlm: a VLM's image records (--data-files: JSONL in the benchmark record format); "
+                        "chain: the chain task of Table V's zoo backbone")
     s.add_argument("--data-files", nargs="+", default=None, metavar="FILE",
                    help="with --data text: a local corpus (.jsonl/.json/.parquet with a text column, or .txt lines; "
                         "the paper's FineWeb-Edu in that layout) instead of the bundled one; 1%% of its documents "

@@ -404,8 +404,35 @@ def _rkv_plan():
         raise ValueError(f"config residualkv: {e}") from e
 
 
+def _rkv_gen_plan():
+    """Table V's plan (kvbench.report.rkv_generation): `residualkv.tableV` on `residualkv.long_generation`'s backbone
+    and tasks, with that backbone's own codec; None without Table V rows."""
+    from kvbench.report.rkv_generation import generation_plan
+    from kvbench.report.rkv_plan import known_model_shape
+
+    if not config.get("residualkv", {}).get("tableV"):
+        return None
+    gen = config["residualkv"].get("long_generation") or {}
+    model = gen.get("model")
+    if model not in MODELS or MODELS[model]["kind"] != "lm":
+        raise ValueError(f"config residualkv.long_generation.model: {model!r} must be an `lm` model defined under "
+                         "`models` (Table V's backbone)")
+    for task in gen.get("tasks", []):
+        if task not in DATASETS:
+            raise ValueError(f"config residualkv.long_generation.tasks: {task!r} is not defined under `datasets`")
+    try:
+        shape = known_model_shape(model, MODELS[model], None if is_zoo(model) else model_dir(model))
+        return generation_plan(_rkv_section(), PROFILE, shape, zoo=is_zoo(model), seed=SEED,
+                               model_dir=model_dir(model))
+    except ValueError as e:
+        raise ValueError(f"config residualkv.tableV: {e}") from e
+
+
 RKV = _rkv_plan()
-RKV_CODECS = RKV.codec_names("trained") if RKV else {}  # "<variant>-<recipe hash>" -> variant (codecs/ directory names)
+RKV_GEN = _rkv_gen_plan()
+RKV_GEN_CODECS = RKV_GEN.codec_names("trained") if RKV_GEN else {}  # Table V backbone's codecs
+# "<variant>-<recipe hash>" -> variant (codecs/ directory names), both plans'
+RKV_CODECS = {**(RKV.codec_names("trained") if RKV else {}), **RKV_GEN_CODECS}
 RKV_IMPORTS = RKV.codec_names("imported") if RKV else {}  # "main-import-<hash>" -> variant (rkv_codec_import)
 
 
@@ -486,16 +513,36 @@ def rkv_plan():
     return RKV
 
 
+def rkv_target_plan(target):
+    """The plan of ResidualKV ``target``: Table V's (:data:`RKV_GEN`) for the long-generation targets, else the main one."""
+    from kvbench.report.rkv_plan import GENERATION_TARGETS
+
+    if target in GENERATION_TARGETS and RKV_GEN is not None:
+        return RKV_GEN
+    return rkv_plan()
+
+
+def rkv_codec_plan(codec):
+    """The plan that owns codec directory name ``codec`` (`<variant>-<recipe hash>`)."""
+    return RKV_GEN if codec in RKV_GEN_CODECS else rkv_plan()
+
+
 def rkv_run_inputs(target):
     """Input function: predictions of every run ResidualKV ``target`` (a table key or ``fig5``) reads."""
     def inputs(wc):
-        plan = rkv_plan()
+        plan = rkv_target_plan(target)
         return [f"{plan.run_dir(t, s)}/predictions.jsonl" for t, s in plan.runs(target)]
     return inputs
 
 
-def rkv_report_spec():
-    """The JSON the ResidualKV writers read (:meth:`kvbench.report.rkv_plan.RKVPlan.from_spec`)."""
+def rkv_report_spec(target=None):
+    """The JSON the ResidualKV writers read (:meth:`kvbench.report.rkv_plan.RKVPlan.from_spec`); for Table V its
+    plan's section and backbone, and the evaluated splits (records per problem)."""
+    plan = rkv_target_plan(target)
+    if plan is RKV_GEN:
+        return json.dumps({"profile": PROFILE, "residualkv": plan.s, "zoo": is_zoo(plan.model), "seed": SEED,
+                           "model_dir": model_dir(plan.model), "splits": {t: split_file(t) for t in plan.tasks}},
+                          sort_keys=True)
     model = config["residualkv"]["model"]
     return json.dumps({"profile": PROFILE, "residualkv": _rkv_section(), "zoo": is_zoo(model), "seed": SEED,
                        "model_dir": model_dir(model)}, sort_keys=True)
@@ -551,11 +598,11 @@ def _runs():
     if MM:
         for run in MM.runs():
             runs[(run.model, run.dataset, run.name)] = run
-    if RKV:
-        for target in RKV.targets():
-            for task, s in RKV.runs(target):
-                run = RKV.run(task, s)
-                runs[(RKV.model, task, run.name)] = run
+    for plan in (RKV, RKV_GEN):
+        for target in plan.targets() if plan else []:
+            for task, s in plan.runs(target):
+                run = plan.run(task, s)
+                runs[(plan.model, task, run.name)] = run
     return runs
 
 
@@ -568,20 +615,32 @@ def run_of(wc):
     return RUNS[(wc.model, wc.task, wc.run)]
 
 
-#: Per run group: the config section's threads and record limit (`eval`, `conduit`, `residualkv`).
+def _rkv_run_plan(wc):
+    """The ResidualKV plan a `residualkv` run belongs to: Table V's when it is one of its runs, else the main one."""
+    if RKV_GEN is not None and (wc.model, wc.task, run_of(wc).spec) in {(RKV_GEN.model, t, s) for t, s in RKV_GEN.runs("tableV")}:
+        return RKV_GEN
+    return rkv_plan()
+
+
+#: Per run group: the config section's threads and record limit (`eval`, `conduit`, `residualkv`; Table V's runs:
+#: its plan's section, `residualkv.long_generation` over `residualkv`).
 def run_threads(wc):
-    section = {"eval": config["eval"], "conduit": config.get("conduit", {}), "residualkv": config.get("residualkv", {}),
+    if run_of(wc).group == "residualkv":
+        return _rkv_run_plan(wc).s.get("threads", 1)
+    section = {"eval": config["eval"], "conduit": config.get("conduit", {}),
                "residualkv_mm": config.get("residualkv", {}).get("tableII", {})}
     return section[run_of(wc).group].get("threads", 1)
 
 
 def run_limit(wc):
     """`--limit N` arguments (none: every record), each quoted in the command (`{params.limit:q}`)."""
-    key = {"eval": ("eval", "limit"), "conduit": ("conduit", "n_test"), "residualkv": ("residualkv", "n_test")}
     group = run_of(wc).group
-    if group == "residualkv_mm":
+    if group == "residualkv":
+        n = _rkv_run_plan(wc).s.get("n_test")
+    elif group == "residualkv_mm":
         n = MM.n_test
     else:
+        key = {"eval": ("eval", "limit"), "conduit": ("conduit", "n_test")}
         section, name = key[group]
         n = config.get(section, {}).get(name)
     return [] if n is None else ["--limit", str(n)]
@@ -604,10 +663,15 @@ def _run_resource(wc):
         codec = f"{mm_codec_dir(run.model)}/codec"
         return {"codec": f"{codec}/codec.json"}, {"codec_dir": codec}
     if run.group == "residualkv":
-        variant = rkv_plan().codec_of(run.spec)
+        from kvbench.report.rkv_generation import sampling
+
+        plan = _rkv_run_plan(wc)
+        variant = plan.codec_of(run.spec)
+        params = sampling(plan.s)   # Table V's sampled decoding (greedy: none)
         if variant is not None:
-            codec = f"{rkv_plan().codec_dir(variant)}/codec"
-            return {"codec": f"{codec}/codec.json"}, {"codec_dir": codec}
+            codec = f"{plan.codec_dir(variant)}/codec"
+            return {"codec": f"{codec}/codec.json"}, {"codec_dir": codec, **params}
+        return {}, params
     return {}, {}
 
 
@@ -729,7 +793,7 @@ def table_spec(wc):
     if table.name == "residualkv/tableII":
         return mm_report_spec()
     if table.section == "residualkv":
-        return rkv_table_i_spec() if table.key in RKV_MODEL_TABLES else rkv_report_spec()
+        return rkv_table_i_spec() if table.key in RKV_MODEL_TABLES else rkv_report_spec(table.key)
     if table.section == "conduit_diagnostics":
         return json.dumps({"profile": PROFILE, "conduit_diagnostics": config["conduit_diagnostics"],
                            "captures": diag_captures(), "regimes": config["conduit"].get("regimes", {}),

@@ -22,7 +22,7 @@ rule rkv_codec:
     param, so changing it never reruns a finished codec."""
     input:
         model=lambda wc: os.path.join(model_dir(wc.model), "config.json"),
-        corpus=lambda wc: [local_path(f) for f in rkv_plan().codec_training(RKV_CODECS[wc.codec]).get("data_files", [])],
+        corpus=lambda wc: [local_path(f) for f in rkv_codec_plan(wc.codec).codec_training(RKV_CODECS[wc.codec]).get("data_files", [])],
     output:
         codec="codecs/{profile}/{model}/{codec}/codec/codec.json",
         summary="codecs/{profile}/{model}/{codec}/summary.json",
@@ -31,10 +31,10 @@ rule rkv_codec:
     params:
         model=lambda wc: model_dir(wc.model),
         out=lambda wc, output: os.path.dirname(output.summary),
-        overrides=lambda wc: json.dumps(rkv_plan().codec_overrides(RKV_CODECS[wc.codec]), sort_keys=True),
-        train=lambda wc: rkv_plan().codec_training(RKV_CODECS[wc.codec]),
-        launch=lambda wc: rkv_plan().codec_launcher(RKV_CODECS[wc.codec]),
-        args=lambda wc: rkv_plan().codec_train_flags(RKV_CODECS[wc.codec], local_path),  # device, dtype, corpus
+        overrides=lambda wc: json.dumps(rkv_codec_plan(wc.codec).codec_overrides(RKV_CODECS[wc.codec]), sort_keys=True),
+        train=lambda wc: rkv_codec_plan(wc.codec).codec_training(RKV_CODECS[wc.codec]),
+        launch=lambda wc: rkv_codec_plan(wc.codec).codec_launcher(RKV_CODECS[wc.codec]),
+        args=lambda wc: rkv_codec_plan(wc.codec).codec_train_flags(RKV_CODECS[wc.codec], local_path),  # device, dtype, corpus
         seed=SEED,
     log:
         "logs/residualkv/codec/{profile}/{model}/{codec}.log",
@@ -44,9 +44,9 @@ rule rkv_codec:
     threads: config.get("residualkv", {}).get("train", {}).get("threads", 1)
     resources:
         mem_mb=model_resource("mem_mb", 8000, 64000),
-        runtime=lambda wc: rkv_plan().codec_runtime_min(RKV_CODECS[wc.codec]),  # minutes: slice + load/save, or estimate
-        slice_s=lambda wc: rkv_plan().codec_slice_s(RKV_CODECS[wc.codec]) or 0,  # seconds; 0: no slice
-        gpu=lambda wc: rkv_plan().codec_gpus(RKV_CODECS[wc.codec]),  # residualkv.train device/gpus
+        runtime=lambda wc: rkv_codec_plan(wc.codec).codec_runtime_min(RKV_CODECS[wc.codec]),  # minutes: slice + load/save, or estimate
+        slice_s=lambda wc: rkv_codec_plan(wc.codec).codec_slice_s(RKV_CODECS[wc.codec]) or 0,  # seconds; 0: no slice
+        gpu=lambda wc: rkv_codec_plan(wc.codec).codec_gpus(RKV_CODECS[wc.codec]),  # residualkv.train device/gpus
     conda:
         "../../envs/kvbench.yaml"
     shell:

@@ -1,4 +1,4 @@
-"""Greedy decoding of one text record through a compressed cache.
+"""Greedy (or seeded sampled) decoding of one text record through a compressed cache.
 
 The prompt is context + question, prefilled in one or two chunks as the press's ``protocol`` says
 (:attr:`kvbench.compress.cache.Press.protocol`): ``one_pass`` (one chunk, exact; only decoding reads the
@@ -10,6 +10,7 @@ a few tokens, ``one_pass`` leaves little to compress before the first answer tok
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -37,15 +38,61 @@ def split_prompt(tok: Any, record: dict) -> tuple[torch.Tensor, int]:
     return torch.tensor([ids]), split
 
 
+@dataclass(frozen=True)
+class Sampling:
+    """Sampling settings of a decode (HF ``generate``'s meaning): ``temperature`` > 0 divides the logits, then
+    ``top_k`` (0: off) keeps the k most likely tokens and ``top_p`` (1.0: off) the smallest set whose probability
+    reaches p, and a token is drawn with torch's default generator (which the runner seeds per record,
+    :func:`kvbench.eval.runner.record_seed`). ``temperature == 0`` is greedy decoding.
+
+    ResidualKV Table V's paper profile samples, as Qwen3-Thinking models are meant to be run (their model card's
+    thinking-mode settings: temperature 0.6, top-p 0.95, top-k 20); the paper states none (notes §4.4).
+
+    Raises:
+        ValueError: a negative temperature, ``top_p`` outside (0, 1], or a negative ``top_k``.
+    """
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0 (0: greedy), got {self.temperature!r}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
+            raise ValueError(f"top_k must be an int >= 0 (0: off), got {self.top_k!r}")
+
+    def pick(self, logits: torch.Tensor) -> int:
+        """The next token id from last-position ``logits`` ``[V]``: argmax when greedy, else a draw."""
+        if self.temperature == 0:
+            return int(logits.argmax())
+        x = logits.float() / self.temperature
+        if self.top_k:
+            kth = torch.topk(x, min(self.top_k, x.numel())).values[-1]
+            x = x.masked_fill(x < kth, float("-inf"))
+        if self.top_p < 1:
+            p, order = torch.sort(x.softmax(-1), descending=True)
+            drop = p.cumsum(-1) - p >= self.top_p       # tokens after the set that already reached top_p
+            x = x.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+        return int(torch.multinomial(x.softmax(-1), 1))
+
+
+GREEDY = Sampling()
+
+
 @torch.inference_mode()
 def greedy_generate(model: Any, press: Press, ids: torch.Tensor, split: int, max_new_tokens: int,
-                    eos: set[int]) -> tuple[list[int], PressCache]:
-    """Prefill ``ids[:, :split]`` then ``ids[:, split:]`` through ``press``'s cache, then decode greedily.
+                    eos: set[int], sampling: Sampling = GREEDY) -> tuple[list[int], PressCache]:
+    """Prefill ``ids[:, :split]`` then ``ids[:, split:]`` through ``press``'s cache, then decode greedily (or as
+    ``sampling`` says).
 
     Args:
         ids: int64 ``[1, T]`` prompt ids; ``split``: first id of the second chunk (0 or T: one chunk; the
             caller applies the protocol, :meth:`~kvbench.compress.cache.Press.first_chunk`).
         max_new_tokens: decode budget; decoding stops after an id in ``eos`` (kept in the output).
+        sampling: :class:`Sampling` (default greedy).
 
     Returns:
         ``(new_ids, cache)``: the generated ids and the cache (for its audit: stored bytes, attended
@@ -62,7 +109,7 @@ def greedy_generate(model: Any, press: Press, ids: torch.Tensor, split: int, max
             if i == 0 and len(chunks) > 1:
                 press.after_context(model, cache, chunk)
         for _ in range(max_new_tokens):
-            nxt = int(logits[0, -1].argmax())
+            nxt = sampling.pick(logits[0, -1])
             out.append(nxt)
             if nxt in eos or len(out) == max_new_tokens:
                 break

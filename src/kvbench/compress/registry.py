@@ -17,6 +17,7 @@ from kvbench.compress.presses.palu import PaluPress
 from kvbench.compress.presses.pyramidkv import PyramidKVPress
 from kvbench.compress.presses.quest import QuestPress
 from kvbench.compress.presses.snapkv import SnapKVPress
+from kvbench.compress.presses.snapkv_decoding import SnapKVDecodingPress
 from kvbench.compress.residualkv.cache import ResidualKVPress
 from kvbench.utils.spec import Family
 
@@ -29,7 +30,7 @@ class FullKV(Press):
 
 PRESSES: dict[str, type[Press]] = {cls.name: cls for cls in (
     FullKV, SnapKVPress, PyramidKVPress, KVzipPress, QuestPress, OmniKVPress, KIVIPress, PaluPress, ResidualKVPress,
-    FastVPress, PACTPress, DivPrunePress)}
+    FastVPress, PACTPress, DivPrunePress, SnapKVDecodingPress)}
 
 #: Press specs: no budget ``@r``; the canonical form keeps every parameter the spec spelled; a trained
 #: codec (``codec_dir``), KVzip's and Palu's tokenizer and Palu's calibration windows (``calib_ids``) are

@@ -21,7 +21,7 @@ from typing import Any
 
 from PIL import Image
 
-from kvbench.data import digitgrid, docpages, lcc, longctx, shared_context
+from kvbench.data import chain, digitgrid, docpages, lcc, longctx, shared_context
 from kvbench.utils import io
 
 
@@ -45,6 +45,7 @@ FAMILIES: dict[str, Family] = {
     "kv_mq": Family(shared_context.sample_kv_mq, "text", "kvbench.data.shared_context"),
     "niah_mq": Family(shared_context.sample_niah_mq, "text", "kvbench.data.shared_context"),
     "vt_mq": Family(shared_context.sample_vt_mq, "text", "kvbench.data.shared_context"),
+    "chain": Family(chain.sample_chain, "text", "kvbench.data.chain"),
 }
 
 
@@ -65,6 +66,8 @@ def _tasks() -> dict[str, TaskSpec]:
     tasks["lcc"] = TaskSpec("lcc", "text", {"length_tokens": 1000})
     for fam, n in (("kv", 4), ("niah", 4), ("vt", 3)):  # the 1k retrieval tasks, several queries per context
         tasks[f"{fam}_1k_mq"] = TaskSpec(f"{fam}_mq", "text", {"length_tokens": 1024, "n_queries": n})
+    # ResidualKV Table V's long generation: 128 generated hops over about 770 prompt tokens
+    tasks["chain_128"] = TaskSpec("chain", "text", {"hops": 128, "n_distractors": 1})
     return tasks
 
 

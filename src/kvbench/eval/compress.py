@@ -28,9 +28,9 @@ from typing import Any, ClassVar
 import torch
 
 from kvbench.compress import accounting
-from kvbench.compress.generate import greedy_generate, split_prompt
-from kvbench.compress.multiquery import answer_queries
+from kvbench.compress.generate import GREEDY, Sampling, greedy_generate, split_prompt
 from kvbench.compress.generate_vlm import encode_vlm, greedy_generate_vlm, question_start
+from kvbench.compress.multiquery import answer_queries
 from kvbench.compress.registry import PRESS
 from kvbench.compress.residualkv.codec import CODEC_FILE, CONFIG_FILE
 from kvbench.eval.methods import EvalMethod, FatalRunError, eos_ids
@@ -48,10 +48,13 @@ class CompressMethod(EvalMethod):
         codec_dir: trained codec directory, for presses that take one (ResidualKV).
         audit_requests: samples whose OmniKV selections are kept in the audit row (>= 0): the first
             records of the run by position (:meth:`start`), whether or not earlier ones failed.
+        temperature, top_p, top_k: decoding (:class:`~kvbench.compress.generate.Sampling`; temperature 0, the
+            default, is greedy). Table V's paper profile samples; each record draws from the generator the runner
+            seeds per record (:func:`kvbench.eval.runner.record_seed`), so a resumed run draws the same tokens.
 
     Raises:
         ValueError: unknown press or parameter, ``codec_dir`` given to a press without a codec,
-            ``audit_requests`` negative.
+            ``audit_requests`` negative, bad sampling settings.
     """
 
     name: ClassVar[str] = "compress"
@@ -59,9 +62,13 @@ class CompressMethod(EvalMethod):
     spec: str = "full"
     codec_dir: str = ""
     audit_requests: int = 4
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
 
     def __post_init__(self):
         self._spec = parse(self.spec, PRESS)
+        self._sampling = Sampling(self.temperature, self.top_p, self.top_k)
         if not isinstance(self.audit_requests, int) or isinstance(self.audit_requests, bool) or self.audit_requests < 0:
             raise ValueError(f"audit_requests must be an int >= 0, got {self.audit_requests!r}")
         self._takes_codec = "codec_dir" in {f.name for f in dataclasses.fields(self._spec.cls)}
@@ -91,8 +98,11 @@ class CompressMethod(EvalMethod):
 
     def config(self) -> dict:
         press = self.press()
-        return {"name": self.name, "spec": self._spec.canonical, "codec_dir": self.codec_dir,
-                "press": {"class": type(press).__name__, **dataclasses.asdict(press)}}
+        out = {"name": self.name, "spec": self._spec.canonical, "codec_dir": self.codec_dir,
+               "press": {"class": type(press).__name__, **dataclasses.asdict(press)}}
+        if self._sampling != GREEDY:   # greedy runs keep the config they always had (a repeat compares it)
+            out["sampling"] = dataclasses.asdict(self._sampling)
+        return out
 
     def protocol(self) -> dict:
         press = self.press()
@@ -120,6 +130,12 @@ class CompressMethod(EvalMethod):
                 raise ValueError(f"record {r.get('id')!r}: compression methods run on VLM records or on text records "
                                  f"with a 'context' field (kind {r.get('kind')!r})")
         self._multi = any(is_multi(r) for r in records)
+        if self._sampling != GREEDY:
+            # only the single-query text path samples; answering the others greedily would not be the configured run
+            bad = next((r for r in records if is_multi(r) or r.get("kind") == "vlm"), None)
+            if bad is not None:
+                raise ValueError(f"record {bad.get('id')!r}: sampling ({self._sampling}) is implemented for single-query "
+                                 "text records only (Table V); multi-query and VLM records are answered greedily")
         self.press()
 
     def start(self, index: int) -> None:
@@ -146,9 +162,10 @@ class CompressMethod(EvalMethod):
             ids, split = split_prompt(tok, record)
             split = self.press().first_chunk(ids.shape[1], split)
             new, cache = greedy_generate(model, self.press(), ids, split, int(record["max_new_tokens"]),
-                                         eos_ids(model, proc))
+                                         eos_ids(model, proc), self._sampling)
         self._audit = self._audit_row(model, cache, ids.shape[1], question_chunk=0 < split < ids.shape[1],
                                       n_context=split if 0 < split else ids.shape[1])
+        self._audit["n_generated"] = len(new)   # Table V's mean generated tokens
         self._n += 1
         return self.decode(proc, record, torch.tensor(new))
 

@@ -6,6 +6,8 @@
   prediction line that contains no backtick, ``#`` or ``//``, compared to the gold
   line with ``fuzz.ratio / 100`` (normalised Indel similarity,
   ``2 * LCS / (len(a) + len(b))``).
+- :func:`final_answer`: equality of the final answers only (last ``\\boxed{}`` or last word): long chains and
+  reasoning traces (ResidualKV Table V).
 - :func:`aggregate`: mean score with a 95% confidence interval (Wilson for
   binary scores, normal approximation otherwise) and mean chance level.
 
@@ -68,10 +70,32 @@ def edit_sim(pred: str, gold: str) -> float:
     return indel_ratio(first_code_line(pred), gold)
 
 
+def _final(text: str) -> str:
+    """A text's final answer: the content of its last ``\\boxed{...}`` (a reasoning model's convention: AIME runs of
+    Qwen3-Thinking), else its last whitespace-separated word ("" for an empty text)."""
+    at = text.rfind("\\boxed{")
+    if at >= 0:
+        depth, start = 0, at + len("\\boxed{")
+        for i in range(start, len(text)):
+            depth += {"{": 1, "}": -1}.get(text[i], 0)
+            if depth < 0:
+                return text[start:i].strip()
+    words = text.split()
+    return words[-1] if words else ""
+
+
+def final_answer(pred: str, gold: str) -> float:
+    """1.0 when the final answers of ``pred`` and ``gold`` (:func:`_final`) are equal and not empty, else 0.0: a long
+    chain or reasoning trace is scored by its final answer only (ResidualKV Table V; the smoke chain task)."""
+    p = _final(pred)
+    return float(bool(p) and p == _final(gold))
+
+
 #: Metric registry: the record field ``metric`` names one of these.
 METRICS: dict[str, Callable[[str, str], float]] = {
     "exact_match": exact_match,
     "edit_sim": edit_sim,
+    "final_answer": final_answer,
     **SCBENCH_METRICS,   # SCBench's scorers (ResidualKV Table IV); golds may be lists there
 }
 

@@ -39,6 +39,10 @@ from kvbench.utils.spec import MethodSpec, parse
 #: strides). Every other target ``tableX`` takes its rows from the config key of its own name, a list of
 #: ``{label, method}``: a new table needs no line here.
 SWEEP_TARGETS = ("tableVI", "fig5")
+#: Targets run on the section's ``long_generation`` backbone and task, not on ``model``/``tasks`` (Table V: long
+#: generation, :mod:`kvbench.report.rkv_generation` builds their plan); a section with ``long_generation`` leaves
+#: them out of its own :meth:`RKVPlan.targets`.
+GENERATION_TARGETS = ("tableV",)
 #: Header wording of each evaluation protocol (:attr:`kvbench.compress.cache.Press.protocol`).
 PROTOCOL_NOTES = {
     "one_pass": "one_pass: context + question prefilled as one chunk (exact), then greedy decoding reads the "
@@ -473,7 +477,8 @@ class RKVPlan:
 
     def targets(self) -> list[str]:
         """Every target this config has rows for: each ``table*`` list of rows, then the sweep targets."""
-        own = [k for k, v in self.s.items() if k.startswith("table") and isinstance(v, list) and v]
+        own = [k for k, v in self.s.items() if k.startswith("table") and isinstance(v, list) and v
+               and not (k in GENERATION_TARGETS and "long_generation" in self.s)]
         return own + [t for t in SWEEP_TARGETS if t not in own and self.configured(t)]
 
     def rows(self, target: str) -> list[Row]:

@@ -168,7 +168,25 @@ def vlm_mild_recipe() -> list[Phase]:
     return [replace(p, **mild) if p.kind == "tasks" else p for p in vlm_recipe()]
 
 
-RECIPES = {"lm": lm_recipe, "vlm": vlm_recipe, "vlm-mild": vlm_mild_recipe}
+#: ``(max hops, steps, batch)`` of the chain model's task phases after the copy warm-up: chains of
+#: ``max hops // 2 .. max hops`` variables, one distractor chain, every chain asked (:mod:`kvbench.data.chain`)
+CHAIN_LENGTHS = ((8, 150, 16), (32, 150, 8), (64, 150, 4), (128, 250, 2))
+
+
+def chain_recipe() -> list[Phase]:
+    """Phases of ``tiny-qwen3-lm-chain`` (ResidualKV Table V's smoke backbone): :func:`lm_recipe`'s copy warm-up
+    (induction heads, supervised), then chains of increasing length, each hop an induction lookup in the prompt
+    (:mod:`kvbench.data.chain`), heads still supervised (the latest earlier occurrence of a chain token is its own
+    statement's key, so the induction target is the next variable)."""
+    phases = [replace(lm_recipe()[0], steps=300)]
+    for hops, steps, batch in CHAIN_LENGTHS:
+        mix = (("chain", 1.0, {"hops": hops, "min_hops": max(1, hops // 2), "n_distractors": 1}),)
+        phases.append(Phase(f"chain{hops}", "tasks", steps=steps, lr=1e-3, warmup=10, batch=batch, seq_len=0,
+                            mixture=mix, head_supervision=1.0))
+    return phases
+
+
+RECIPES = {"lm": lm_recipe, "vlm": vlm_recipe, "vlm-mild": vlm_mild_recipe, "lm-chain": chain_recipe}
 #: values of :attr:`Phase.cell_target`
 CELL_TARGETS = ("instruction", "content")
 

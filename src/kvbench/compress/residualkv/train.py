@@ -320,9 +320,21 @@ class TaskStream:
         return enc["input_ids"], enc["input_ids"].clone() if full_loss else enc["labels"]
 
 
-#: Training data of the codec: plain text (the paper's kind), the zoo LM's task mixture, or a VLM's image records
-#: (:class:`~kvbench.compress.residualkv.vlm_data.VLMRecordStream`: ``data_files`` name them).
-DATA = {"text": TokenStream, "tasks": TaskStream, "vlm": VLMRecordStream}
+class ChainStream(TaskStream):
+    """:class:`TaskStream` over the chain task (:mod:`kvbench.data.chain`) that ResidualKV Table V's zoo backbone
+    (``tiny-qwen3-lm-chain``) was trained on: chains of ``seq_len // 12 .. seq_len // 6`` hops, one distractor chain,
+    every chain asked (a record of about ``seq_len`` prompt tokens plus its answers)."""
+
+    def __init__(self, tokenizer: Any, split: str, seq_len: int, seed: int) -> None:
+        super().__init__(tokenizer, split, seq_len, seed)
+        hops = max(2, seq_len // 6)
+        self.mixture = (("chain", 1.0, {"hops": hops, "min_hops": hops // 2, "n_distractors": 1}),)
+
+
+#: Training data of the codec: plain text (the paper's kind), the zoo LM's task mixture, a VLM's image records
+#: (:class:`~kvbench.compress.residualkv.vlm_data.VLMRecordStream`: ``data_files`` name them), or the chain task of
+#: Table V's zoo backbone.
+DATA = {"text": TokenStream, "tasks": TaskStream, "vlm": VLMRecordStream, "chain": ChainStream}
 #: Data kinds read from ``data_files``.
 FILE_DATA = ("text", "vlm")
 
