@@ -15,11 +15,14 @@ from kvbench.compress import multiquery
 from kvbench.compress.cache import Press
 from kvbench.compress.generate import greedy_generate
 from kvbench.compress.multiquery import answer_queries
+from kvbench.compress.presses.visual import VisualPress
 from kvbench.utils.spec import parse
 from kvbench.compress.registry import PRESS
 from test_press_matrix import SPECS, USUAL, identity_codec, resources  # noqa: F401  (fixture re-exported)
 
 N_CTX, N_NEW = 70, 4
+#: multi-query records are text (SCBench); the visual-token presses refuse a request without visual tokens
+TEXT_SPECS = [n for n in SPECS if not issubclass(parse(n + USUAL.get(n, ""), PRESS).cls, VisualPress)]
 
 
 def _ids(n, seed):
@@ -30,7 +33,7 @@ def _queries():
     return [_ids(5, 11), _ids(3, 12), _ids(7, 13)]
 
 
-@pytest.mark.parametrize("name", SPECS)
+@pytest.mark.parametrize("name", TEXT_SPECS)
 def test_queries_from_one_context_equal_fresh_single_query_runs(tiny_lm, identity_codec, name):
     spec = parse(name + USUAL.get(name, ""), PRESS)
     press = spec.build(**resources(spec.cls, identity_codec))
@@ -46,13 +49,13 @@ def test_queries_from_one_context_equal_fresh_single_query_runs(tiny_lm, identit
 
 def test_full_cache_logits_equal_a_fresh_run_and_the_context_runs_once(tiny_lm, monkeypatch):
     ctx, qs = _ids(N_CTX, 4), _queries()
-    seen, forward = [], multiquery._forward
+    seen, forward = [], multiquery.forward_chunk
 
     def spy(model, cache, ids, start):
         seen.append((start, ids.shape[1]))
         return forward(model, cache, ids, start)
 
-    monkeypatch.setattr(multiquery, "_forward", spy)
+    monkeypatch.setattr(multiquery, "forward_chunk", spy)
     firsts = []
     answers, _ = answer_queries(tiny_lm, Press(), ctx, qs, [1] * 3, eos=set(),
                                 audit=lambda cache: cache.get_seq_length())
@@ -70,10 +73,10 @@ def test_snapshot_copies_are_independent_of_the_live_cache(tiny_lm):
     from kvbench.compress.cache import press_attention
 
     with torch.inference_mode(), press_attention(tiny_lm, cache):
-        multiquery._forward(tiny_lm, cache, _ids(10, 1), 0)
+        multiquery.forward_chunk(tiny_lm, cache, _ids(10, 1), 0)
         snap = multiquery.Snapshot(cache)
         before = cache.layers[0]._stored.keys.clone()
-        multiquery._forward(tiny_lm, cache, _ids(4, 2), 10)
+        multiquery.forward_chunk(tiny_lm, cache, _ids(4, 2), 10)
         assert cache.get_seq_length() == 14
         snap.restore()
         assert cache.get_seq_length() == 10 and torch.equal(cache.layers[0]._stored.keys, before)

@@ -104,7 +104,7 @@ def greedy_generate(model: Any, press: Press, ids: torch.Tensor, split: int, max
     with press_attention(model, cache):
         pos = 0
         for i, chunk in enumerate(chunks):
-            logits = _forward(model, cache, chunk, pos)
+            logits = forward_chunk(model, cache, chunk, pos)
             pos += chunk.shape[1]
             if i == 0 and len(chunks) > 1:
                 press.after_context(model, cache, chunk)
@@ -113,12 +113,14 @@ def greedy_generate(model: Any, press: Press, ids: torch.Tensor, split: int, max
             out.append(nxt)
             if nxt in eos or len(out) == max_new_tokens:
                 break
-            logits = _forward(model, cache, torch.tensor([[nxt]]), pos)
+            logits = forward_chunk(model, cache, torch.tensor([[nxt]]), pos)
             pos += 1
     return out, cache
 
 
-def _forward(model: Any, cache: PressCache, ids: torch.Tensor, start: int) -> torch.Tensor:
+def forward_chunk(model: Any, cache: PressCache, ids: torch.Tensor, start: int) -> torch.Tensor:
+    """Logits ``[1, t, vocab]`` of token ids ``[1, t]`` at positions ``start .. start + t - 1``, through ``cache``
+    (one prefill chunk or one decode step; the caller holds :func:`press_attention`)."""
     positions = torch.arange(start, start + ids.shape[1]).view(1, -1)
     return model(input_ids=ids.to(model.device), position_ids=positions.to(model.device), cache=cache,
                  use_cache=True).logits

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from kvbench.compress.cache import LayerContext, Press, PressCache, RopeTable, press_attention
-from kvbench.compress.generate import _forward
+from kvbench.compress.generate import forward_chunk
 
 
 class Snapshot:
@@ -119,21 +119,21 @@ def answer_queries(model: Any, press: Press, context_ids: torch.Tensor, queries:
     n_ctx = context_ids.shape[1]
     answers: list[QueryAnswer] = []
     with press_attention(model, cache):
-        _forward(model, cache, context_ids, 0)
+        forward_chunk(model, cache, context_ids, 0)
         press.after_context(model, cache, context_ids)
         snap = Snapshot(cache)
         for i, (q, budget) in enumerate(zip(queries, max_new_tokens)):
             if i:
                 snap.restore()
             first = len(cache.attended)
-            logits = _forward(model, cache, q, n_ctx)
+            logits = forward_chunk(model, cache, q, n_ctx)
             pos, out = n_ctx + q.shape[1], []
             while True:
                 nxt = int(logits[0, -1].argmax())
                 out.append(nxt)
                 if nxt in eos or len(out) == int(budget):
                     break
-                logits = _forward(model, cache, torch.tensor([[nxt]]), pos)
+                logits = forward_chunk(model, cache, torch.tensor([[nxt]]), pos)
                 pos += 1
             answers.append(QueryAnswer(out, [list(r) for r in cache.attended[first:]], q.shape[1],
                                        audit(cache) if audit is not None else None))

@@ -206,7 +206,7 @@ def observe(model: Any, proc: Any, splits: dict[str, str | Path], schedule: Refe
     (:func:`kvbench.compress.generate.split_prompt`, the part before the question), truncated to
     ``context_tokens`` and to what is left of ``max_tokens``; splits are read in the order given and stop once
     ``max_tokens`` tokens are analysed. K and V come from forward hooks on each layer's codec key source and
-    ``v_proj`` (:func:`kvbench.compress.residualkv.train._record_kv`), one context per forward, no cache.
+    ``v_proj`` (:func:`kvbench.compress.residualkv.train.record_kv`), one context per forward, no cache.
 
     Args:
         model: a HF causal LM (or VLM, run on text only) in eval mode.
@@ -219,7 +219,7 @@ def observe(model: Any, proc: Any, splits: dict[str, str | Path], schedule: Refe
     """
     from kvbench.compress.cache import decoder_layers
     from kvbench.compress.generate import split_prompt
-    from kvbench.compress.residualkv.train import _record_kv
+    from kvbench.compress.residualkv.train import record_kv
     from kvbench.utils.io import read_jsonl
 
     if records_per_task < 1 or max_tokens < 2 or (context_tokens is not None and context_tokens < 2):
@@ -240,7 +240,7 @@ def observe(model: Any, proc: Any, splits: dict[str, str | Path], schedule: Refe
             if ids.numel() < 2:
                 continue
             store: list[dict] = [{} for _ in range(n_layers)]
-            with _record_kv(model, store):
+            with record_kv(model, store):
                 model(input_ids=ids[None].to(device), use_cache=False)
             for layer, kv in zip(layers, store):
                 layer.add(torch.cat([kv["k"], kv["v"]], dim=-1)[0].float().cpu(), schedule)

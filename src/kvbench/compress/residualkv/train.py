@@ -69,7 +69,7 @@ SAVE_EVERY_S = 60.0
 
 
 @contextlib.contextmanager
-def _record_kv(model: Any, store: list[dict]) -> Iterator[None]:
+def record_kv(model: Any, store: list[dict]) -> Iterator[None]:
     """Hooks that record each layer's codec K (``keys.codec_keys``: the k_proj output) and v_proj output
     into ``store[l]['k'|'v']``, ``[B, T, d_kv/2]`` each."""
     handles = []
@@ -198,7 +198,7 @@ def compressed_forward(model: Any, codec: ResidualCodec, input_ids: torch.Tensor
         raise ValueError(f"codec (n_layers={codec.config.n_layers}, d_kv={codec.config.d_kv}) does not fit the "
                          f"model (n_layers={n_layers}, d_kv={d_kv})")
     rec: list[dict] = [{} for _ in range(n_layers)]
-    with torch.no_grad(), _record_kv(model, rec):
+    with torch.no_grad(), record_kv(model, rec):
         model(**_inputs(input_ids), use_cache=False)
     teacher = [torch.cat([r["k"], r["v"]], -1) for r in rec]
     kv_hat: list = [None] * n_layers
