@@ -72,6 +72,12 @@ NOT_DEFAULTED = {
        for k in ("codec", "n_test", "protocol", "threads", "train", "sampling", "sampling.temperature",
                  "sampling.top_k", "sampling.top_p")},
     "residualkv.stride_sweep.stride": ("smoke", ["residualkv"], None),
+    # Fig. 3 (observations): model and tasks default to residualkv.model / tasks
+    **{k: ("smoke", ["figures/residualkv/fig3.pdf"], None)
+       for k in ("residualkv.fig3", "residualkv.fig3.model", "residualkv.fig3.tasks")},
+    # Table II (multimodal): asked for by name without its section it fails naming it; its ResidualKV rows need the codec
+    "residualkv.tableII": ("smoke", ["results/residualkv/tableII.csv"], "residualkv.tableII"),
+    "residualkv.tableII.codec": ("smoke", ["results/residualkv/tableII.csv"], "residualkv.tableII.codec"),
     # codec-training recipe keys without defaults, so that older recipes keep their hashes (issue #16 item 1)
     **{f"residualkv.train.{k}": ("smoke", ["residualkv"], None) for k in ("dtype", "batch", "data_files", "text_field")},
     # absent: the main codec is trained (tests/test_rkv_deltakv_format.py dry-runs a config that imports it)

@@ -438,16 +438,18 @@ RKV_IMPORTS = RKV.codec_names("imported") if RKV else {}  # "main-import-<hash>"
 
 def _mm_plan():
     """ResidualKV Table II's plan (:class:`kvbench.report.rkv_multimodal.MMPlan`), None without `residualkv.tableII`."""
+    from kvbench.data.smoke import TASKS
     from kvbench.report.rkv_multimodal import MMPlan
 
     section = config.get("residualkv", {}).get("tableII")
     if not section:
         return None
     for m in section["models"]:
-        if m not in MODELS or MODELS[m]["kind"] != "vlm":
+        if m not in MODELS or MODELS[m].get("kind") != "vlm":
             raise ValueError(f"config residualkv.tableII.models: {m!r} must be a `vlm` model defined under `models`")
     for t in section["tasks"]:
-        if t not in DATASETS or DATASETS[t]["kind"] != "vlm":
+        # a dataset's kind: its `kind:` or, for a smoke dataset without one, its generator's
+        if t not in DATASETS or (DATASETS[t].get("kind") or (TASKS[t].kind if t in TASKS else None)) != "vlm":
             raise ValueError(f"config residualkv.tableII.tasks: {t!r} must be a `vlm` dataset defined under `datasets`")
     return MMPlan(section, PROFILE, {m: is_zoo(m) for m in section["models"]})
 
