@@ -55,8 +55,8 @@ class MMPlan:
 
     Raises:
         ValueError: a missing key, an invalid row spec, a duplicate label, two specs sharing a run directory, or a
-            press that takes a trained codec (ResidualKV on a VLM needs a codec trained on its language model,
-            which the pipeline does not build yet); naming ``residualkv.tableII`` and the row.
+            press that takes a trained codec (ResidualKV) while ``residualkv.tableII.codec`` is not configured (rule
+            ``rkv_mm_codec`` trains one per backbone from it); naming ``residualkv.tableII`` and the row.
     """
 
     section: dict
@@ -130,7 +130,9 @@ class MMPlan:
     @property
     def protocol(self) -> str:
         """The section's ``protocol`` (default ``shared_context``: with one-token answers under ``one_pass`` the answer
-        comes from the exact prompt chunk and no press could change it)."""
+        comes from the exact prompt chunk, which a press that compresses after the prefill cannot change; presses that
+        prune inside the prefill, FastV, PACT and DivPrune, spell ``protocol=one_pass`` in their rows, as the originals
+        run)."""
         return self.section.get("protocol", "shared_context")
 
     @property
