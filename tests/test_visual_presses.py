@@ -346,3 +346,17 @@ def test_on_an_mrope_vlm_keep_all_is_exact_and_pact_merges_with_the_model_s_own_
     for c, p in enumerate(red.centers.tolist()):
         k = rope.rotate(fn, pre[:, :, red.members[red.member_of == c]].mean(2, keepdim=True), cos[:, [p]], sin[:, [p]])
         assert torch.allclose(cache.layers[1]._stored.keys[:, :, at[c]], k[:, :, 0], atol=1e-5)
+
+
+@pytest.mark.parametrize("spec, record", [
+    ("fastv:keep=0.5", {"id": "t0", "kind": "text", "context": "abc", "question": "q", "answer": "a"}),
+    ("divprune:keep=0.5", {"id": "t0", "kind": "text", "context": "abc", "question": "q", "answer": "a"}),
+    ("kvzip:ratio=0.3", {"id": "v0", "kind": "vlm", "images": ["p.png"], "question": "q", "answer": "a"}),
+])
+def test_a_split_the_press_cannot_answer_is_refused_before_any_sample(spec, record):
+    """Review of the merge: fastv on a text split (or kvzip on a VLM split) passed check_records and then failed
+    every sample."""
+    from kvbench.eval.compress import CompressMethod
+
+    with pytest.raises(ValueError, match=f"answers .* records only, but record '{record['id']}' is '{record['kind']}'"):
+        CompressMethod(spec=spec).check_records([record])

@@ -531,6 +531,9 @@ class Press:
     #: The press scores the context alone in :meth:`after_context` (query-agnostic, KVzip), so the context is
     #: always its own chunk.
     context_pass: ClassVar[bool] = False
+    #: Record kinds the press can answer (``kvbench eval`` refuses a split with others before loading the model):
+    #: visual-token presses need images, a context pass (KVzip) re-reads the context from token ids, so text only.
+    serves: ClassVar[tuple[str, ...]] = ("text", "vlm")
 
     protocol: str = field(default="shared_context", kw_only=True)
 

@@ -130,6 +130,11 @@ class CompressMethod(EvalMethod):
                 raise ValueError(f"record {r.get('id')!r}: compression methods run on VLM records or on text records "
                                  f"with a 'context' field (kind {r.get('kind')!r})")
         self._multi = any(is_multi(r) for r in records)
+        serves = type(self.press()).serves
+        bad = next((r for r in records if r.get("kind") not in serves), None)
+        if bad is not None:  # stop before the first sample, not with every sample failing
+            raise ValueError(f"method {self.spec!r} answers {' and '.join(serves)} records only, but record "
+                             f"{bad.get('id')!r} is {bad.get('kind')!r}")
         if self._sampling != GREEDY:
             # only the single-query text path samples; answering the others greedily would not be the configured run
             bad = next((r for r in records if is_multi(r) or r.get("kind") == "vlm"), None)

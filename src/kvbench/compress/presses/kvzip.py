@@ -99,6 +99,7 @@ class KVzipPress(Press):
     """
 
     name = "kvzip"
+    serves = ("text",)   # its context pass re-reads the context from token ids, which cannot carry images
     exact = {"ratio": 1.0}
     context_pass = True   # query-agnostic: the reconstruction pass scores the context before the question exists
     ratio: float = 0.3

@@ -193,7 +193,7 @@ class VisualPress(Press):
     """
 
     #: the press needs :attr:`PressCache.visual` (tests/test_press_matrix.py gives it a span of the prompt)
-    visual_only: ClassVar[bool] = True
+    serves = ("vlm",)   # Press.serves: a text request has no visual tokens to act on
     layer_class: ClassVar[type[VisualLayer]] = VisualLayer
 
     def select_layer(self, n_layers: int) -> int | None:
