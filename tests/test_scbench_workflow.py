@@ -127,3 +127,17 @@ def test_table_iv_columns_kr_cr_and_header(tmp_path):
     section["tableIV"][1]["method"] = "fullkv"
     with pytest.raises(ValueError, match="row 'Full cache': SCBench's rows run under protocol=shared_context"):
         rkv_scbench.write_table_iv(RKVPlan(section, "smoke"), tmp_path / "bad.csv", tmp_path)
+
+
+def test_a_table_iv_row_without_shared_context_fails_the_dag(tmp_path):
+    """Review of the merge: the row check ran in the table job only, after every run of the table."""
+    import yaml
+
+    from test_workflow import CONFIG, load, snakemake
+
+    cfg = load(CONFIG)
+    cfg["residualkv"]["tableIV"][1]["method"] = "kvzip:ratio=0.3,protocol=one_pass"
+    conf = tmp_path / "c.yaml"
+    conf.write_text(yaml.safe_dump(cfg))
+    r = snakemake(tmp_path, "-n", "--configfile", str(conf))
+    assert r.returncode != 0 and "SCBench's rows run under protocol=shared_context" in r.stdout, r.stdout[-2000:]

@@ -429,6 +429,10 @@ def _rkv_gen_plan():
 
 
 RKV = _rkv_plan()
+if RKV is not None and RKV.configured("tableIV"):
+    from kvbench.report.rkv_scbench import check_rows as _check_table_iv_rows
+
+    _check_table_iv_rows(RKV)  # while the DAG is built, not after every run of the table finished
 RKV_GEN = _rkv_gen_plan()
 RKV_GEN_CODECS = RKV_GEN.codec_names("trained") if RKV_GEN else {}  # Table V backbone's codecs
 # "<variant>-<recipe hash>" -> variant (codecs/ directory names), both plans'
