@@ -34,6 +34,9 @@ def test_stream_encodes_records_with_their_images_and_answer_labels(docpages, vl
     assert torch.equal(train.batch(3)[0]["input_ids"], VLMRecordStream(proc, "train", 0, 0, [str(docpages / "train.jsonl")]).batch(3)[0]["input_ids"])
     with pytest.raises(ValueError, match="data_files"):
         VLMRecordStream(proc, "train", 0, 0, None)
+    # review of the merge: a text LM's tokenizer trained a codec on VLM records without complaint
+    with pytest.raises(ValueError, match="no image processor"):
+        VLMRecordStream(proc.tokenizer, "train", 0, 0, [str(docpages / "train.jsonl")])
 
 
 def test_codec_train_on_vlm_records_then_residualkv_answers_vlm_records(docpages, vlm_dir, tmp_path, capsys):

@@ -40,6 +40,9 @@ class VLMRecordStream:
                  text_field: str = "text") -> None:
         if not files:
             raise ValueError("data 'vlm' trains on VLM record files: give data_files (e.g. the tasks' train.jsonl)")
+        if not hasattr(processor, "image_processor"):  # a text LM's tokenizer: its model never reads the images
+            raise ValueError(f"data 'vlm' trains a VLM's codec on its image records, but the model's processor is "
+                             f"{type(processor).__name__} (no image processor): use data 'text' or 'tasks' for an LM")
         self.proc, self.seed = processor, seed
         self.records: list[tuple[dict, Path]] = []
         n = 0
