@@ -133,7 +133,7 @@ def test_local_corpus_parquet_equals_jsonl(tokenizer, tmp_path):
 
 
 @pytest.mark.parametrize("argv, needle", [
-    (["--data", "tasks", "--data-files", "x.jsonl"], "--data-files is a text corpus: it needs --data text"),
+    (["--data", "tasks", "--data-files", "x.jsonl"], "--data-files is a text corpus or VLM records: it needs --data text or vlm"),
     (["--device", "cuda"], "no CUDA device is visible"),
     (["--dtype", "float16"], "float16' needs a CUDA device"),
     (["--grad-accum", "0"], "argument --grad-accum"),
@@ -269,6 +269,6 @@ def test_train_codec_refuses_corpus_files_with_task_data(lm_dir, tokenizer, tmp_
     from kvbench.compress.residualkv.codec import ResidualCodec
 
     model, _ = load_model(lm_dir, dtype=torch.float32)
-    with pytest.raises(ValueError, match="data_files are a text corpus: they need data='text', got data='tasks'"):
+    with pytest.raises(ValueError, match=r"data_files are a text corpus or VLM records: they need data in \('text', 'vlm'\), got data='tasks'"):
         train_codec(model, tokenizer, ResidualCodec.for_model(model), out_dir=tmp_path / "c", steps=1, data="tasks",
                     data_files=[_corpus(tmp_path)], progress=False)
