@@ -9,6 +9,7 @@ JSONL files on disk (`jsonl:`). Relative local paths are under `paths.root`.
 import json
 import os
 import re
+import shlex
 import sys
 
 PROFILE = config["profile"]
@@ -491,7 +492,8 @@ def mm_check_codec(wc):
 
 
 def mm_codec_placement():
-    """`--device/--dtype/--checkpointing` flags of Table II's codec training (`tableII.codec.train`), when not defaults."""
+    """`--device/--dtype/--checkpointing` flags of Table II's codec training (`tableII.codec.train`), when not defaults,
+    each shell-quoted (the rule's `{params.args}`: config text never reaches the shell unquoted)."""
     t = MM.section["codec"]["train"]
     flags = []
     if t.get("device", "cpu") != "cpu":
@@ -500,7 +502,7 @@ def mm_codec_placement():
         flags += ["--dtype", t["dtype"]]
     if t.get("checkpointing"):
         flags.append("--checkpointing")
-    return " ".join(flags)
+    return " ".join(shlex.quote(f) for f in flags)
 
 
 def mm_codec_gpus(wc):

@@ -22,7 +22,7 @@ rule rkv_mm_codec:
         overrides=lambda wc: json.dumps(MM.section["codec"].get("config", {}), sort_keys=True),
         train=lambda wc: MM.section["codec"]["train"],
         recipe=lambda wc: mm_check_codec(wc),
-        place=lambda wc: mm_codec_placement(),
+        args=lambda wc: mm_codec_placement(),  # shell-quoted flags
         seed=SEED,
     log:
         "logs/residualkv/codec/{profile}/{model}/{mmcodec}.log",
@@ -38,5 +38,5 @@ rule rkv_mm_codec:
     shell:
         "kvbench codec-train --model {params.model:q} --out {params.out:q} --overrides {params.overrides:q}"
         " --objective {params.train[objective]:q} --steps {params.train[steps]:q} --lr {params.train[lr]:q}"
-        " --data vlm --data-files {input.data:q} --seed {params.seed:q} --threads {threads} {params.place}"
+        " --data vlm --data-files {input.data:q} --seed {params.seed:q} --threads {threads} {params.args}"
         " > {log:q} 2>&1"
