@@ -423,6 +423,8 @@ def test_every_table_and_run_of_a_profile_is_in_the_dag(tmp_path, profile):
     else:
         cfg = load(CONFIG)
     tables = [t for t in TABLES.values() if t.section in cfg and t.section != "conduit_latency"]
+    # Table V on the tiny zoo is the overlay config/longgen.yaml (its zoo model does not reach its floor yet)
+    tables = [t for t in tables if t.name != "residualkv/tableV" or "tableV" in cfg["residualkv"]]
     # targets before --config, which takes every argument after it
     r = snakemake(tmp_path, "-n", "conduit", "residualkv", "runs", *[t.path for t in tables], *config)
     assert r.returncode == 0, r.stdout[-3000:]
