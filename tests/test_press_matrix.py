@@ -55,10 +55,10 @@ def resources(cls, identity_codec) -> dict:
 
 
 def _visual(press, model, ids, split):
-    """A press that acts on visual tokens only (``visual_only``: FastV, PACT, DivPrune) reads ``cache.visual``,
+    """A press that acts on visual tokens only (``serves`` no text: FastV, PACT, DivPrune) reads ``cache.visual``,
     which the VLM path sets before the prefill; here its caches get the middle half of the first chunk
     ``ids[:, :split]`` as the "image" (input embeddings at those positions). Other presses are returned as given."""
-    if not getattr(press, "visual_only", False):
+    if "text" in press.serves:
         return press
     pos = torch.arange(split // 4, max(1, 3 * split // 4))
     make = press.new_cache
