@@ -21,7 +21,7 @@ from lmms_eval.api.model import lmms
 
 from kvbench.data.instructions import GENERIC_SYSTEM
 from kvbench.lmms import class_name
-from kvbench.lmms.records import to_record
+from kvbench.lmms.records import cut_at_stop, generate_until, to_record
 from kvbench.reuse import (
     ImageKVStore,
     adapter_for,
@@ -128,26 +128,10 @@ class KVBenchReuse(lmms):
         if tok.eos_token_id in ids:
             ids = ids[:ids.index(tok.eos_token_id)]
         text = tok.decode(ids, skip_special_tokens=True)
-        for stop in until:
-            if stop and stop in text:
-                text = text[:text.index(stop)]
-        return text.strip()
+        return cut_at_stop(text, until)
 
     def generate_until(self, requests) -> list[str]:
-        out = []
-        for req in requests:
-            context, gen_kwargs, doc_to_visual, doc_id, task, split = req.args
-            doc = self.task_dict[task][split][doc_id]
-            visuals = doc_to_visual(doc)
-            visuals = visuals if isinstance(visuals, list) else [visuals]
-            gen_kwargs = dict(gen_kwargs or {})
-            until = gen_kwargs.get("until") or []
-            record = to_record(context, visuals, doc, rid=f"{task}/{split}/{doc_id}",
-                               max_new_tokens=gen_kwargs.get("max_new_tokens", self.max_new_tokens), **self.opts)
-            text = self.answer(record, [until] if isinstance(until, str) else list(until))
-            out.append(text)
-            self.cache_hook.add_partial("generate_until", (context, gen_kwargs), text)
-        return out
+        return generate_until(self, requests)
 
     def loglikelihood(self, requests) -> list[tuple[float, bool]]:
         """``(loss, is_greedy)`` per request, the prompt refreshed by the policy.

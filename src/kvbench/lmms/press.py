@@ -18,7 +18,7 @@ from lmms_eval.api.model import lmms
 from kvbench.compress.registry import PRESS
 from kvbench.data.instructions import GENERIC_SYSTEM
 from kvbench.eval.compress import CompressMethod
-from kvbench.lmms.records import to_record
+from kvbench.lmms.records import cut_at_stop, generate_until
 from kvbench.utils.spec import MethodSpec, fmt, parse
 
 #: lmms-eval model id of the generic press model (``press=`` picks the press).
@@ -98,26 +98,10 @@ class KVBenchPress(lmms):
         self.method.start(self._n)
         self._n += 1
         text = self.method.predict(self.model, self.processor, record, None)
-        for stop in until:
-            if stop and stop in text:
-                text = text[:text.index(stop)]
-        return text.strip()
+        return cut_at_stop(text, until)
 
     def generate_until(self, requests) -> list[str]:
-        out = []
-        for req in requests:
-            context, gen_kwargs, doc_to_visual, doc_id, task, split = req.args
-            doc = self.task_dict[task][split][doc_id]
-            visuals = doc_to_visual(doc)
-            gen_kwargs = dict(gen_kwargs or {})
-            until = gen_kwargs.get("until") or []
-            record = to_record(context, visuals if isinstance(visuals, list) else [visuals], doc,
-                               rid=f"{task}/{split}/{doc_id}",
-                               max_new_tokens=gen_kwargs.get("max_new_tokens", self.max_new_tokens), **self.opts)
-            text = self.answer(record, [until] if isinstance(until, str) else list(until))
-            out.append(text)
-            self.cache_hook.add_partial("generate_until", (context, gen_kwargs), text)
-        return out
+        return generate_until(self, requests)
 
     def loglikelihood(self, requests):
         raise NotImplementedError(f"{type(self).__name__} serves generate_until requests only (module docstring)")

@@ -47,3 +47,32 @@ def to_record(context: str, visuals: list[Any], doc: dict | None = None, *, rid:
         "generic_system": doc.get(generic_field) or generic_system,
         "content": content, "question": pieces[-1], "answer": "", "max_new_tokens": int(max_new_tokens),
     }
+
+
+def cut_at_stop(text: str, until: list[str]) -> str:
+    """``text`` cut at the first occurrence of the first ``until`` string it holds, stripped (lmms-eval's ``until``)."""
+    for stop in until:
+        if stop and stop in text:
+            text = text[:text.index(stop)]
+    return text.strip()
+
+
+def generate_until(model: Any, requests: Any) -> list[str]:
+    """lmms-eval's ``generate_until`` for the kvbench models (refresh policies, presses): each request becomes one
+    record (:func:`to_record`, the model's ``opts`` and ``max_new_tokens``), answered by ``model.answer(record,
+    until)``; the answers go to lmms-eval's cache hook. ``req.args`` = ``(context, gen_kwargs, doc_to_visual,
+    doc_id, task, split)``."""
+    out = []
+    for req in requests:
+        context, gen_kwargs, doc_to_visual, doc_id, task, split = req.args
+        doc = model.task_dict[task][split][doc_id]
+        visuals = doc_to_visual(doc)
+        gen_kwargs = dict(gen_kwargs or {})
+        until = gen_kwargs.get("until") or []
+        record = to_record(context, visuals if isinstance(visuals, list) else [visuals], doc,
+                           rid=f"{task}/{split}/{doc_id}",
+                           max_new_tokens=gen_kwargs.get("max_new_tokens", model.max_new_tokens), **model.opts)
+        text = model.answer(record, [until] if isinstance(until, str) else list(until))
+        out.append(text)
+        model.cache_hook.add_partial("generate_until", (context, gen_kwargs), text)
+    return out
