@@ -82,8 +82,10 @@ def test_residual_is_the_mean_of_the_k_nearest_earlier_references():
 def test_schedule_is_checked():
     with pytest.raises(ValueError, match="k must be an integer >= 1"):
         ReferenceSchedule(k=0)
-    with pytest.raises(ValueError, match="alpha must be >= 0"):
+    with pytest.raises(ValueError, match="alpha must be a finite number >= 0"):
         ReferenceSchedule(alpha=-0.1)
+    with pytest.raises(ValueError, match="grid must be one of"):  # the retrieval's own check: the grid too
+        ReferenceSchedule(grid="dense")
 
 
 def test_explained_variance_of_a_rank_one_cloud():

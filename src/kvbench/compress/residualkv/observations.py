@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from kvbench.compress.residualkv.references import (
+    check_schedule,
     mean_reference,
     nearest_references,
     reference_mask,
@@ -87,11 +88,9 @@ class ReferenceSchedule:
     block: int = 128
 
     def __post_init__(self):
-        for name, lo in (("k", 1), ("stride", 1), ("block", 1), ("n_sink", 0)):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < lo:
-                raise ValueError(f"reference schedule: {name} must be an integer >= {lo}, got {getattr(self, name)!r}")
-        if not self.alpha >= 0:
-            raise ValueError(f"reference schedule: alpha must be >= 0, got {self.alpha!r}")
+        if not isinstance(self.k, int) or self.k < 1:
+            raise ValueError(f"reference schedule: k must be an integer >= 1, got {self.k!r}")
+        check_schedule(self.n_sink, self.stride, self.alpha, self.grid, self.block)  # the retrieval's own check
 
     def describe(self) -> str:
         return (f"k = {self.k} nearest earlier references, n_sink = {self.n_sink}, stride = {self.stride}, "

@@ -27,7 +27,9 @@ GRIDS = ("paper", "code")
 _CHUNK_ENTRIES = 1 << 22
 
 
-def _check_schedule(n_sink: int, stride: int, alpha: float, grid: str, block: int) -> None:
+def check_schedule(n_sink: int, stride: int, alpha: float, grid: str, block: int) -> None:
+    """Raise ValueError naming the first bad schedule parameter (stride or block < 1, n_sink < 0, alpha not finite
+    and >= 0, grid not in :data:`GRIDS`)."""
     if stride < 1:
         raise ValueError(f"stride must be >= 1, got {stride}")
     if not (alpha >= 0.0 and math.isfinite(alpha)):
@@ -68,7 +70,7 @@ def reference_positions(
 
     Raises ValueError for end < 0 or a bad schedule (see :func:`reference_mask`).
     """
-    _check_schedule(n_sink, stride, alpha, grid, block)
+    check_schedule(n_sink, stride, alpha, grid, block)
     if end < 0:
         raise ValueError(f"end must be >= 0, got {end}")
     sinks = torch.arange(min(n_sink, end), dtype=torch.long)
@@ -96,7 +98,7 @@ def references_between(
 
     Raises ValueError for a bad schedule (see :func:`reference_mask`).
     """
-    _check_schedule(n_sink, stride, alpha, grid, block)
+    check_schedule(n_sink, stride, alpha, grid, block)
     start = max(0, start)
     sinks = list(range(start, min(n_sink, end))) if grid == "code" else []
     if alpha > 0.0:
@@ -137,7 +139,7 @@ def reference_mask(
     Raises ValueError for stride < 1, alpha < 0, n_sink < 0, block < 1, an unknown grid, a
     non-integer dtype or a negative position.
     """
-    _check_schedule(n_sink, stride, alpha, grid, block)
+    check_schedule(n_sink, stride, alpha, grid, block)
     if positions.dtype.is_floating_point or positions.dtype == torch.bool or positions.is_complex():
         raise ValueError(f"positions must be an integer tensor, got dtype {positions.dtype}")
     if positions.numel() == 0:
@@ -163,7 +165,7 @@ def reference_count(
 
     Raises ValueError for n_tokens < 0 or a bad schedule.
     """
-    _check_schedule(n_sink, stride, alpha, grid, block)
+    check_schedule(n_sink, stride, alpha, grid, block)
     if n_tokens < 0:
         raise ValueError(f"n_tokens must be >= 0, got {n_tokens}")
     sinks = min(n_sink, n_tokens) if grid == "code" else 0
@@ -183,7 +185,7 @@ def approx_reference_count(n_tokens: int, *, n_sink: int, s0: int, alpha: float)
     returned. Because floor only shortens steps, the exact paper-grid count is >= ceil of this value.
     T < n_sink gives 0. Raises ValueError for n_tokens < 0, n_sink < 0, s0 < 1, alpha < 0.
     """
-    _check_schedule(n_sink, s0, alpha, "paper", 1)
+    check_schedule(n_sink, s0, alpha, "paper", 1)
     if n_tokens < 0:
         raise ValueError(f"n_tokens must be >= 0, got {n_tokens}")
     span = max(0, n_tokens - n_sink)
