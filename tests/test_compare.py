@@ -160,6 +160,31 @@ def test_residualkv_table_format_on_the_zoo(tmp_path):
     assert "tiny-lm" in head[0]
 
 
+# The same table as the writer now writes it: a kind column and every pair of rows below the scores
+# (kvbench.report.paired); numbers made up.
+RKV_PAIRED = """\
+# kvbench ResidualKV Table III (methods x tasks, KR/CR), profile 'smoke': model tiny-lm (tiny zoo LM trained here, not the paper's models); tasks a, b; not the paper's numbers
+kind,method,spec,a,b,avg,KR_packed %,CR %,diff,ci95_lo,ci95_hi,told_apart,n,KR_packed % diff,KR_packed % ci95_lo,KR_packed % ci95_hi,KR_packed % told_apart,notes
+score,Full cache,fullkv,80.0,60.0,70.0,100.0,100.0,,,,,,,,,,
+score,OmniKV,omnikv:keep=0.2,70.0,60.0,65.0,100.0,30.0,,,,,,,,,,
+score,ResidualKV,residualkv+omnikv:keep=0.2,72.0,60.0,66.0,20.0,30.0,,,,,,,,,,
+paired difference,ResidualKV − OmniKV,x − y,1.0,0.0,,,,0.4,-0.3,1.1,False,200,-80.0,-80.5,-79.5,True,
+"""
+
+
+def test_residualkv_orderings_are_judged_with_the_tables_paired_ci(tmp_path):
+    """Issue #16: the ResidualKV tables carry paired CIs, so their orderings get a verdict, not "no CI"."""
+    _, df = _compare(tmp_path, RKV_PAIRED, PUBLISHED / "residualkv.yaml", name="residualkv/tableIII")
+    cells = df[df["part"] == "cell"]
+    assert "ResidualKV − OmniKV" not in set(cells["method"])   # a paired row is not a cell of its own
+    orders = df[(df["part"] == "ordering") & (df["method"] == "ResidualKV − OmniKV") & (df["column"] == "avg")]
+    verdicts = dict(zip(orders["paper_backbone"], orders["verdict"]))
+    assert verdicts["Llama-3.1-8B"] == "cannot be told apart"   # 50.3 > 50.2; ours +0.4 [-0.3, +1.1]
+    assert verdicts["Qwen3-4B"] == "agrees"                   # 47.9 = 47.9; ours not told apart
+    llama = orders[orders["paper_backbone"] == "Llama-3.1-8B"].iloc[0]
+    assert (llama["ours"], llama["ci95_lo"], llama["ci95_hi"]) == (0.4, -0.3, 1.1)   # the pooled diff, not 66 - 65
+
+
 TABLE4_PAPER = """\
 # CONDUIT Table 4 (λ ablation of the image coefficient). kvbench paper profile: models qwen2.5-vl-3b, qwen2.5-vl-7b computed by this pipeline.
 backbone,regime,r,method,spec,LongDocURL,LongDocURL %full,avg,avg %full,notes

@@ -253,6 +253,10 @@ def test_table_v_cells_and_header(tmp_path):
     write_jsonl(tmp_path / "split.jsonl", [{"id": f"p{i}-{k}", "meta": {"problem": f"p{i}"}} for i in range(2) for k in range(4)])
     tables.write("residualkv/tableV", spec, tmp_path / "t5.csv", root=tmp_path)
     df = pd.read_csv(tmp_path / "t5.csv", comment="#")
+    pairs = df[df["kind"] == "paired difference"].set_index("method")
+    assert list(pairs.index) == ["Full cache − SnapKV", "Full cache − ResidualKV", "SnapKV − ResidualKV"]
+    assert pairs.loc["Full cache − SnapKV", "diff"] == 66.67 and pairs.loc["SnapKV − ResidualKV", "KR_packed % diff"] == 5
+    df = df[df["kind"] == "score"]
     assert df["method"].tolist() == ["Full cache", "SnapKV", "ResidualKV"]
     assert df["chain_128"].round(2).tolist() == [66.67, 0.0, 66.67] and df["avg"].round(2).tolist() == [66.67, 0.0, 66.67]
     assert df["KR_packed %"].tolist() == [100.0, 30.0, 25.0] and df["CR %"].tolist() == [100.0, 30.0, 25.0]

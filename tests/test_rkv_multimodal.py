@@ -75,8 +75,14 @@ def test_table_ii_cells_and_header(tmp_path):
     out = tmp_path / "results/residualkv/tableII.csv"
     TABLES["residualkv/tableII"].build(json.dumps(spec), str(out), str(tmp_path))
     df = pd.read_csv(out, comment="#").set_index("method")
-    assert list(df.columns[:4]) == ["model", "spec", "docpages", "digitgrid"]
+    assert list(df.columns[:5]) == ["model", "kind", "spec", "docpages", "digitgrid"]
     assert df.loc["Full cache", "docpages"] == 100 and df.loc["Full cache", "avg"] == 75
+    # the one pair of rows, paired by record id: per column, pooled over the 4 records, and KR/CR per record
+    pair = df.loc["Full cache − SnapKV"]
+    assert pair["kind"] == "paired difference" and pair["model"] == "tiny-qwen2.5-vl"
+    assert (pair["docpages"], pair["digitgrid"], pair["diff"], pair["n"]) == (50, 50, 50, 4)
+    assert (pair["wins"], pair["losses"], pair["ties"]) == (2, 0, 2)
+    assert pair["KR_packed % diff"] == 70 and pair["CR % diff"] == 80 and pair["CR % told_apart"]
     assert df.loc["SnapKV", "avg"] == 25 and df.loc["SnapKV", "KR_packed %"] == 30
     assert df.loc["SnapKV", "KR_resident %"] == 40 and df.loc["SnapKV", "CR %"] == 20 and df.loc["SnapKV", "kept %"] == 25
     header = [ln for ln in out.read_text().splitlines() if ln.startswith("#")]

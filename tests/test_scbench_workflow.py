@@ -116,6 +116,10 @@ def test_table_iv_columns_kr_cr_and_header(tmp_path):
     _fake_run(tmp_path, plan, "vt_1k_mq", full, [1, 1], 1.0, 1.0)
     spec = {"profile": "smoke", "residualkv": section, "seed": 0, "model_dir": str(tmp_path / "absent")}
     df = tables.write("residualkv/tableIV", spec, tmp_path / "t4.csv", root=tmp_path)
+    pair = df[df["kind"] == "paired difference"]
+    assert pair["method"].tolist() == ["ResidualKV − Full cache"]   # the pair, pooled over both tasks' 4 records
+    assert pair["diff"].tolist() == [round(100 * (-0.25 - 0.25 + (1 / 3 - 1) - 1) / 4, 2)]
+    df = df[df["kind"] == "score"]
     assert df["method"].tolist() == ["ResidualKV", "Full cache"]
     assert df["kv_1k_mq"].tolist() == [50.0, 75.0] and df["vt_1k_mq"].tolist() == [16.67, 100.0]
     assert df["avg"].tolist() == [33.34, 87.5]   # the mean of the rounded cells, as Table III

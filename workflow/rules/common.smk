@@ -511,7 +511,8 @@ def mm_codec_gpus(wc):
 
 def mm_report_spec():
     """The JSON Table II's writer reads (:meth:`kvbench.report.rkv_multimodal.MMPlan.from_spec`)."""
-    return json.dumps({"profile": PROFILE, "tableII": config["residualkv"]["tableII"], "zoo": MM.zoo}, sort_keys=True)
+    return json.dumps({"profile": PROFILE, "tableII": config["residualkv"]["tableII"], "zoo": MM.zoo,
+                       "bootstrap": config["residualkv"]["bootstrap"]}, sort_keys=True)
 
 
 def rkv_plan():

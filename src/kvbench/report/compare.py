@@ -33,11 +33,11 @@ from typing import NamedTuple
 
 import pandas as pd
 
+from kvbench.report.paired import KIND, MINUS
 from kvbench.report.plan import write_csv
 from kvbench.report.published import Entry, Published, load_published
 
 PAPERS = {"conduit": "CONDUIT", "residualkv": "ResidualKV"}
-MINUS = " − "
 COLUMNS = ["part", "backbone", "regime", "paper_backbone", "method", "budget", "column", "metric", "unit", "ours",
            "published", "published_low", "published_high", "diff", "ci95_lo", "ci95_hi", "verdict", "comparable",
            "entry", "source", "reason"]
@@ -175,7 +175,12 @@ def _score_cells(ours: Ours) -> None:
                 v = _num(row.get(c))
                 if c in df.columns and v is not None:
                     ours.cells.append(Cell(**base, column=c, columns=scope, metric=metric, unit=unit, value=v))
-    for _, row in df[kind == "paired difference"].iterrows():
+    _collect_paired(ours, df[kind == KIND])
+
+
+def _collect_paired(ours: Ours, rows: pd.DataFrame) -> None:
+    """A table's paired-difference rows (``method`` = ``a − b``) by ``(backbone, r, a, b)``."""
+    for _, row in rows.iterrows():
         a, _, b = str(row["method"]).partition(MINUS)
         ours.paired[(row["backbone"], _num(row.get("r")), a, b)] = row
 
@@ -192,7 +197,9 @@ def _rkv_cells(ours: Ours) -> None:
         if m and int(m.group(1)) == 262144:  # the paper counts references at 262K
             named[col] = (("references at 262K", "references", "tokens") if col.startswith("refs")
                           else ("reference share at 262K", "reference share", "%"))
-    for _, row in df.iterrows():
+    kind = df["kind"] if "kind" in df.columns else pd.Series("score", index=df.index)
+    _collect_paired(ours, df[kind == KIND])
+    for _, row in df[kind == "score"].iterrows():
         budget = {} if "alpha" not in df.columns else {"alpha": _num(row["alpha"])}
         for col in tasks + list(named):
             v = _num(row.get(col)) if col in df.columns else None
@@ -429,6 +436,12 @@ def _find(ours: Ours, pub: Published, o: Ordering, method: str, budget: dict, ba
                  if c.backbone == backbone and c.where == where and _mismatch(pub, want, c, ours.zoo) is None), None)
 
 
+#: (metric, pooled cell scope) -> prefix of the paired-difference row's columns that pool it over records: the
+#: average score (both papers' tables), and the KR and CR of ResidualKV's tables (:mod:`kvbench.report.paired`).
+POOLED = {("score", "average"): "", ("KR", "KR"): "KR_packed % ", ("CR", "CR"): "CR % "}
+POOLED_SCOPES = frozenset(scope for _, scope in POOLED)
+
+
 def _verdict(relation: str, diff: float, lo: float | None, hi: float | None, told: bool | None) -> str:
     sign = {">": 1, "<": -1, "=": 0}[relation]
     if told is not None:
@@ -468,10 +481,11 @@ def _ordering_rows(pub: Published, ours: Ours) -> tuple[list[dict], set]:
                 flip = 1
                 if paired is None and o.a_budget == o.b_budget:
                     paired, flip = ours.paired.get((backbone, r, o.b, o.a)), -1
-                if paired is not None and "average" in ca.columns and o.e.metric == "score":
-                    diff = flip * float(paired["diff"])
-                    lo, hi = sorted((flip * float(paired["ci95_lo"]), flip * float(paired["ci95_hi"])))
-                    told = str(paired["told_apart"]) == "True"
+                prefix = POOLED.get((o.e.metric, next(iter(ca.columns & POOLED_SCOPES), None)))
+                if paired is not None and prefix is not None and _num(paired.get(f"{prefix}diff")) is not None:
+                    diff = flip * float(paired[f"{prefix}diff"])
+                    lo, hi = sorted((flip * float(paired[f"{prefix}ci95_lo"]), flip * float(paired[f"{prefix}ci95_hi"])))
+                    told = str(paired[f"{prefix}told_apart"]) == "True"
                     note = "ours: paired difference pooled over records (not the avg of the columns), 95% bootstrap CI"
                 elif paired is not None and col in ours.df.columns:
                     diff = flip * float(paired[col])

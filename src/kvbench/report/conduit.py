@@ -30,6 +30,7 @@ import pandas as pd
 
 from kvbench.eval.registry import canonical, parse_method_spec, run_slugs, slug, with_budget
 from kvbench.report import conduit_evidence as evidence
+from kvbench.report.paired import paired_bootstrap, paired_stats
 from kvbench.report.plan import Run, Table, load_spec, write_csv
 from kvbench.utils.io import atomic_path, read_jsonl
 
@@ -440,11 +441,10 @@ def paired_difference(plan: ConduitPlan, runs: Runs, model: str, a: Row, b: Row,
         diffs.append(d)
     if notes:
         return {**rec, "n": 0, "notes": "; ".join(notes + ["pooled difference: a column is empty"])}
-    d = np.concatenate(diffs)
-    lo, hi = paired_bootstrap(d, boot["resamples"], boot["seed"])
-    return {**rec, "diff": round(100 * float(d.mean()), 2), "ci95_lo": round(100 * lo, 2),
-            "ci95_hi": round(100 * hi, 2), "wins": int((d > 0).sum()), "losses": int((d < 0).sum()),
-            "ties": int((d == 0).sum()), "n": len(d), "told_apart": bool(lo > 0 or hi < 0), "notes": ""}
+    stats = paired_stats(np.concatenate(diffs), boot["resamples"], boot["seed"])
+    # CONDUIT's column order: n before told_apart
+    return {**rec, **{k: stats[k] for k in ("diff", "ci95_lo", "ci95_hi", "wins", "losses", "ties", "n",
+                                            "told_apart")}, "notes": ""}
 
 
 def difference_lines(plan: ConduitPlan, contrast: str, diffs: list[dict]) -> list[str]:
@@ -513,31 +513,6 @@ def flatness_line(df: pd.DataFrame, cols: list[Column]) -> str:
 
 
 # --- staleness gap -----------------------------------------------------------------------------
-
-def paired_bootstrap(diff: np.ndarray, resamples: int, seed: int, strata: np.ndarray | None = None
-                     ) -> tuple[float, float]:
-    """95% percentile CI of the mean of ``diff`` (per-record values, e.g. paired differences) by bootstrap.
-
-    Args:
-        diff: ``(n,)`` float per-record values (score units, [0, 1] or differences of them).
-        resamples: bootstrap resamples.
-        seed: ``numpy.random.default_rng`` seed.
-        strata: optional ``(n,)`` labels (a table's columns); records are then resampled within each
-            stratum and the statistic is the unweighted mean of the stratum means (a table's ``avg``).
-
-    Returns:
-        ``(lo, hi)``: the 2.5th and 97.5th percentiles of the resampled statistic.
-    """
-    rng = np.random.default_rng(seed)
-    if strata is None:
-        idx = rng.integers(0, len(diff), size=(int(resamples), len(diff)))
-        means = diff[idx].mean(axis=1)
-    else:
-        groups = [diff[strata == s] for s in dict.fromkeys(strata.tolist())]
-        means = np.mean([g[rng.integers(0, len(g), size=(int(resamples), len(g)))].mean(axis=1) for g in groups],
-                        axis=0)
-    return float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))
-
 
 def staleness_gap(plan: ConduitPlan, runs: Runs) -> pd.DataFrame:
     """reuse − full prefill per backbone and column (plus each multi-image dataset pooled over K).

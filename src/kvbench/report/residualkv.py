@@ -11,6 +11,11 @@ by part in % of the full FP16 cache (:data:`BREAKDOWN`; they add up to ``KR_pack
 show what the formula leaves out (indices, raw window and sinks). A cell is computed or empty with its reason
 in ``notes``. Files start with ``#`` header lines (``pd.read_csv(path, comment="#")``).
 
+Paired differences (:mod:`kvbench.report.paired`): below the score rows (``kind = "score"``), one row per pair of
+rows (``kind = "paired difference"``, ``a − b`` in table order): the score per record pooled over the tasks, and the
+per-record KR and CR, each with a 95% paired-bootstrap CI (the section's ``bootstrap``), so a published ordering is
+judged against a CI rather than two means.
+
 Figures: Fig. 5 (score vs number of references), Figs. 10-12 (codec training curves of the variants),
 Fig. 8 (decode tokens/s vs context, from the profiling CSV), Fig. 6 (codec cost, from its CSV).
 """
@@ -23,6 +28,7 @@ from pathlib import Path
 import pandas as pd
 
 from kvbench.compress.presses.omnikv import OmniKVPress
+from kvbench.report import paired
 from kvbench.compress.residualkv import references
 from kvbench.report.plan import Table
 from kvbench.report.rkv_plan import RKVPlan, known_model_shape, press_spec
@@ -88,6 +94,74 @@ def run_summary(run_dir: str | Path) -> dict:
         "n": len(rows),
         "errors": len(rows) - len(ok),
     }
+
+
+def record_values(run_dir: str | Path) -> dict[str, dict[str, float]]:
+    """Per-record values of one run, keyed by record id: ``score`` (every record; a failed sample scores 0 as the
+    runner wrote it), ``kr`` (packed KR) and ``cr`` (fractions; records with an audit row that has them).
+
+    Raises:
+        FileNotFoundError: the run has no predictions.
+        ValueError: a record id appears twice (records could not be paired by id).
+    """
+    rows = _read_run(run_dir)
+    ids = [r["id"] for r in rows]
+    dup = sorted({i for i in ids if ids.count(i) > 1})
+    if dup:
+        raise ValueError(f"run {run_dir}: record id(s) {dup[:3]} appear more than once; runs are paired by record id")
+    plans = {r["id"]: r["plan"] for r in rows if r.get("status") == "ok" and isinstance(r.get("plan"), dict)}
+    return {"score": {r["id"]: float(r["score"]) for r in rows},
+            "kr": {i: float(_kr_packed(p)) for i, p in plans.items() if _kr_packed(p) is not None},
+            "cr": {i: float(p["cr"]) for i, p in plans.items() if p.get("cr") is not None}}
+
+
+#: Table column -> :func:`record_values` key of the per-record quantities paired besides the score.
+PAIRED_METRICS = {"KR_packed %": "kr", "CR %": "cr"}
+
+
+def bootstrap_settings(section: dict | None) -> dict:
+    """``{"resamples", "seed"}`` of a section's ``bootstrap`` (schema defaults where unset: 2000, 0).
+
+    Raises:
+        ValueError: resamples below 100 or a negative seed.
+    """
+    boot = {**paired.DEFAULT_BOOTSTRAP, **((section or {}).get("bootstrap") or {})}
+    if int(boot["resamples"]) < 100 or int(boot["seed"]) < 0:
+        raise ValueError(f"residualkv.bootstrap: resamples must be >= 100 and seed >= 0, got {boot}")
+    return {"resamples": int(boot["resamples"]), "seed": int(boot["seed"])}
+
+
+def paired_rows(rows: list[tuple[str, str, list[Path]]], tasks: list[str], boot: dict) -> list[dict]:
+    """Every pair of ``rows`` (``(label, spec, run dir per task)``, table order) as paired-difference rows
+    (:func:`kvbench.report.paired.pair_rows`: score pooled over ``tasks``, plus :data:`PAIRED_METRICS`)."""
+    per_row = []
+    for label, spec, dirs in rows:
+        vals = [record_values(d) for d in dirs]
+        per_row.append({"method": label, "spec": spec, "values": {t: v["score"] for t, v in zip(tasks, vals)},
+                        **{k: {t: v[k] for t, v in zip(tasks, vals)} for k in PAIRED_METRICS.values()}})
+    return paired.pair_rows(per_row, tasks, boot["resamples"], boot["seed"], metrics=PAIRED_METRICS)
+
+
+def with_paired(df: pd.DataFrame, pairs: list[dict]) -> pd.DataFrame:
+    """``df`` (score rows) with a leading ``kind = "score"`` column and ``pairs`` below it; counts stay integers
+    and ``notes`` stays last."""
+    df = df.copy()
+    df.insert(0, "kind", "score")
+    out = pd.concat([df, pd.DataFrame(pairs)], ignore_index=True)
+    for c in ("wins", "losses", "ties", "n"):
+        if c in out:
+            out[c] = out[c].astype("Int64")
+    return out[[c for c in out.columns if c != "notes"] + ["notes"]]
+
+
+def paired_table(plan: RKVPlan, target: str, df: pd.DataFrame, root: str | Path = ".") -> tuple[pd.DataFrame, list[str]]:
+    """``target``'s score table ``df`` with every pair of its rows below it, and the header lines saying how."""
+    tasks = plan.target_tasks(target)
+    rows = [(r.label, r.spec, [Path(root) / plan.run_dir(t, r.spec) for t in tasks]) for r in plan.rows(target)]
+    boot = bootstrap_settings(plan.s)
+    pairs = paired_rows(rows, tasks, boot)
+    return with_paired(df, pairs), paired.difference_header(pairs, "every pair of rows, a above b in table order",
+                                                              **boot)
 
 
 def kr_formula(plan: RKVPlan, spec: str, n_tokens: float, shape: tuple[int, int]) -> float | None:
@@ -205,13 +279,16 @@ def codec_header(plan: RKVPlan, target: str, root: str | Path = ".") -> list[str
 
 def write_table(plan: RKVPlan, target: str, out: str | Path, root: str | Path = ".") -> pd.DataFrame:
     """Compute and write ``target`` (a key of :data:`TABLES`: tableIII, tableVI, tableVII, tableVIII)."""
-    df = table_vi(plan, root) if target == "tableVI" else score_table(plan, target, root)
+    if target == "tableVI":  # one row per alpha of one method: no pair of methods to tell apart
+        df, lines = table_vi(plan, root), []
+    else:
+        df, lines = paired_table(plan, target, score_table(plan, target, root), root)
     header = plan.header(TABLES[f"residualkv/{target}"].title, target) + [
         "# scores: mean per-record score x 100; KR_packed %: packed bytes / full FP16 cache (the paper's accounting, "
         "measured, incl. sinks, raw window, indices); KR_resident %: bytes of every tensor held, as held (unpacked "
         "codes, masks, positions, dequantised copies, model dtype); CR %: keys read / keys visible after the first "
         "chunk; KR formula %: paper §V-A; full layers/codes+scales/references/indices/window+sinks %: KR_packed by part"
-    ] + selection_header(plan, target) + codec_header(plan, target, root)
+    ] + lines + selection_header(plan, target) + codec_header(plan, target, root)
     write_csv(df, header, out)
     return df
 

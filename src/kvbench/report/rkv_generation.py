@@ -32,6 +32,7 @@ from kvbench.report.residualkv import (
     _mean,
     _read_run,
     codec_header,
+    paired_table,
     run_summary,
     score_table,
     selection_header,
@@ -43,7 +44,7 @@ from kvbench.utils.io import read_jsonl
 #: Keys of ``residualkv.long_generation`` that replace the section's own for Table V's plan.
 GENERATION_KEYS = ("model", "tasks", "n_test", "threads", "protocol", "codec", "sampling")
 #: Keys the generation plan takes from the main section unless ``long_generation`` sets them.
-INHERITED_KEYS = ("n_test", "threads", "protocol", "codec")
+INHERITED_KEYS = ("n_test", "threads", "protocol", "codec", "bootstrap")
 #: Sampling keys (:class:`kvbench.compress.generate.Sampling`), passed to every run as method parameters.
 SAMPLING_KEYS = ("temperature", "top_p", "top_k")
 
@@ -157,8 +158,8 @@ def _write(key: str, spec: str | dict, out: str | Path, root: str | Path = ".") 
     """Table V from the workflow's JSON ``spec`` (``RKVPlan.from_spec``'s, plus ``splits``: task -> split path)."""
     spec = load_spec(spec, "residualkv")
     plan = RKVPlan.from_spec(spec)
-    df = table_v(plan, root)
-    write_csv(df, header(plan, root, spec.get("splits")), out)
+    df, lines = paired_table(plan, "tableV", table_v(plan, root), root)
+    write_csv(df, header(plan, root, spec.get("splits")) + lines, out)
     return df
 
 

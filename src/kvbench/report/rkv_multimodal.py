@@ -31,8 +31,9 @@ from pathlib import Path
 
 import pandas as pd
 
+from kvbench.report import paired
 from kvbench.report.plan import Run, Table, load_spec, write_csv
-from kvbench.report.residualkv import _mean, _read_run, run_summary
+from kvbench.report.residualkv import _mean, _read_run, bootstrap_settings, paired_rows, run_summary, with_paired
 from kvbench.report.rkv_plan import PROTOCOL_NOTES, Row, press_spec
 from kvbench.eval.registry import with_params
 
@@ -209,11 +210,27 @@ def score_table(plan: MMPlan, root: str | Path = ".") -> pd.DataFrame:
     return pd.DataFrame(out)
 
 
+def paired_by_model(plan: MMPlan, df: pd.DataFrame, boot: dict, root: str | Path = ".") -> tuple[pd.DataFrame, list[str]]:
+    """``df`` with every pair of each backbone's rows below it (:func:`kvbench.report.residualkv.paired_rows`, a
+    ``model`` column naming the backbone) and the header lines saying how."""
+    pairs = []
+    for model in plan.models:
+        rows = [(r.label, r.spec, [Path(root) / plan.run(model, t, r.spec).path(plan.profile) for t in plan.tasks])
+                for r in plan.rows_of(model)]
+        pairs += [{"model": model, **p} for p in paired_rows(rows, plan.tasks, boot)]
+    out = with_paired(df, pairs)
+    # `model` leads, as in the score rows
+    out = out[["model"] + [c for c in out.columns if c != "model"]]
+    return out, paired.difference_header(pairs, "every pair of one backbone's rows, a above b in table order",
+                                         **boot)
+
+
 def _write(key: str, spec: str | dict, out: str | Path, root: str | Path = ".") -> pd.DataFrame:
+    spec = load_spec(spec, KEY)
     plan = MMPlan.from_spec(spec)
-    df = score_table(plan, root)
+    df, lines = paired_by_model(plan, score_table(plan, root), bootstrap_settings(spec), root)
     Path(out).parent.mkdir(parents=True, exist_ok=True)
-    write_csv(df, plan.header(), str(out))
+    write_csv(df, plan.header() + lines, str(out))
     return df
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import pandas as pd
 
 from kvbench.report.plan import Table
-from kvbench.report.residualkv import codec_header, score_table, selection_header, write_csv
+from kvbench.report.residualkv import codec_header, paired_table, score_table, selection_header, write_csv
 from kvbench.report.rkv_plan import RKVPlan, press_spec
 
 KEY = "tableIV"
@@ -54,7 +54,7 @@ def write_table_iv(plan: RKVPlan, out: str | Path, root: str | Path = ".") -> pd
         FileNotFoundError: a run has no predictions.
     """
     check_rows(plan)
-    df = score_table(plan, KEY, root)
+    df, lines = paired_table(plan, KEY, score_table(plan, KEY, root), root)
     what = ("multi-query smoke tasks (several '\\nQuery:'/'\\nChain:' questions about one context, the zoo LM's "
             "question forms) in place of SCBench's SCDQ files" if plan.zoo else
             "SCBench SCDQ files converted by kvbench scbench-convert")
@@ -64,7 +64,7 @@ def write_table_iv(plan: RKVPlan, out: str | Path, root: str | Path = ".") -> pd
         "KR_resident %: every tensor held, as held; CR %: keys read / keys visible over each query's chunk and "
         "decode steps; KR formula %: paper §V-A; the paper's Table IV has no full-cache row (notes §4.3): ours is "
         "the reference the others are read against",
-    ] + selection_header(plan, KEY) + codec_header(plan, KEY, root)
+    ] + lines + selection_header(plan, KEY) + codec_header(plan, KEY, root)
     write_csv(df, header, out)
     return df
 
