@@ -20,6 +20,7 @@ distances, mean cosine. The paper gives no number for Fig. 13 (qualitative), so 
 from __future__ import annotations
 
 import math
+import textwrap
 from pathlib import Path
 
 import numpy as np
@@ -205,7 +206,8 @@ def plot(data: str | Path, split: str | Path, out: str | Path, summary_out: str 
     h, w = int(df["row"].max()) + 1, int(df["col"].max()) + 1
     layers = sorted(df["layer"].unique().tolist())
     picks = query_tokens(df, queries)
-    colours = plt.get_cmap("tab10").colors
+    # the queries' arrow colours: tab10 without its red, which marks the query patches (the paper's red T)
+    colours = [c for i, c in enumerate(plt.get_cmap("tab10").colors) if i != 3]
     fig, axes = plt.subplots(2, len(layers), figsize=(3.4 * len(layers), 7.0), squeeze=False)
     for j, layer in enumerate(layers):
         d = df[df["layer"] == layer]
@@ -254,10 +256,10 @@ def plot(data: str | Path, split: str | Path, out: str | Path, summary_out: str 
             ax.text(c + 0.5, r + 0.5, text, ha="center", va="center", fontsize=6,
                     color="white" if not math.isnan(grid[r, c]) else "black")
         ax.tick_params(labelsize=6)
-        ax.set_title(f"patch distance to the nearest reference (mean over refs {s['mean_patch_distance']:.2f})",
-                     fontsize=6.5)
+        ax.set_title(f"distance (patches) to the nearest reference\n(over all patch references: mean "
+                     f"{s['mean_patch_distance']:.2f})", fontsize=6.5)
         fig.colorbar(im, ax=ax, fraction=0.046, pad=0.03).ax.tick_params(labelsize=6)
-    fig.suptitle("\n".join(line.removeprefix("# ")[:170] for line in head[:2]), fontsize=6.5)
+    fig.suptitle("\n".join(textwrap.fill(line.removeprefix("# "), 150) for line in head[:2]), fontsize=6.5)
     fig.text(0.5, 0.005, "T: query patch (a coded visual token), arrows: its references that are patches of this image, "
              "nearest thickest; +n txt / img: references in the text / another image; outlined: patches stored as "
              "references (FP8 pool). Bottom: R reference, S sink, txt / img / snk: nearest reference not a patch.",
