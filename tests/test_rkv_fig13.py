@@ -212,6 +212,11 @@ def test_cli_writes_the_csv_and_names_a_missing_record(vlm, rec, press, tmp_path
                  "--method", "snapkv:keep=0.1", "--codec-dir", press.codec_dir, "--layers", "1", "--out",
                  str(tmp_path / "g.csv")]) == 2
     assert "not a ResidualKV press" in capsys.readouterr().err
+    report = ["report", "residualkv-fig13", "--raw", str(tmp_path / "f.csv"), "--data-out", str(tmp_path / "s.csv")]
+    assert main(report + ["--out", str(tmp_path / "f.pdf")]) == 2 and "--split" in capsys.readouterr().err
+    assert main(report + ["--split", str(tmp_path / "test.jsonl"), "--out", str(tmp_path / "f.png")]) == 2
+    assert main(report + ["--split", str(tmp_path / "test.jsonl"), "--out", str(tmp_path / "f.pdf"), "--queries", "2"]) == 0
+    assert (tmp_path / "f.pdf").is_file() and (tmp_path / "s.csv").is_file()
 
 
 # --- workflow -------------------------------------------------------------------------------------
