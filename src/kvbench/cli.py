@@ -207,7 +207,8 @@ def _replay(a: argparse.Namespace) -> int:
 
 
 def _analyze(a: argparse.Namespace) -> None:
-    """``kvbench analyze rkv-observations``: ResidualKV Fig. 3's data (:mod:`kvbench.report.rkv_fig3`)."""
+    """``kvbench analyze rkv-observations``: ResidualKV Fig. 3's data (:mod:`kvbench.report.rkv_fig3`);
+    ``kvbench analyze rkv-visual-case``: Fig. 13's (:mod:`kvbench.report.rkv_fig13`)."""
     import torch
 
     from kvbench.compress.residualkv.observations import ReferenceSchedule, observe
@@ -226,6 +227,12 @@ def _analyze(a: argparse.Namespace) -> None:
     if a.device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"--device {a.device}: no CUDA device is visible (torch.cuda.is_available() is False)")
     torch.set_num_threads(a.threads)
+    if a.what == "rkv-visual-case":
+        _visual_case(a, splits, load_model(a.model, dtype=DTYPES[a.dtype], device=a.device))
+        return
+    given = [f"--{k.replace('_', '-')}" for k in ("method", "codec_dir", "layers") if getattr(a, k)]
+    if given:
+        raise ValueError(f"rkv-observations takes the schedule as --k/--stride/...; {given} are rkv-visual-case's")
     schedule = ReferenceSchedule(k=a.k, n_sink=a.n_sink, stride=a.stride, alpha=a.alpha, grid=a.grid, block=a.block)
     model, proc = load_model(a.model, dtype=DTYPES[a.dtype], device=a.device)
     obs = observe(model, proc, splits, schedule, records_per_task=a.records_per_task, max_tokens=a.max_tokens,
@@ -236,10 +243,46 @@ def _analyze(a: argparse.Namespace) -> None:
                       **{k: round(float(v), 4) for k, v in s.items()}}, indent=2))
 
 
+def _visual_case(a: argparse.Namespace, splits: dict, loaded: tuple) -> None:
+    """``kvbench analyze rkv-visual-case``: one record of one split through the VLM, its visual tokens' references
+    as the ResidualKV press ``--method`` with the codec ``--codec-dir`` stores them (Fig. 13's CSV)."""
+    from pathlib import Path
+
+    from kvbench.compress.residualkv.cache import ResidualKVPress
+    from kvbench.compress.residualkv.visual_case import StoreSchedule, visual_case
+    from kvbench.report import rkv_fig13
+    from kvbench.report.rkv_plan import press_spec
+    from kvbench.utils.io import read_jsonl
+
+    if len(splits) != 1:
+        raise ValueError(f"rkv-visual-case reads one record of one split: give one --split TASK=FILE, got {len(splits)}")
+    if not a.method or not a.codec_dir or not a.layers:
+        raise ValueError("rkv-visual-case needs --method (the ResidualKV row's spec), --codec-dir (its trained codec) "
+                         "and --layers (decoder layers to draw)")
+    spec = press_spec(a.method)
+    if not issubclass(spec.cls, ResidualKVPress):
+        raise ValueError(f"--method {a.method!r} is not a ResidualKV press (residualkv[+selector]): it stores no references")
+    press = spec.build(codec_dir=a.codec_dir)
+    press.load()
+    (task, path), = splits.items()
+    records = read_jsonl(path)
+    if not 0 <= a.record < len(records):
+        raise ValueError(f"--record {a.record}: {path} holds {len(records)} record(s) (0..{len(records) - 1})")
+    model, proc = loaded
+    case = visual_case(model, proc, records[a.record], Path(path).parent, StoreSchedule.of_press(press), a.layers,
+                       image=a.image, task=task, model_name=a.model_name or str(a.model))
+    df = rkv_fig13.write(case, a.out, a.profile, a.zoo)
+    s = rkv_fig13.summary_frame(df).set_index("layer")
+    print(json.dumps({"out": a.out, "record": case.record, "image": case.image, "grid": case.grids[case.image],
+                      "tokens": case.n_tokens, **{f"layer {k}": {"share_patch": round(float(v["share_patch"]), 4),
+                                                                 "chance_patch": round(float(v["chance_patch"]), 4)}
+                                                  for k, v in s.iterrows()}}, indent=2))
+
+
 def _report(a: argparse.Namespace) -> None:
     from kvbench.report import zoo
 
-    figures = {"zoo-figure", "conduit-fig3", "conduit-fig4", *(f"residualkv-fig{n}" for n in (3, 5, 6, 8, 10, 11, 12))}
+    figures = {"zoo-figure", "conduit-fig3", "conduit-fig4", *(f"residualkv-fig{n}" for n in (3, 5, 6, 8, 10, 11, 12, 13))}
     if a.what in figures and not str(a.out).endswith(".pdf"):
         raise ValueError(f"--out of {a.what} must end in .pdf, got {a.out!r}")
     if a.what in ("compare", "compare-page"):  # ours beside the published figures (kvbench.report.compare)
@@ -278,6 +321,14 @@ def _report(a: argparse.Namespace) -> None:
                 raise ValueError(f"{a.what} needs --raw (fig3.csv of `kvbench analyze rkv-observations`) and "
                                  "--data-out (the headline summary CSV)")
             rkv_fig3.plot(a.raw, a.out, a.data_out, published=a.published)
+            return
+        if what == "fig13":  # the visual case's CSV (kvbench analyze rkv-visual-case) + its split -> PDF + summary
+            from kvbench.report import rkv_fig13
+
+            if not a.raw or not a.data_out or not a.split:
+                raise ValueError(f"{a.what} needs --raw (fig13.csv of `kvbench analyze rkv-visual-case`), --split (the "
+                                 "JSONL split its record is from: the image drawn) and --data-out (the summary CSV)")
+            rkv_fig13.plot(a.raw, a.split, a.out, a.data_out, queries=a.queries)
             return
         if what in ("fig8", "fig6"):
             if not a.raw:
@@ -567,7 +618,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("what", help="a table target (conduit/table1 ... conduit/table5, conduit/table11 ... "
                    "conduit/table15, conduit/staleness_gap, residualkv/tableI, residualkv/tableIII, residualkv/tableVI, "
                    "residualkv/tableVII, residualkv/tableVIII: see kvbench.report.tables), zoo, zoo-figure, "
-                   "conduit-fig3, conduit-fig4, residualkv-fig{3,5,6,8,10,11,12}, compare (a table beside the "
+                   "conduit-fig3, conduit-fig4, residualkv-fig{3,5,6,8,10,11,12,13}, compare (a table beside the "
                    "published figures: --table, [--published], --out <table>.compare.csv) or compare-page (--compare "
                    "CSVs, --out results/compare.md)")
     s.add_argument("--runs", nargs="*", default=[], help="run directories (eval outputs)")
@@ -590,17 +641,24 @@ def build_parser() -> argparse.ArgumentParser:
                    help="compare: the published figures (default config/published/<paper>.yaml); residualkv-fig3: "
                         "the file whose fig3 entries the summary sets beside ours (none: no published column)")
     s.add_argument("--compare", nargs="*", default=[], help="compare-page: the compare CSVs to summarise")
+    s.add_argument("--split", default=None, help="residualkv-fig13: the JSONL split of fig13.csv's record (its image)")
+    s.add_argument("--queries", type=_positive_int, default=4,
+                   help="residualkv-fig13: query patches drawn with their references (evenly spaced)")
     s.add_argument("--out", required=True)
     s.set_defaults(func=_report)
 
     s = sub.add_parser("analyze", help="analyses of a model's KV cache: rkv-observations (ResidualKV Fig. 3's data: "
-                                        "max cosine to earlier tokens, match distance, raw vs reference residuals)")
-    s.add_argument("what", choices=["rkv-observations"])
-    s.add_argument("--model", required=True, help="HF checkpoint directory or zoo name (an LM; a VLM runs text only)")
+                                        "max cosine to earlier tokens, match distance, raw vs reference residuals), "
+                                        "rkv-visual-case (Fig. 13's: the references of one image's visual tokens)")
+    s.add_argument("what", choices=["rkv-observations", "rkv-visual-case"])
+    s.add_argument("--model", required=True, help="HF checkpoint directory or zoo name (rkv-observations: an LM, a VLM runs text only; "
+                   "rkv-visual-case: a VLM)")
     s.add_argument("--model-name", default="", help="the config's name of the model (in the CSV header)")
     s.add_argument("--split", nargs="+", required=True, metavar="TASK=FILE",
-                   help="JSONL test splits of text records (context + question); their contexts are analysed")
-    s.add_argument("--out", required=True, help="long CSV of every panel (kvbench.report.rkv_fig3), written atomically")
+                   help="rkv-observations: JSONL test splits of text records (context + question), their contexts "
+                        "analysed; rkv-visual-case: one split of VLM records")
+    s.add_argument("--out", required=True, help="the CSV, written atomically (rkv-observations: every panel, "
+                   "kvbench.report.rkv_fig3; rkv-visual-case: kvbench.report.rkv_fig13)")
     s.add_argument("--profile", default="adhoc", help="profile name for the CSV header")
     s.add_argument("--zoo", action="store_true", help="the model is the tiny zoo LM (the header says so)")
     s.add_argument("--records-per-task", type=_positive_int, default=2, help="contexts per split (its first records)")
@@ -617,6 +675,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--device", type=_device, default="auto", help="auto (CUDA if available), cpu or cuda[:i]")
     s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="model dtype")
     s.add_argument("--threads", type=_positive_int, default=1)
+    s.add_argument("--record", type=_nonneg_int, default=0, help="rkv-visual-case: the record (0-based index in --split)")
+    s.add_argument("--image", type=_nonneg_int, default=0, help="rkv-visual-case: which of its images is drawn (0-based)")
+    s.add_argument("--layers", type=_nonneg_int, nargs="+", default=None,
+                   help="rkv-visual-case: decoder layers analysed (sparse layers of --method)")
+    s.add_argument("--method", default=None, help="rkv-visual-case: the ResidualKV press spec whose storage is drawn "
+                   "(Table II's ResidualKV row: its full layers, ref_fp8, alpha/stride overrides)")
+    s.add_argument("--codec-dir", default=None, help="rkv-visual-case: the press's trained codec (codec.json: k, n_sink, "
+                   "stride, alpha, grid)")
     s.set_defaults(func=_analyze)
 
     s = sub.add_parser("parity", help="parity with NVIDIA's kvpress (results/parity/kvpress.csv): prepare = the tiny "

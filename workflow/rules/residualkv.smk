@@ -200,10 +200,11 @@ localrules:
 
 rule residualkv:
     """Every ResidualKV target of the config (Tables I-VIII that it configures: II needs `residualkv.tableII`, V the
-    overlay config/longgen.yaml on the tiny zoo; Figures 3, 5, 6, 8, 10, 11, 12)."""
+    overlay config/longgen.yaml on the tiny zoo; Figures 3, 5, 6, 8, 10, 11, 12, and 13 with `residualkv.fig13`)."""
     input:
         lambda wc: rkv_plan() and [table_of(t).path for t in configured_tables() if t.startswith("residualkv/")]
-        + [f"figures/residualkv/fig{n}.pdf" for n in (3, 5, 6, 8, 10, 11, 12)],
+        + [f"figures/residualkv/fig{n}.pdf" for n in (3, 5, 6, 8, 10, 11, 12)]
+        + (["figures/residualkv/fig13.pdf"] if RKV_FIG13 else []),  # rkv_fig13.smk: only with `residualkv.fig13`
 
 
 rule rkv_throughput:

@@ -1,7 +1,8 @@
 # Short target names (README.md and docs/workflow.md, "Targets"): a copy of the namespaced canonical target.
 #   results/table<N>.csv      (Arabic)  <- results/conduit/table<N>.csv      (CONDUIT)
 #   results/table<ROMAN>.csv  (Roman)   <- results/residualkv/table<ROMAN>.csv (ResidualKV)
-#   figures/fig<N>.pdf, N in 5,6,8,10,11,12 <- figures/residualkv/fig<N>.pdf (Figs. 9 and 13 are not built)
+#   figures/fig<N>.pdf, N in 5,6,8,10,11,12,13 <- figures/residualkv/fig<N>.pdf (Fig. 9 is not built; CONDUIT has no
+#                             Fig. 5-13, so these short names are unambiguous)
 #   figures/fig3.pdf, fig4.pdf: both papers have them, so the short name fails
 #   while the DAG is built (also under -n), naming the canonical targets that exist
 #   (fig3: figures/conduit/fig3.pdf and figures/residualkv/fig3.pdf; fig4: CONDUIT's only).

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -195,6 +195,40 @@ def _tokenizer(proc: Any) -> Any:
 
 
 @torch.inference_mode()
+def layer_kv(model: Any, inputs: dict, layers: Sequence[int] | None = None) -> list[torch.Tensor]:
+    """Each decoder layer's pre-RoPE K‖V of one sequence: ``model(**inputs, use_cache=False)`` under forward hooks on
+    the codec's key source and ``v_proj`` (:func:`kvbench.compress.residualkv.train.record_kv`, the tensors the codec
+    trains on and the cache codes), K and V of all KV heads concatenated.
+
+    Args:
+        model: a HF causal LM or VLM in eval mode.
+        inputs: the forward's keyword tensors, batch 1 (``input_ids`` ``[1, T]``; a VLM's ``pixel_values``,
+            ``image_grid_thw``, ... as its processor gives them).
+        layers: the layers kept (default all); the others are dropped as the forward returns.
+
+    Returns:
+        float32 CPU tensors ``[T, 2 d_k]``, one per layer (``layers`` order).
+
+    Raises:
+        ValueError: a batch other than 1, or a layer index outside the model.
+    """
+    from kvbench.compress.cache import decoder_layers
+    from kvbench.compress.residualkv.train import record_kv
+
+    n_layers = len(decoder_layers(model))
+    keep = list(range(n_layers)) if layers is None else list(layers)
+    bad = [i for i in keep if not 0 <= i < n_layers]
+    if bad:
+        raise ValueError(f"layer(s) {bad} outside the model's {n_layers} decoder layers (0..{n_layers - 1})")
+    if inputs["input_ids"].shape[0] != 1:
+        raise ValueError(f"one sequence expected, got a batch of {inputs['input_ids'].shape[0]}")
+    store: list[dict] = [{} for _ in range(n_layers)]
+    with record_kv(model, store):
+        model(**inputs, use_cache=False)
+    return [torch.cat([store[i]["k"], store[i]["v"]], dim=-1)[0].float().cpu() for i in keep]
+
+
+@torch.inference_mode()
 def observe(model: Any, proc: Any, splits: dict[str, str | Path], schedule: ReferenceSchedule, *,
             records_per_task: int = 2, max_tokens: int = 4096, context_tokens: int | None = None,
             model_name: str = "") -> Observations:
@@ -204,8 +238,7 @@ def observe(model: Any, proc: Any, splits: dict[str, str | Path], schedule: Refe
     A record's context is its ``context`` text tokenised as the compression runs tokenise it
     (:func:`kvbench.compress.generate.split_prompt`, the part before the question), truncated to
     ``context_tokens`` and to what is left of ``max_tokens``; splits are read in the order given and stop once
-    ``max_tokens`` tokens are analysed. K and V come from forward hooks on each layer's codec key source and
-    ``v_proj`` (:func:`kvbench.compress.residualkv.train.record_kv`), one context per forward, no cache.
+    ``max_tokens`` tokens are analysed. K and V come from :func:`layer_kv`, one context per forward, no cache.
 
     Args:
         model: a HF causal LM (or VLM, run on text only) in eval mode.
@@ -218,7 +251,6 @@ def observe(model: Any, proc: Any, splits: dict[str, str | Path], schedule: Refe
     """
     from kvbench.compress.cache import decoder_layers
     from kvbench.compress.generate import split_prompt
-    from kvbench.compress.residualkv.train import record_kv
     from kvbench.utils.io import read_jsonl
 
     if records_per_task < 1 or max_tokens < 2 or (context_tokens is not None and context_tokens < 2):
@@ -238,11 +270,8 @@ def observe(model: Any, proc: Any, splits: dict[str, str | Path], schedule: Refe
             ids = ids[0, :split][: min(left, context_tokens or left)]
             if ids.numel() < 2:
                 continue
-            store: list[dict] = [{} for _ in range(n_layers)]
-            with record_kv(model, store):
-                model(input_ids=ids[None].to(device), use_cache=False)
-            for layer, kv in zip(layers, store):
-                layer.add(torch.cat([kv["k"], kv["v"]], dim=-1)[0].float().cpu(), schedule)
+            for layer, kv in zip(layers, layer_kv(model, {"input_ids": ids[None].to(device)})):
+                layer.add(kv, schedule)
             contexts.append({"task": task, "id": rec.get("id"), "tokens": int(ids.numel())})
             left -= int(ids.numel())
     if not contexts:
