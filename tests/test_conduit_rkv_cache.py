@@ -105,6 +105,9 @@ def test_table_pairs_by_record_and_reports_bytes(tmp_path):
     assert set(order["method"]) == {"CONDUIT − ProphetKV", "CONDUIT − MPIC"}
     assert set(order["kind"]) == {"paired difference (compressed caches)", "paired difference (raw caches)"}
     assert "# ordering on the compressed caches: CONDUIT − ProphetKV" in text
+    mpic = order[(order["method"] == "CONDUIT − MPIC") & (order["kind"] == "paired difference (compressed caches)")]
+    # compressed: CONDUIT 0.75 / 0.25 against MPIC 1 / 1 -> -0.25 on two records, -0.75 on two: -50 points
+    assert mpic["diff"].iloc[0] == -50.0 and "strongest other budgeted row" in mpic["notes"].iloc[0]
 
 
 def test_missing_run_leaves_an_empty_cell_with_its_reason(tmp_path):

@@ -192,7 +192,8 @@ def table(plan: CompressedCachePlan, runs: Runs, sizes: dict | None) -> pd.DataF
     cols_out = ["backbone", "regime", "r", "kind", "method", "spec", "raw", "compressed", "diff", "ci95_lo", "ci95_hi",
                 "told_apart", "n", "raw bytes/image", "compressed bytes/image", "KR %", "notes"]
     df = pd.DataFrame(out).reindex(columns=cols_out)
-    df["n"] = df["n"].astype("Int64")
+    for c in ("n", "raw bytes/image", "compressed bytes/image"):   # counts stay integers beside empty cells
+        df[c] = df[c].astype("Int64")
     return df
 
 
@@ -210,17 +211,16 @@ def ordering_rows(plan: CompressedCachePlan, runs: Runs, comp_avg: dict, raw_dir
     pairs = list(dict.fromkeys([*pk, *([best] if best else [])]))
     out = []
     for b in pairs:
-        why = ("strongest other budgeted row on the compressed caches" if b is best else "") + \
-              (", and ProphetKV" if b is best and b in pk else "ProphetKV" if b in pk else "")
+        roles = (["ProphetKV"] if b in pk else []) + (["the strongest other budgeted row on the compressed caches"]
+                                                      if b is best else [])
         for form, dirs in (("compressed", comp_dir), ("raw", raw_dir)):
             rec = {"backbone": plan.model, "regime": plan.conduit.regime(plan.model), "r": plan.r,
                    "kind": f"paired difference ({form} caches)", "method": f"{ours[0].label} − {b.label}",
                    "spec": f"{ours[0].spec} − {b.spec}"}
             p = _paired(runs, dirs(ours[0].spec), dirs(b.spec), plan.columns)
             if p["n"]:
-                rec.update({form: round(p["diff"], 2), "diff": round(p["diff"], 2), **_ci(p["d"], boot=plan.conduit.cfg["gap"]),
-                            "n": p["n"]})
-            rec["notes"] = "; ".join([f"b = {why.lstrip(', ')}", *p["notes"]])
+                rec.update({"diff": round(p["diff"], 2), **_ci(p["d"], plan.conduit.cfg["gap"]), "n": p["n"]})
+            rec["notes"] = "; ".join([f"b = {' and '.join(roles)}", *p["notes"]])
             out.append(rec)
     return out
 
@@ -262,8 +262,8 @@ def header(plan: CompressedCachePlan, spec: dict, df: pd.DataFrame, sizes: dict 
         f"the columns {[c.name for c in plan.columns]} (records paired by id within each column); diff = compressed "
         "- raw per record, mean over all records pooled across the columns; 95% CI: paired bootstrap, percentile "
         f"method, {boot['resamples']} resamples, seed {boot['seed']}; told_apart = the CI excludes 0. Rows of kind "
-        "'paired difference (<form> caches)' give CONDUIT minus a baseline on that cache form (its score in the "
-        "<form> column and in diff)")
+        "'paired difference (<form> caches)' give CONDUIT minus a baseline, both on that cache form (in diff, with "
+        "its CI)")
     for form in ("compressed", "raw"):
         d = df[df["kind"] == f"paired difference ({form} caches)"]
         text = "; ".join(f"{r.method} {r.diff:+.2f} [{r.ci95_lo:+.2f}, {r.ci95_hi:+.2f}]"
