@@ -185,7 +185,9 @@ def _cache(a: argparse.Namespace) -> None:
     from kvbench.eval.refresh import build_caches
     from kvbench.utils.io import write_json
 
-    index = build_caches(a.model, a.split, a.cache_dir, limit=a.limit, threads=a.threads)
+    compressed = None if a.compressed is None else json.loads(a.compressed)
+    index = build_caches(a.model, a.split, a.cache_dir, limit=a.limit, threads=a.threads, compressed=compressed,
+                         source_dir=a.source_dir)
     write_json(a.out, index)
     print(json.dumps({k: v for k, v in index.items() if k != "stores"}, indent=2))
 
@@ -592,6 +594,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--out", required=True, help="index JSON written last (what was built or reused)")
     s.add_argument("--limit", type=int, default=None, help="only the first N records")
     s.add_argument("--threads", type=_positive_int, default=1)
+    s.add_argument("--compressed", default=None,
+                   help="JSON CacheCodec spec (codec_dir, full_layers, full_kv_bits, bits, n_sink): store the caches "
+                        "in ResidualKV's form, coded from the raw caches under --source-dir")
+    s.add_argument("--source-dir", default=None, help="raw cache root the compressed entries are coded from")
     s.set_defaults(func=_cache)
 
     s = sub.add_parser("conduit-diagnose", help="capture CONDUIT's premise diagnostics over a split (Tables 11-13; "

@@ -463,6 +463,31 @@ def _mm_plan():
 MM = _mm_plan()
 
 
+def _crc_plan():
+    """The compressed-image-cache plan (:class:`kvbench.report.conduit_rkv.CompressedCachePlan`; rules in
+    conduit_rkv_cache.smk), None without `beyond.conduit_rkv_cache`. Its codec is rule rkv_mm_codec's for its model."""
+    from kvbench.report.conduit_rkv import KEY, CompressedCachePlan
+
+    section = (config.get("beyond") or {}).get(KEY)
+    if not section:
+        return None
+    if CONDUIT is None:
+        raise ValueError(f"config beyond.{KEY} reruns CONDUIT's Table 1 rows on compressed image caches: it needs a "
+                         "`conduit:` section")
+    if MM is None or not MM.section.get("codec"):
+        raise ValueError(f"config beyond.{KEY} stores the image caches with the backbone's VLM codec, trained by rule "
+                         "rkv_mm_codec from residualkv.tableII.codec: configure that mapping (config/config.yaml shows one)")
+    return CompressedCachePlan(section, CONDUIT)
+
+
+CRC = _crc_plan()
+
+
+def mm_codec_models():
+    """Backbones that rkv_mm_codec trains a VLM codec for (Table II's, and the compressed-image-cache table's)."""
+    return list(dict.fromkeys((MM.models if MM else []) + ([CRC.model] if CRC else [])))
+
+
 def mm_codec_files():
     """Training records of Table II's codecs: `residualkv.tableII.codec.data_files` (local JSONL, under `paths.root`),
     else the tasks' smoke train splits."""
@@ -608,6 +633,9 @@ def _runs():
     if MM:
         for run in MM.runs():
             runs[(run.model, run.dataset, run.name)] = run
+    if CRC:
+        for run in CRC.new_runs():
+            runs[(run.model, run.dataset, run.name)] = run
     for plan in (RKV, RKV_GEN):
         for target in plan.targets() if plan else []:
             for task, s in plan.runs(target):
@@ -637,7 +665,7 @@ def _rkv_run_plan(wc):
 def run_threads(wc):
     if run_of(wc).group == "residualkv":
         return _rkv_run_plan(wc).s.get("threads", 1)
-    section = {"eval": config["eval"], "conduit": config.get("conduit", {}),
+    section = {"eval": config["eval"], "conduit": config.get("conduit", {}), "conduit_rkv": config.get("conduit", {}),
                "residualkv_mm": config.get("residualkv", {}).get("tableII", {})}
     return section[run_of(wc).group].get("threads", 1)
 
@@ -650,7 +678,7 @@ def run_limit(wc):
     elif group == "residualkv_mm":
         n = MM.n_test
     else:
-        key = {"eval": ("eval", "limit"), "conduit": ("conduit", "n_test")}
+        key = {"eval": ("eval", "limit"), "conduit": ("conduit", "n_test"), "conduit_rkv": ("conduit", "n_test")}
         section, name = key[group]
         n = config.get(section, {}).get(name)
     return [] if n is None else ["--limit", str(n)]
@@ -669,6 +697,10 @@ def _run_resource(wc):
     if run.group == "conduit" and run.spec != "full":  # `full` is FullCache (model.generate): no image cache
         root = f"cache/conduit/{wc.profile}/{wc.model}/{wc.task}"
         return {"cache": f"{root}/index.json"}, {"cache_dir": root, "build_missing": False}
+    if run.group == "conduit_rkv":  # Table 1's specs on the compressed image caches (conduit_rkv_cache.smk)
+        root = crc_cache_dir(wc.task)
+        return {"cache": f"{root}/index.json"}, {"cache_dir": root, "build_missing": False,
+                                                  "compressed": CRC.storage_spec(crc_codec_dir()).to_spec()}
     if run.group == "residualkv_mm" and MM.takes_codec(run.spec):
         codec = f"{mm_codec_dir(run.model)}/codec"
         return {"codec": f"{codec}/codec.json"}, {"codec_dir": codec}
@@ -778,6 +810,8 @@ def table_inputs(wc):
                          f"{table.path} (config/config.yaml shows one)")
     if table.section == "conduit":
         return conduit_run_inputs(table.key)(wc)
+    if table.section == "beyond":
+        return crc_table_inputs()
     if table.name == "residualkv/tableII":
         if not MM:
             raise ValueError("this config has no `residualkv.tableII:` mapping, so it has no ResidualKV Table II "
@@ -800,6 +834,8 @@ def table_spec(wc):
     table = table_of(wc.table)
     if table.section == "conduit":
         return conduit_report_spec(table.key)
+    if table.section == "beyond":
+        return crc_report_spec()
     if table.name == "residualkv/tableII":
         return mm_report_spec()
     if table.section == "residualkv":

@@ -15,7 +15,7 @@ rule rkv_mm_codec:
         summary="codecs/{profile}/{model}/{mmcodec}/summary.json",
     wildcard_constraints:
         mmcodec=r"mm-[0-9a-f]{8}",
-        model=alternation(MM.models if MM else []),
+        model=alternation(mm_codec_models()),
     params:
         model=lambda wc: model_dir(wc.model),
         out=lambda wc, output: os.path.dirname(output.summary),

@@ -27,6 +27,7 @@ from kvbench.reuse import (
     refresh,
 )
 from kvbench.reuse.cache_store import template_hash
+from kvbench.reuse.compressed_store import CacheCodec, CompressedImageKVStore, summarize
 from kvbench.reuse.policies import REFRESH
 from kvbench.utils.spec import parse
 
@@ -59,6 +60,22 @@ class ReadOnlyStore(ImageKVStore):
                                 "(Snakemake rule conduit_cache: rerun it with --forcerun conduit_cache)")
 
 
+class ReadOnlyCompressedStore(CompressedImageKVStore):
+    """A :class:`~kvbench.reuse.compressed_store.CompressedImageKVStore` that never writes (what pipeline runs read;
+    rule ``conduit_rkv_cache`` builds it). Raises :class:`MissingCacheEntry` as :class:`ReadOnlyStore`."""
+
+    def __init__(self, root, adapter, generic_system, spec):
+        if not (Path(root) / "manifest.json").is_file():
+            raise MissingCacheEntry(f"compressed image cache {root} has not been built (no manifest.json); build it "
+                                    "with `kvbench cache --compressed` (Snakemake rule conduit_rkv_cache)")
+        super().__init__(root, adapter, generic_system, spec)
+
+    def missing(self, key):
+        raise MissingCacheEntry(f"compressed image cache {self.root} has no valid entry {key[:12]} for an image of "
+                                "this request (missing, or its hash check failed); rebuild it with `kvbench cache "
+                                "--compressed` (Snakemake rule conduit_rkv_cache)")
+
+
 def store_root(cache_dir: str | Path, adapter, generic_system: str) -> Path:
     """Store directory of one (model weights, cache-time template) under ``cache_dir``:
     ``<cache_dir>/<model fingerprint[:16]>/<template hash[:16]>`` (an ImageKVStore is pinned to both)."""
@@ -66,10 +83,27 @@ def store_root(cache_dir: str | Path, adapter, generic_system: str) -> Path:
     return Path(cache_dir) / adapter.fingerprint()[:16] / tmpl[:16]
 
 
-def open_store(cache_dir: str | Path, adapter, generic_system: str, build_missing: bool = True) -> ImageKVStore:
-    """The :class:`ImageKVStore` for ``generic_system`` under ``cache_dir`` (read-only unless ``build_missing``)."""
-    cls = ImageKVStore if build_missing else ReadOnlyStore
-    return cls(store_root(cache_dir, adapter, generic_system), adapter, generic_system)
+def open_store(cache_dir: str | Path, adapter, generic_system: str, build_missing: bool = True,
+               compressed: CacheCodec | None = None, source_dir: str | Path | None = None) -> ImageKVStore:
+    """The :class:`ImageKVStore` for ``generic_system`` under ``cache_dir`` (read-only unless ``build_missing``).
+
+    With ``compressed``: the store in ResidualKV's form (:mod:`kvbench.reuse.compressed_store`); when it builds
+    missing entries it codes them from the raw store under ``source_dir`` (read only).
+
+    Raises:
+        ValueError: ``compressed`` with ``build_missing`` but no ``source_dir``.
+    """
+    root = store_root(cache_dir, adapter, generic_system)
+    if compressed is None:
+        cls = ImageKVStore if build_missing else ReadOnlyStore
+        return cls(root, adapter, generic_system)
+    if not build_missing:
+        return ReadOnlyCompressedStore(root, adapter, generic_system, compressed)
+    if source_dir is None:
+        raise ValueError("a compressed image cache codes its entries from a raw one: give source_dir (the raw "
+                         "cache root, e.g. the conduit_cache rule's)")
+    source = ReadOnlyStore(store_root(source_dir, adapter, generic_system), adapter, generic_system)
+    return CompressedImageKVStore(root, adapter, generic_system, compressed, source)
 
 
 @dataclass
@@ -87,6 +121,9 @@ class RefreshMethod(EvalMethod):
         spec: method spec (module docstring), e.g. ``"conduit@0.1:lam=0.5"``.
         cache_dir: image-cache root (None: a temporary directory for this method's lifetime).
         build_missing: build missing entries (False: :class:`ReadOnlyStore`, what pipeline runs use).
+        compressed: the image caches are stored in ResidualKV's form and restored when read: a
+            :class:`~kvbench.reuse.compressed_store.CacheCodec` spec (``codec_dir``, ``full_layers``, ...); None: raw.
+        source_dir: the raw cache root compressed entries are coded from (``compressed`` with ``build_missing``).
 
     Raises:
         ValueError: invalid spec (at construction), or a record without ``generic_system`` or images.
@@ -96,10 +133,13 @@ class RefreshMethod(EvalMethod):
     spec: str = "reuse"
     cache_dir: str | None = None
     build_missing: bool = True
+    compressed: dict | None = None
+    source_dir: str | None = None
 
     def __post_init__(self):
         if not isinstance(self.build_missing, bool):
             raise ValueError(f"build_missing must be true or false, got {self.build_missing!r}")
+        self._codec = None if self.compressed is None else CacheCodec.from_spec(self.compressed)
         parsed = parse(self.spec, REFRESH)
         if parsed.policy == "full":
             raise ValueError("'full' is the FullCache method (model.generate); use method 'full', "
@@ -115,7 +155,8 @@ class RefreshMethod(EvalMethod):
         p = self._parsed
         return {"name": self.name, "spec": self.spec, "policy": p.policy, "r": p.effective_r,
                 "policy_params": p.build().params(),
-                "cache_dir": self.cache_dir, "build_missing": self.build_missing}
+                "cache_dir": self.cache_dir, "build_missing": self.build_missing,
+                **({} if self._codec is None else {"compressed": self._codec.to_spec(), "source_dir": self.source_dir})}
 
     def protocol(self) -> dict:
         # the image caches are not hashed into config.yaml: every entry is content-addressed and hash-checked
@@ -141,7 +182,7 @@ class RefreshMethod(EvalMethod):
             if root is None:
                 self._tmp = self._tmp or tempfile.TemporaryDirectory(prefix="kvbench-imgcache-")
                 root = self._tmp.name
-            self._stores[h] = open_store(root, adapter, generic_system, self.build_missing)
+            self._stores[h] = open_store(root, adapter, generic_system, self.build_missing, self._codec, self.source_dir)
         return self._stores[h]
 
     def check_records(self, records: list[dict]) -> None:
@@ -179,15 +220,21 @@ class RefreshMethod(EvalMethod):
 
 
 def build_caches(model_spec: str | Path, split_path: str | Path, cache_dir: str | Path, limit: int | None = None,
-                 device: str | None = None, threads: int = 1) -> dict:
+                 device: str | None = None, threads: int = 1, compressed: dict | None = None,
+                 source_dir: str | Path | None = None) -> dict:
     """Prefill every image of the first ``limit`` records of a split alone under its ``generic_system`` and
     store it under ``cache_dir`` (:func:`store_root` per generic prefix); existing valid entries are reused.
 
-    This is what the ``conduit_cache`` rule runs before any refresh run reads the caches read-only.
+    This is what the ``conduit_cache`` rule runs before any refresh run reads the caches read-only. With
+    ``compressed`` (a :class:`~kvbench.reuse.compressed_store.CacheCodec` spec) the entries are instead coded in
+    ResidualKV's form from the raw caches under ``source_dir`` (read only; rule ``conduit_rkv_cache``).
 
     Returns:
         Index ``{"model", "model_fingerprint", "split", "n_records", "n_images", "stores": {generic prefix:
-        store dir}, "built", "reused", "rebuilt_corrupt"}`` (counts of image entries).
+        store dir}, "built", "reused", "rebuilt_corrupt"}`` (counts of image entries); with ``compressed`` also
+        ``compressed`` (the spec), ``codec_id`` and ``summary``: bytes per image raw vs compressed by part and the
+        restore error, over the distinct images of the records
+        (:func:`~kvbench.reuse.compressed_store.summarize`).
 
     Raises:
         ValueError: a record is not a VLM record with ``generic_system`` and at least one image.
@@ -202,16 +249,24 @@ def build_caches(model_spec: str | Path, split_path: str | Path, cache_dir: str 
             raise ValueError(f"{split_path}: record {r.get('id')!r} is not a VLM record with 'generic_system'")
     torch.set_num_threads(int(threads))
     model, proc = load_model(model_spec, device=device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    method = RefreshMethod(spec="reuse", cache_dir=str(cache_dir), build_missing=True)
+    method = RefreshMethod(spec="reuse", cache_dir=str(cache_dir), build_missing=True, compressed=compressed,
+                           source_dir=None if source_dir is None else str(source_dir))
     adapter = method.get_adapter(model, proc)
-    n_images = 0
+    n_images, seen = 0, {}
     with torch.inference_mode():
         for r in records:
-            n_images += len(method.get_store(adapter, r["generic_system"]).entries(r, split_path.parent))
+            store = method.get_store(adapter, r["generic_system"])
+            entries = store.entries(r, split_path.parent)
+            n_images += len(entries)
+            seen.update({(store.root, e.key): store for e in entries})
     stats = {k: sum(s.stats[k] for s in method._stores.values()) for k in ("built", "reused", "rebuilt_corrupt")}
-    return {"model": str(model_spec), "model_fingerprint": adapter.fingerprint(), "split": str(split_path),
-            "n_records": len(records), "n_images": n_images,
-            "stores": {s.generic_system: str(s.root) for s in method._stores.values()}, **stats}
+    index = {"model": str(model_spec), "model_fingerprint": adapter.fingerprint(), "split": str(split_path),
+             "n_records": len(records), "n_images": n_images,
+             "stores": {s.generic_system: str(s.root) for s in method._stores.values()}, **stats}
+    if method._codec is not None:
+        index.update(compressed=method._codec.to_spec(), codec_id=method._codec.codec_id, source_dir=str(source_dir),
+                     summary=summarize([store.sidecar(key) for (_, key), store in seen.items()]))
+    return index
 
 
 # --- exact replay of a recorded plan (``kvbench replay``) ---------------------------------------

@@ -22,7 +22,9 @@ from typing import Any
 #: Run groups: the config section that asks for a run -> its sub-directory under the run's dataset.
 GROUPS = {"eval": "", "conduit": "conduit", "residualkv": "residualkv",
           # ResidualKV Table II's VLM runs (kvbench.report.rkv_multimodal): their own record limit, same directory name
-          "residualkv_mm": "residualkv"}
+          "residualkv_mm": "residualkv",
+          # CONDUIT's Table 1 block on ResidualKV-compressed image caches (kvbench.report.conduit_rkv)
+          "conduit_rkv": "conduit-rkv"}
 
 
 @dataclass(frozen=True)

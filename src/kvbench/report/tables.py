@@ -10,11 +10,12 @@ import pandas as pd
 
 from kvbench.bench import table3
 from kvbench.report import conduit, conduit_diag, residualkv, rkv_generation, rkv_multimodal, rkv_scbench, rkv_table1
+from kvbench.report import conduit_rkv
 from kvbench.report.plan import Table
 
 TABLES: dict[str, Table] = {**conduit.TABLES, **conduit_diag.TABLES, **table3.TABLES, **residualkv.TABLES,
                            **rkv_table1.TABLES, **rkv_multimodal.TABLES, **rkv_scbench.TABLES,
-                           **rkv_generation.TABLES}
+                           **rkv_generation.TABLES, **conduit_rkv.TABLES}
 
 
 def write(name: str, spec: str | dict, out: str | Path, root: str | Path = ".") -> pd.DataFrame:

@@ -112,14 +112,14 @@ class ImageKVStore:
     # --- directory identity -------------------------------------------------------------------
     def _check_manifest(self) -> None:
         manifest = self.root / "manifest.json"
-        want = {"format": FORMAT_VERSION, "model_id": self.model_id, "template_id": self.template_id}
+        want = self.identity()
         if manifest.exists():
             try:
                 have = json.loads(manifest.read_text())
             except json.JSONDecodeError as e:
                 raise CacheMismatchError(f"image cache manifest {manifest} is not valid JSON ({e}); "
                                          f"delete {self.root} and rebuild it with `kvbench cache`") from None
-            for field in ("format", "model_id", "template_id"):
+            for field in want:
                 if have.get(field) != want[field]:
                     raise CacheMismatchError(
                         f"image cache {self.root} was built for {field}={have.get(field)!r}, this run has "
@@ -129,6 +129,11 @@ class ImageKVStore:
         else:
             write_json(manifest, {**want, "model_class": type(self.adapter.model).__name__,
                                   "generic_system": self.generic_system})
+
+    def identity(self) -> dict:
+        """What pins the directory and each entry: format, model and template (a subclass adds its own fields, e.g.
+        the compressed store's codec); the manifest holds these fields and every sidecar must match them."""
+        return {"format": FORMAT_VERSION, "model_id": self.model_id, "template_id": self.template_id}
 
     # --- keys ---------------------------------------------------------------------------------
     def encode_image(self, image: Any, base_dir: str | Path | None = None) -> dict:
@@ -181,7 +186,12 @@ class ImageKVStore:
             raise ValueError(f"record {record.get('id')!r} has no image part; the reuse engine needs >= 1 image")
         return [self.get(im, base_dir) for im in images]
 
-    def _load(self, key: str) -> ImageKV | None:
+    def _read(self, key: str) -> tuple[dict, dict[str, torch.Tensor]] | None:
+        """``(sidecar, tensors)`` of a verified entry, or None when it is missing or corrupt (counted).
+
+        Raises:
+            CacheMismatchError: the sidecar's model, template or other :meth:`identity` field is not this store's.
+        """
         tensors, sidecar = self.paths(key)
         if not tensors.exists() or not sidecar.exists():
             return None
@@ -191,15 +201,24 @@ class ImageKVStore:
             log.warning("image cache %s: unreadable sidecar, rebuilding", sidecar)
             self.stats["rebuilt_corrupt"] += 1
             return None
-        if meta.get("model_id") != self.model_id or meta.get("template_id") != self.template_id:
+        want = {k: v for k, v in self.identity().items() if k != "format"}
+        bad = [k for k, v in want.items() if meta.get(k) != v]
+        if bad:
             raise CacheMismatchError(
                 f"image cache entry {sidecar} was built for model {meta.get('model_id')!r} / template "
-                f"{meta.get('template_id')!r}, this run has {self.model_id!r} / {self.template_id!r}")
+                f"{meta.get('template_id')!r}, this run has {self.model_id!r} / {self.template_id!r}; fields that "
+                f"differ: {', '.join(f'{k} {meta.get(k)!r} (here {want[k]!r})' for k in bad)}")
         if sha256_file(tensors) != meta.get("sha256"):
             log.warning("image cache %s: sha256 differs from its sidecar (corrupt), rebuilding", tensors)
             self.stats["rebuilt_corrupt"] += 1
             return None
-        t = load_file(tensors, device=str(self.adapter.device))
+        return meta, load_file(tensors, device=str(self.adapter.device))
+
+    def _load(self, key: str) -> ImageKV | None:
+        entry = self._read(key)
+        if entry is None:
+            return None
+        meta, t = entry
         n_layers = meta["n_layers"]
         return ImageKV(key=key, grid_thw=tuple(meta["grid_thw"]) if meta.get("grid_thw") else None,
                        keys=tuple(t[f"k.{i}"] for i in range(n_layers)),
