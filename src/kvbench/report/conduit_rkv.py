@@ -29,7 +29,8 @@ import numpy as np
 import pandas as pd
 
 from kvbench.eval.registry import parse_method_spec, slug
-from kvbench.report.conduit import Column, ConduitPlan, Row, Runs, _mean, paired_bootstrap
+from kvbench.report.conduit import Column, ConduitPlan, Row, Runs, _mean
+from kvbench.report.paired import paired_bootstrap
 from kvbench.report.plan import Run, Table, load_spec, write_csv
 from kvbench.reuse.compressed_store import CacheCodec
 from kvbench.utils.recipe import recipe_hash
