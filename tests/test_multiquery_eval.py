@@ -141,3 +141,16 @@ def test_scbench_scorers():
     assert scb.rouge_lsum("a b c d", "a c e") == pytest.approx(4 / 7)
     # summary level: union of LCS hits over prediction sentences ("a b" and "c d" against reference "a c d")
     assert scb.rouge_lsum("a b\nc d", "a c d") == pytest.approx(2 * (3 / 4) * 1 / (3 / 4 + 1))
+
+
+def test_a_record_mixing_metrics_scores_the_mean_of_each_metrics_mean():
+    """SCBench's summary-with-needles is one number, the mean of its two accuracies (summary ROUGE, passkey); the
+    mean over the turns weighted the passkey turns by their count (review of the merge, issue #17)."""
+    from kvbench.eval.multiquery import record_score
+
+    rec = {"id": "r", "metric": "scb_first_int",
+           "multi_turns": [{"input": "q", "answer": "1"}] * 3 + [{"input": "s", "answer": "x", "metric": "scb_rouge_lsum"}]}
+    assert record_score(rec, [1.0, 1.0, 1.0, 0.0]) == 0.5            # (mean of 1, 1, 1 + 0) / 2, not 3/4
+    assert record_score({**rec, "multi_turns": rec["multi_turns"][:3]}, [1.0, 0.0, 0.5]) == 0.5   # one metric: the mean
+    with pytest.raises(ValueError, match="4 queries but 3 scores"):
+        record_score(rec, [1.0, 1.0, 1.0])

@@ -7,10 +7,13 @@ summary-with-needles mixes a summary and a passkey turn) and ``max_new_tokens``;
 
 How a method answers one: the context once, then each query from the cache after the context, independently
 (SCBench's multi-request mode, "SCDQ", which ResidualKV's Table IV uses; :mod:`kvbench.compress.multiquery`).
-The runner (:mod:`kvbench.eval.runner`) scores each query with its metric; the record's ``score`` is the mean
-over its queries and the row keeps the per-query ``scores``. A split whose records hold the same number of
-queries (every smoke split and SCBench's files) then has a run score equal to SCBench's (the mean over every
-query of the task, ``compute_scores.get_score``).
+The runner (:mod:`kvbench.eval.runner`) scores each query with its metric; the record's ``score`` is
+:func:`record_score` (the mean over its queries; with several metrics, the mean of each metric's mean) and the row
+keeps the per-query ``scores``. A split whose records hold the same number of queries of each metric (every smoke
+split and SCBench's files) then has a run score equal to SCBench's one number per dataset: the mean over every query
+of the task (``compute_scores.get_score``), and for summary-with-needles the mean of its two accuracies (ROUGE-Lsum
+of the summary turns, the passkey turns' first integer), as SCBench's result summary averages a dataset's
+comma-separated ``processed_results``.
 """
 from __future__ import annotations
 
@@ -83,3 +86,19 @@ def score_turns(record: dict, predictions: list[str], metrics: dict[str, Callabl
         raise ValueError(f"record {record.get('id')!r}: {len(turns)} queries but "
                          f"{len(predictions) if isinstance(predictions, list) else type(predictions).__name__} predictions")
     return [float(metrics[t.get("metric", record["metric"])](p, t["answer"])) for p, t in zip(predictions, turns)]
+
+
+def record_score(record: dict, scores: list[float]) -> float:
+    """One record's score from its per-query ``scores`` (in turn order): the mean over the queries of each metric
+    (the turn's, else the record's), then the mean over the metrics. One metric: the mean over the queries.
+
+    Raises:
+        ValueError: not one score per query.
+    """
+    turns = record[TURNS]
+    if len(scores) != len(turns):
+        raise ValueError(f"record {record.get('id')!r}: {len(turns)} queries but {len(scores)} scores")
+    by_metric: dict[str, list[float]] = {}
+    for t, s in zip(turns, scores):
+        by_metric.setdefault(t.get("metric", record["metric"]), []).append(s)
+    return sum(sum(v) / len(v) for v in by_metric.values()) / len(by_metric)

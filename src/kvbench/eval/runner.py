@@ -45,7 +45,7 @@ import torch
 
 from kvbench.eval.methods import FatalRunError
 from kvbench.eval.metrics import METRICS, aggregate
-from kvbench.eval.multiquery import TURNS, check_turns, is_multi, score_turns
+from kvbench.eval.multiquery import TURNS, check_turns, is_multi, record_score, score_turns
 from kvbench.eval.registry import get_method
 from kvbench.eval.resume import RunLog
 from kvbench.eval.runconfig import (
@@ -297,9 +297,9 @@ def run_eval(
         ts = time.perf_counter()
         try:
             pred = evaluator.predict(model, proc, r, split_path.parent)
-            if is_multi(r):  # one prediction per query; the record's score is their mean
+            if is_multi(r):  # one prediction per query; the record's score: each metric's mean, averaged
                 scores = score_turns(r, pred, METRICS)
-                score, status, err = sum(scores) / len(scores), "ok", None
+                score, status, err = record_score(r, scores), "ok", None
             else:
                 score, status, err = float(METRICS[r["metric"]](pred, r["answer"])), "ok", None
         except FatalRunError:
