@@ -185,6 +185,19 @@ def test_residualkv_orderings_are_judged_with_the_tables_paired_ci(tmp_path):
     assert (llama["ours"], llama["ci95_lo"], llama["ci95_hi"]) == (0.4, -0.3, 1.1)   # the pooled diff, not 66 - 65
 
 
+def test_a_kr_ordering_without_the_pairs_kr_ci_falls_back_to_the_cells(tmp_path):
+    """Review: a paired row without KR columns (a CSV written before KR pairing, or a pair no record has KR for)
+    gave the KR ordering ours = NaN, 'against it'; it is the two cells' difference, not judged."""
+    table = RKV_PAIRED.replace("score,OmniKV,omnikv:keep=0.2,70.0,60.0,65.0,100.0,30.0",
+                               "score,ResidualKV† (no codec),rkv:use_codec=false,72.0,60.0,66.0,27.0,30.0") \
+        .replace("ResidualKV − OmniKV,x − y,1.0,0.0,,,,0.4,-0.3,1.1,False,200,-80.0,-80.5,-79.5,True",
+                 "ResidualKV − ResidualKV† (no codec),x − y,0.0,0.0,,,,0.0,0.0,0.0,False,200,,,,")
+    _, df = _compare(tmp_path, table, PUBLISHED / "residualkv.yaml", name="residualkv/tableIII")
+    kr = df[(df["part"] == "ordering") & (df["method"] == "ResidualKV − ResidualKV† (no codec)")
+            & (df["column"] == "KR_packed %") & (df["paper_backbone"] == "Llama-3.1-8B")].iloc[0]
+    assert kr["ours"] == -7.0 and kr["verdict"] == "no CI, not judged: ours in the paper's direction"   # 20 - 27
+
+
 TABLE4_PAPER = """\
 # CONDUIT Table 4 (λ ablation of the image coefficient). kvbench paper profile: models qwen2.5-vl-3b, qwen2.5-vl-7b computed by this pipeline.
 backbone,regime,r,method,spec,LongDocURL,LongDocURL %full,avg,avg %full,notes

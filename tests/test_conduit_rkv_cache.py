@@ -140,3 +140,21 @@ def test_paper_dry_run_lists_the_jobs(tmp_path):
     run = next(line for line in r.stdout.splitlines() if "--method conduit@0.1 " in line and "/conduit-rkv/" in line)
     assert '"cache_dir": "cache/conduit_rkv/paper/' in run and '"build_missing": false' in run
     assert '"compressed": {"codec_dir": ' + f'"{codec}/codec"' in run
+
+
+def test_failed_samples_are_named_and_a_repeated_record_id_is_refused(tmp_path):
+    """Review: a failed sample (scored 0) read as the cost of compression with no note, and a repeated id let the
+    last row win silently."""
+    _all_runs(tmp_path)
+    comp = tmp_path / "results/runs/syn/m/dp/conduit-rkv/conduit_r0.1/predictions.jsonl"
+    rows = [json.loads(x) for x in comp.read_text().splitlines()]
+    rows[0].update(status="error", score=0.0)
+    comp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "t.csv"
+    tables.write("beyond/conduit_rkv_cache", _spec(tmp_path), out, tmp_path)
+    df = pd.read_csv(out, comment="#")
+    c = df[(df["kind"] == "score") & (df["method"] == "CONDUIT")].iloc[0]
+    assert "1 of 4 samples of results/runs/syn/m/dp/conduit-rkv/conduit_r0.1 failed (scored 0)" in c["notes"]
+    comp.write_text(comp.read_text() + json.dumps({"id": rows[0]["id"], "score": 1.0}) + "\n")
+    with pytest.raises(ValueError, match=r"conduit-rkv/conduit_r0.1: record id\(s\) .* appear more than once"):
+        tables.write("beyond/conduit_rkv_cache", _spec(tmp_path), out, tmp_path)

@@ -57,3 +57,15 @@ def test_a_run_with_a_repeated_record_id_is_refused(tmp_path):
     assert bootstrap_settings({}) == {"resamples": 2000, "seed": 0}
     with pytest.raises(ValueError, match="resamples must be >= 100"):
         bootstrap_settings({"bootstrap": {"resamples": 10}})
+
+
+@pytest.mark.parametrize("score", [float("nan"), None, "1"])
+def test_a_record_without_a_numeric_score_is_named(tmp_path, score):
+    """Review: one NaN score made every pair with its row NaN and listed it as 'cannot be told apart'."""
+    from kvbench.report.residualkv import record_values
+    from kvbench.utils.io import write_jsonl
+
+    write_jsonl(tmp_path / "predictions.jsonl", [{"id": "ok", "score": 1.0, "status": "ok"},
+                                                 {"id": "bad", "score": score, "status": "ok"}])
+    with pytest.raises(ValueError, match=r"record\(s\) \['bad'\] have no numeric score"):
+        record_values(tmp_path)

@@ -487,7 +487,7 @@ def _ordering_rows(pub: Published, ours: Ours) -> tuple[list[dict], set]:
                     lo, hi = sorted((flip * float(paired[f"{prefix}ci95_lo"]), flip * float(paired[f"{prefix}ci95_hi"])))
                     told = str(paired[f"{prefix}told_apart"]) == "True"
                     note = "ours: paired difference pooled over records (not the avg of the columns), 95% bootstrap CI"
-                elif paired is not None and col in ours.df.columns:
+                elif paired is not None and _num(paired.get(col)) is not None:  # e.g. a KR pair without its CI
                     diff = flip * float(paired[col])
                     note = "ours: the column's paired mean difference; the table's CI is for the pooled difference only"
                 else:

@@ -225,7 +225,14 @@ class Runs:
                     raise FileNotFoundError(f"run {run_dir} is missing ({path} not found)")
                 self._rows[run_dir] = None
             else:
-                self._rows[run_dir] = {r["id"]: r for r in read_jsonl(path)}
+                rows = read_jsonl(path)
+                by_id = {r["id"]: r for r in rows}
+                if len(by_id) != len(rows):  # the last row of an id would win silently
+                    ids = [r["id"] for r in rows]
+                    dup = sorted({i for i in ids if ids.count(i) > 1})
+                    raise ValueError(f"run {run_dir}: record id(s) {dup[:3]} appear more than once; runs are paired "
+                                     "by record id")
+                self._rows[run_dir] = by_id
         return self._rows[run_dir]
 
     def records(self, dataset: str) -> dict[str, dict]:
@@ -255,7 +262,8 @@ def _mean(xs) -> float:
     return sum(xs) / len(xs)
 
 
-def _note_errors(rows: dict[str, dict] | None, run_dir: str) -> str | None:
+def note_errors(rows: dict[str, dict] | None, run_dir: str) -> str | None:
+    """``"<n> of <m> samples of <run> failed (scored 0)"`` when a run (``{id: row}``) has failed samples, else None."""
     if not rows:
         return None
     bad = sum(1 for r in rows.values() if r.get("status") == "error")
@@ -283,7 +291,7 @@ def score_table(plan: ConduitPlan, runs: Runs, rows: list[Row], cols: list[Colum
             for c in cols:
                 run = plan.run_dir(model, c.dataset, row.spec)
                 scores, why = runs.column(run, c)
-                note = _note_errors(runs.rows(run), run)
+                note = note_errors(runs.rows(run), run)
                 if note and note not in notes:
                     notes.append(note)
                 val = None if scores is None else _mean(scores.values())

@@ -29,7 +29,7 @@ import numpy as np
 import pandas as pd
 
 from kvbench.eval.registry import parse_method_spec, slug
-from kvbench.report.conduit import Column, ConduitPlan, Row, Runs, _mean
+from kvbench.report.conduit import Column, ConduitPlan, Row, Runs, _mean, note_errors
 from kvbench.report.paired import paired_bootstrap
 from kvbench.report.plan import Run, Table, load_spec, write_csv
 from kvbench.reuse.compressed_store import CacheCodec
@@ -176,6 +176,10 @@ def table(plan: CompressedCachePlan, runs: Runs, sizes: dict | None) -> pd.DataF
                "kind": "score", "method": row.label, "spec": row.spec}
         p = _paired(runs, comp_dir(row.spec), raw_dir(row.spec), cols)
         notes = list(p["notes"])
+        for run in dict.fromkeys([*comp_dir(row.spec).values(), *raw_dir(row.spec).values()]):
+            if runs.rows(run) is not None:  # a failed sample scores 0: say so, or it reads as compression's cost
+                notes.append(note_errors(runs.rows(run), run) or "")
+        notes = [n for n in notes if n]
         if p["n"]:
             rec.update({"raw": round(p["b"], 2), "compressed": round(p["a"], 2), "diff": round(p["diff"], 2),
                         **_ci(p["d"], boot), "n": p["n"]})

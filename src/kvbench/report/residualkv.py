@@ -102,13 +102,17 @@ def record_values(run_dir: str | Path) -> dict[str, dict[str, float]]:
 
     Raises:
         FileNotFoundError: the run has no predictions.
-        ValueError: a record id appears twice (records could not be paired by id).
+        ValueError: a record id appears twice (records could not be paired by id), or a record's score is missing,
+            not a number or NaN.
     """
     rows = _read_run(run_dir)
     ids = [r["id"] for r in rows]
     dup = sorted({i for i in ids if ids.count(i) > 1})
     if dup:
         raise ValueError(f"run {run_dir}: record id(s) {dup[:3]} appear more than once; runs are paired by record id")
+    bad = [r["id"] for r in rows if not isinstance(r.get("score"), (int, float)) or math.isnan(r["score"])]
+    if bad:  # the runner writes 0.0 for a failed sample; a missing or NaN score would spoil every pair silently
+        raise ValueError(f"run {run_dir}: record(s) {bad[:3]} have no numeric score (a number in [0, 1] expected)")
     plans = {r["id"]: r["plan"] for r in rows if r.get("status") == "ok" and isinstance(r.get("plan"), dict)}
     return {"score": {r["id"]: float(r["score"]) for r in rows},
             "kr": {i: float(_kr_packed(p)) for i, p in plans.items() if _kr_packed(p) is not None},
