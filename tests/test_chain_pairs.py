@@ -148,10 +148,10 @@ def test_skip_targets_and_supervision(tokenizer):
 
 
 def test_skip_supervision_recipe_field():
-    from kvbench.train.recipes import _hashed, apply_overrides, chain_recipe, lm_recipe
+    from kvbench.train.recipes import apply_overrides, chain_recipe, lm_recipe, phase_fields
 
     # a field added later: models trained before it keep their recipe hash
-    assert all("skip_supervision" not in _hashed(p) for p in lm_recipe())
+    assert all("skip_supervision" not in phase_fields(p) for p in lm_recipe())
     assert any(p.skip_supervision > 0 for p in chain_recipe())
     with pytest.raises(ValueError, match="skip_supervision must be a weight"):
         apply_overrides(lm_recipe(), {"phases": {"copy32": {"skip_supervision": -1.0}}})
@@ -177,3 +177,29 @@ def test_chain_codec_stream_draws_both_chain_tasks(tokenizer):
     for i in range(6):
         ids, labels = stream.batch(i)
         assert ids.shape == labels.shape and (labels != IGNORE_INDEX).sum() > 0
+
+
+def test_a_state_saved_before_skip_supervision_existed_resumes(tmp_path, tokenizer):
+    """A training state whose saved recipe predates the field (no ``skip_supervision`` key) is the same recipe."""
+    import json
+
+    from kvbench.models.tiny import build_config
+    from kvbench.train.loop import run_phases
+    from kvbench.train.recipes import Phase
+
+    torch.manual_seed(0)
+    model = transformers.Qwen2ForCausalLM(build_config("tiny-qwen2-lm", tokenizer))
+    phases = [Phase("copy", "copy", steps=2, lr=1e-3, warmup=1, batch=2, seq_len=16)]
+    from kvbench.utils.steps import SliceEnded
+
+    with pytest.raises(SliceEnded):
+        run_phases(model, tokenizer, phases, tmp_path, seed=0, max_steps=1)
+    meta_path = tmp_path / "state" / "meta.json"
+    meta = json.loads(meta_path.read_text())
+    assert meta["recipe"][0].pop("skip_supervision") == 0.0
+    meta_path.write_text(json.dumps(meta))
+    assert run_phases(model, tokenizer, phases, tmp_path, seed=0)["steps"] == 2
+    meta["recipe"][0]["lr"] = 2e-3   # a real difference is still refused
+    meta_path.write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match="another recipe"):
+        run_phases(model, tokenizer, phases, tmp_path, seed=0)

@@ -28,7 +28,7 @@ from kvbench.models.prompting import IGNORE_INDEX
 from kvbench.train.batches import BATCHES, PROBE_CLASSES, step_rng
 from kvbench.train.heads import head_supervision_loss, skip_supervision_loss, supervise_heads
 from kvbench.train.readthrough import hide_prompt
-from kvbench.train.recipes import Phase
+from kvbench.train.recipes import Phase, phase_fields
 from kvbench.train.state import load_state, save_state
 from kvbench.utils.io import atomic_path
 from kvbench.utils.steps import SliceEnded, StepProgress
@@ -214,7 +214,8 @@ def run_phases(
     opt = torch.optim.AdamW(params, lr=phases[0].lr, betas=(0.9, 0.98), weight_decay=0.01)
     recipe = json.loads(json.dumps([dataclasses.asdict(p) for p in phases]))  # tuples -> lists, as saved
     meta = load_state(workdir / "state", modules, opt) or {"global_step": 0, "train_time_s": 0.0, "recipe": recipe}
-    if meta.get("recipe", recipe) != recipe:
+    # compared without later fields at their old value: a state saved before a field was added still resumes
+    if [phase_fields(p) for p in meta.get("recipe", recipe)] != [phase_fields(p) for p in recipe]:
         changed = sorted({p["name"] for p in recipe if p not in meta["recipe"]}
                          | {p["name"] for p in meta["recipe"] if p not in recipe})
         raise ValueError(f"{workdir / 'state'} was trained with another recipe (phases differing: {changed}); "

@@ -230,7 +230,7 @@ def zoo_recipe(name: str, kind: str, overrides: dict, *, seed: int, threads: int
     phases = apply_overrides(RECIPES[spec.recipe_name](), overrides)
     arch = {"architecture": spec.architecture, "text": spec.text, "vision": spec.vision, "recipe": spec.recipe_name}
     return {"model": name, "kind": kind, "seed": seed, "threads": threads, "tokenizer": tokenizer,
-            "arch": json.loads(json.dumps(arch)), "phases": json.loads(json.dumps([_hashed(p) for p in phases]))}
+            "arch": json.loads(json.dumps(arch)), "phases": json.loads(json.dumps([phase_fields(p) for p in phases]))}
 
 
 #: Phase fields added after zoo models were trained, with the value those models had: left out of the recipe
@@ -238,9 +238,11 @@ def zoo_recipe(name: str, kind: str, overrides: dict, *, seed: int, threads: int
 LATER_FIELDS = {"stale_pages": 0.0, "skip_supervision": 0.0}
 
 
-def _hashed(phase: Phase) -> dict:
-    """The phase's fields as they enter the recipe hash (:data:`LATER_FIELDS` at their old value left out)."""
-    return {k: v for k, v in asdict(phase).items() if not (k in LATER_FIELDS and v == LATER_FIELDS[k])}
+def phase_fields(phase: Phase | dict) -> dict:
+    """The phase's fields as they enter the recipe hash and a saved training state's recipe (:data:`LATER_FIELDS`
+    at their old value left out, so a state saved before such a field existed still resumes)."""
+    d = asdict(phase) if isinstance(phase, Phase) else phase
+    return {k: v for k, v in d.items() if not (k in LATER_FIELDS and v == LATER_FIELDS[k])}
 
 
 def apply_overrides(phases: list[Phase], overrides: dict) -> list[Phase]:
