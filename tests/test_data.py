@@ -229,7 +229,7 @@ def test_lcc_records(tokenizer):
 # ---------------------------------------------------------------- materialise
 
 def test_task_registry_and_unknown_task(tmp_path):
-    assert set(smoke.TASKS) == ({"docpages", "digitgrid", "lcc", "chain_128"}
+    assert set(smoke.TASKS) == ({"docpages", "digitgrid", "lcc", "chain_128", "chain_pairs_64"}
                                 | {f"{f}_{k}k" for f in ("niah", "kv", "vt") for k in (1, 2, 4)}
                                 | {f"{f}_1k_mq" for f in ("niah", "kv", "vt")})   # multi-query: ResidualKV Table IV
     assert smoke.TASKS["kv_2k"].params == {"length_tokens": 2048}

@@ -200,7 +200,7 @@ GEN_SECTION = {
     "tableV": [{"label": "Full cache", "method": "fullkv"},
                {"label": "SnapKV", "method": "snapkv_decoding:keep=1.0,target_size=64,interval=8"},
                {"label": "ResidualKV", "method": "residualkv+omnikv:full_layers=0+1,keep=0.2"}],
-    "long_generation": {"model": "tiny-qwen3-lm-chain", "tasks": ["chain_128"], "n_test": 3,
+    "long_generation": {"model": "tiny-qwen2-lm-chain", "tasks": ["chain_128"], "n_test": 3,
                         "train": {"data": "chain"}},
 }
 
@@ -212,11 +212,11 @@ def test_table_v_runs_on_the_long_generation_backbone():
     main = RKVPlan(GEN_SECTION, "smoke")
     assert main.targets() == ["tableIII"]          # Table V is left to long_generation's plan
     plan = generation_plan(GEN_SECTION, "smoke", seed=0, model_dir="zoo/smoke/chain")
-    assert plan.targets() == ["tableV"] and plan.model == "tiny-qwen3-lm-chain" and plan.s["n_test"] == 3
+    assert plan.targets() == ["tableV"] and plan.model == "tiny-qwen2-lm-chain" and plan.s["n_test"] == 3
     assert plan.s["threads"] == 1 and plan.s["train"] == {**GEN_SECTION["train"], "data": "chain"}
     assert plan.run_dir("chain_128", plan.rows("tableV")[1].spec).startswith(
-        "results/runs/smoke/tiny-qwen3-lm-chain/chain_128/residualkv/snapkv_decoding_")
-    assert plan.codec_dir("main").startswith("codecs/smoke/tiny-qwen3-lm-chain/main-")
+        "results/runs/smoke/tiny-qwen2-lm-chain/chain_128/residualkv/snapkv_decoding_")
+    assert plan.codec_dir("main").startswith("codecs/smoke/tiny-qwen2-lm-chain/main-")
     with pytest.raises(ValueError, match="long_generation: missing \\['tasks'\\]"):
         generation_section({**GEN_SECTION, "long_generation": {"model": "m"}})
     with pytest.raises(ValueError, match="unknown \\['bogus'\\]"):
@@ -279,10 +279,10 @@ def test_table_v_smoke_dry_run(tmp_path):
     assert r.returncode == 0, r.stdout[-3000:]
     jobs = planned_jobs(r.stdout)
     assert jobs["eval"] == 4 and jobs["rkv_codec"] == 1 and jobs["train"] == 1 and jobs["table"] == 1
-    assert "kvbench train --model tiny-qwen3-lm-chain " in r.stdout and '"chain_128": 0.5' in r.stdout
-    assert re.search(r"--out codecs/smoke/tiny-qwen3-lm-chain/main-[0-9a-f]{8} .*--data chain ", r.stdout)
-    assert "zoo/smoke/tiny-qwen2-lm-" not in r.stdout   # Table V never touches the main zoo LM
-    assert r.stdout.count("--split data/smoke/chain_128-") == 4 and "--limit 50" in r.stdout
+    assert "kvbench train --model tiny-qwen2-lm-chain " in r.stdout and '"chain_pairs_64": 0.5' in r.stdout
+    assert re.search(r"--out codecs/smoke/tiny-qwen2-lm-chain/main-[0-9a-f]{8} .*--data chain ", r.stdout)
+    assert not re.search(r"zoo/smoke/tiny-qwen2-lm-[0-9a-f]{8}", r.stdout)   # Table V never touches the main zoo LM
+    assert r.stdout.count("--split data/smoke/chain_pairs_64-") == 4 and "--limit 50" in r.stdout
 
 
 def test_table_v_paper_dry_run(tmp_path):

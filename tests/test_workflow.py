@@ -75,7 +75,7 @@ def test_default_target_is_the_zoo_report(tmp_path):
     cfg = load(CONFIG)
     n_runs = sum(len(tasks) for tasks in cfg["eval"]["matrix"].values())
     jobs = planned_jobs(r.stdout)
-    # the eval matrix's datasets (Table IV's multi-query tasks and Table V's chain_128 are datasets outside it)
+    # the eval matrix's datasets (Table IV's multi-query tasks and Table V's chain tasks are datasets outside it)
     matrix = {d for tasks in cfg["eval"]["matrix"].values() for d in tasks}
     assert jobs == {"tokenizer": 1, "data": len(matrix), "train": len(cfg["models"]),
                     "eval": n_runs, "report_zoo": 1, "report_zoo_figure": 1, "all": 1}

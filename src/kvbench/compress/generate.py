@@ -82,9 +82,19 @@ class Sampling:
 GREEDY = Sampling()
 
 
+def final_question_ids(tok: Any, record: dict) -> tuple[list[int], int] | None:
+    """``(ids, max_new_tokens)`` of a record's final question (``record["final"]``: asked after the generated answer,
+    :func:`kvbench.data.chain.sample_chain_pairs`), tokenised on its own as in training; None when it has none."""
+    final = record.get("final")
+    if not final:
+        return None
+    return tok(final["question"], add_special_tokens=False)["input_ids"], int(final["max_new_tokens"])
+
+
 @torch.inference_mode()
 def greedy_generate(model: Any, press: Press, ids: torch.Tensor, split: int, max_new_tokens: int,
-                    eos: set[int], sampling: Sampling = GREEDY) -> tuple[list[int], PressCache]:
+                    eos: set[int], sampling: Sampling = GREEDY,
+                    then: tuple[list[int], int] | None = None) -> tuple[list[int], PressCache]:
     """Prefill ``ids[:, :split]`` then ``ids[:, split:]`` through ``press``'s cache, then decode greedily (or as
     ``sampling`` says).
 
@@ -93,10 +103,13 @@ def greedy_generate(model: Any, press: Press, ids: torch.Tensor, split: int, max
             caller applies the protocol, :meth:`~kvbench.compress.cache.Press.first_chunk`).
         max_new_tokens: decode budget; decoding stops after an id in ``eos`` (kept in the output).
         sampling: :class:`Sampling` (default greedy).
+        then: optional ``(question ids, budget)`` (:func:`final_question_ids`): after the answer, the question's
+            ids are fed one per step as decode steps (so they enter the cache as generated tokens do, through the
+            press's decoding-time compression), then up to ``budget`` more tokens are decoded.
 
     Returns:
-        ``(new_ids, cache)``: the generated ids and the cache (for its audit: stored bytes, attended
-        counts, OmniKV selections).
+        ``(new_ids, cache)``: the generated ids (with ``then``: answer, question ids, final answer) and the cache
+        (for its audit: stored bytes, attended counts, OmniKV selections).
     """
     cache = press.new_cache(model)
     chunks = [c for c in (ids[:, :split], ids[:, split:]) if c.shape[1]]
@@ -108,14 +121,30 @@ def greedy_generate(model: Any, press: Press, ids: torch.Tensor, split: int, max
             pos += chunk.shape[1]
             if i == 0 and len(chunks) > 1:
                 press.after_context(model, cache, chunk)
-        for _ in range(max_new_tokens):
-            nxt = sampling.pick(logits[0, -1])
-            out.append(nxt)
-            if nxt in eos or len(out) == max_new_tokens:
-                break
-            logits = forward_chunk(model, cache, torch.tensor([[nxt]]), pos)
-            pos += 1
+        pos, logits = _decode(model, cache, logits, pos, max_new_tokens, eos, sampling, out)
+        if then is not None:
+            question, budget = then
+            for t in [out[-1]] + question[:-1]:   # the answer's last token was decoded, not yet forwarded
+                forward_chunk(model, cache, torch.tensor([[t]]), pos)
+                pos += 1
+            out += question
+            logits = forward_chunk(model, cache, torch.tensor([question[-1:]]), pos)
+            _decode(model, cache, logits, pos + 1, budget, eos, sampling, out)
     return out, cache
+
+
+def _decode(model: Any, cache: PressCache, logits: torch.Tensor, pos: int, budget: int, eos: set[int],
+            sampling: Sampling, out: list[int]) -> tuple[int, torch.Tensor]:
+    """Decode up to ``budget`` ids from ``logits`` into ``out`` (stopping after an EOS); returns the next position
+    and the last logits. The last decoded id is not forwarded."""
+    for i in range(budget):
+        nxt = sampling.pick(logits[0, -1])
+        out.append(nxt)
+        if nxt in eos or i + 1 == budget:
+            break
+        logits = forward_chunk(model, cache, torch.tensor([[nxt]]), pos)
+        pos += 1
+    return pos, logits
 
 
 def forward_chunk(model: Any, cache: PressCache, ids: torch.Tensor, start: int) -> torch.Tensor:

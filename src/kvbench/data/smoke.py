@@ -46,6 +46,7 @@ FAMILIES: dict[str, Family] = {
     "niah_mq": Family(shared_context.sample_niah_mq, "text", "kvbench.data.shared_context"),
     "vt_mq": Family(shared_context.sample_vt_mq, "text", "kvbench.data.shared_context"),
     "chain": Family(chain.sample_chain, "text", "kvbench.data.chain"),
+    "chain_pairs": Family(chain.sample_chain_pairs, "text", "kvbench.data.chain"),
 }
 
 
@@ -68,6 +69,9 @@ def _tasks() -> dict[str, TaskSpec]:
         tasks[f"{fam}_1k_mq"] = TaskSpec(f"{fam}_mq", "text", {"length_tokens": 1024, "n_queries": n})
     # ResidualKV Table V's long generation: 128 generated hops over about 770 prompt tokens
     tasks["chain_128"] = TaskSpec("chain", "text", {"hops": 128, "n_distractors": 1})
+    # ... and the variant whose final answer reads the generated trace far back: two chains of 64 written in
+    # alternation (128 generated tokens), then which B stood beside an asked A
+    tasks["chain_pairs_64"] = TaskSpec("chain_pairs", "text", {"hops": 64})
     return tasks
 
 

@@ -28,7 +28,7 @@ from typing import Any, ClassVar
 import torch
 
 from kvbench.compress import accounting
-from kvbench.compress.generate import GREEDY, Sampling, greedy_generate, split_prompt
+from kvbench.compress.generate import GREEDY, Sampling, final_question_ids, greedy_generate, split_prompt
 from kvbench.compress.generate_vlm import encode_vlm, greedy_generate_vlm, question_start
 from kvbench.compress.multiquery import answer_queries
 from kvbench.compress.registry import PRESS
@@ -135,6 +135,10 @@ class CompressMethod(EvalMethod):
         if bad is not None:  # stop before the first sample, not with every sample failing
             raise ValueError(f"method {self.spec!r} answers {' and '.join(serves)} records only, but record "
                              f"{bad.get('id')!r} is {bad.get('kind')!r}")
+        bad = next((r for r in records if r.get("final") and (is_multi(r) or r.get("kind") == "vlm")), None)
+        if bad is not None:  # only the single-query text path asks a record's final question after its answer
+            raise ValueError(f"record {bad.get('id')!r}: a final question ('final') is implemented for single-query "
+                             "text records only (kvbench.data.chain.sample_chain_pairs)")
         if self._sampling != GREEDY:
             # only the single-query text path samples; answering the others greedily would not be the configured run
             bad = next((r for r in records if is_multi(r) or r.get("kind") == "vlm"), None)
@@ -167,7 +171,7 @@ class CompressMethod(EvalMethod):
             ids, split = split_prompt(tok, record)
             split = self.press().first_chunk(ids.shape[1], split)
             new, cache = greedy_generate(model, self.press(), ids, split, int(record["max_new_tokens"]),
-                                         eos_ids(model, proc), self._sampling)
+                                         eos_ids(model, proc), self._sampling, then=final_question_ids(tok, record))
         self._audit = self._audit_row(model, cache, ids.shape[1], question_chunk=0 < split < ids.shape[1],
                                       n_context=split if 0 < split else ids.shape[1])
         self._audit["n_generated"] = len(new)   # Table V's mean generated tokens

@@ -24,6 +24,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from kvbench.compress.generate import final_question_ids
 from kvbench.eval.multiquery import TURNS
 from kvbench.models.prompting import encode_record
 
@@ -164,6 +165,11 @@ class FullCache(EvalMethod):
             return [self.predict(model, proc, one, base_dir) for one in single_queries(record)]
         inputs, prompt_len = self.encode(model, proc, record, base_dir)
         out = model.generate(**inputs, **self.greedy_kwargs(model, proc, record["max_new_tokens"]))
+        then = final_question_ids(_tokenizer(proc), record)
+        if then is not None:   # the final question after the generated answer, then its answer (compress.generate)
+            ids = torch.cat([out, torch.tensor([then[0]], dtype=out.dtype, device=out.device)], dim=1)
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                                 **self.greedy_kwargs(model, proc, then[1]))
         return self.decode(proc, record, out[0, prompt_len:])
 
 

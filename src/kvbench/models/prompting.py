@@ -73,6 +73,13 @@ def _answer_turns(record: dict, kind: str, proc: Any) -> list[tuple[str, bool]]:
     extra = record.get("meta", {}).get("extra_queries", [])
     if kind == "text":
         segs = [(record["answer"], True)]
+        final = record.get("final")
+        if final:   # a final question after the generated answer (kvbench.data.chain.sample_chain_pairs)
+            tail = final["question"] + final["answer"]
+            if not record["answer"].endswith(tail):
+                raise ValueError(f"record {record.get('id')!r}: answer does not end with its final question and "
+                                 f"answer {tail!r}")
+            segs = [(record["answer"][:-len(tail)], True), (final["question"], False), (final["answer"], True)]
         for q in extra:
             segs += [(q["question"], False), (q["answer"], True)]
         return segs

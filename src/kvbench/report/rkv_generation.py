@@ -169,7 +169,8 @@ TABLE = Table(
     "tokens): full cache, SnapKV in its decoding form, OmniKV and ResidualKV, each compressing while the answer is "
     "generated, scored by the exact final answer (pass@1 where records are sampled). KR and CR are measured over the "
     "whole sequence (prompt and generated tokens). On the smoke profile the backbone is the tiny zoo model "
-    "``tiny-qwen3-lm-chain`` and the task the chain task (``chain_128``: 128 generated hops, each a lookup in the "
-    "prompt), greedy: these are not the paper's numbers. The paper gives no KR/CR and no sampling settings for this "
+    "``tiny-qwen2-lm-chain`` and the task chain pairs (``chain_pairs_64``: two chains written in alternation, 128 "
+    "generated tokens each read from the prompt, then a final question whose answer is only in the generated trace, "
+    "about 100 tokens back), greedy: these are not the paper's numbers. The paper gives no KR/CR and no sampling settings for this "
     "table (notes §4.4).", _write)
 TABLES: dict[str, Table] = {TABLE.name: TABLE}

@@ -26,9 +26,9 @@ import torch.nn.functional as F
 
 from kvbench.models.prompting import IGNORE_INDEX
 from kvbench.train.batches import BATCHES, PROBE_CLASSES, step_rng
-from kvbench.train.heads import head_supervision_loss, supervise_heads
+from kvbench.train.heads import head_supervision_loss, skip_supervision_loss, supervise_heads
 from kvbench.train.readthrough import hide_prompt
-from kvbench.train.recipes import Phase
+from kvbench.train.recipes import Phase, phase_fields
 from kvbench.train.state import load_state, save_state
 from kvbench.utils.io import atomic_path
 from kvbench.utils.steps import SliceEnded, StepProgress
@@ -109,7 +109,7 @@ def task_loss(model: Any, batch: dict, labels: torch.Tensor, phase: Phase,
     answer term equals :func:`sequence_loss` on full logits (``tests/test_train.py``).
 
     ``loss = CE(answers) + phase.head_supervision * attention term
-    + phase.cell_reading * CE(cell_labels)`` (:mod:`kvbench.train.heads`,
+    + phase.skip_supervision * skip-head attention term + phase.cell_reading * CE(cell_labels)`` (:mod:`kvbench.train.heads`,
     :func:`kvbench.train.batches.cell_reading_labels`). The accuracy is the
     answer tokens'.
 
@@ -125,13 +125,15 @@ def task_loss(model: Any, batch: dict, labels: torch.Tensor, phase: Phase,
     hide = batch.pop("hide_block", None)
     with contextlib.ExitStack() as stack:
         if phase.head_supervision:
-            stack.enter_context(supervise_heads(model))
+            stack.enter_context(supervise_heads(model, skip=bool(phase.skip_supervision)))
         if hide is not None:
             stack.enter_context(hide_prompt(model, hide, batch.get("attention_mask")))
         hidden = model.model(**batch).last_hidden_state
         loss, acc = head_loss(model, hidden, _shifted(labels), output_ids)
         if phase.head_supervision:
             loss = loss + phase.head_supervision * head_supervision_loss(batch["input_ids"], batch["attention_mask"])
+        if phase.skip_supervision:
+            loss = loss + phase.skip_supervision * skip_supervision_loss(batch["input_ids"], batch["attention_mask"])
     if phase.cell_reading:
         loss = loss + phase.cell_reading * head_loss(model, hidden, cell_labels)[0]
     return loss, acc
@@ -212,7 +214,8 @@ def run_phases(
     opt = torch.optim.AdamW(params, lr=phases[0].lr, betas=(0.9, 0.98), weight_decay=0.01)
     recipe = json.loads(json.dumps([dataclasses.asdict(p) for p in phases]))  # tuples -> lists, as saved
     meta = load_state(workdir / "state", modules, opt) or {"global_step": 0, "train_time_s": 0.0, "recipe": recipe}
-    if meta.get("recipe", recipe) != recipe:
+    # compared without later fields at their old value: a state saved before a field was added still resumes
+    if [phase_fields(p) for p in meta.get("recipe", recipe)] != [phase_fields(p) for p in recipe]:
         changed = sorted({p["name"] for p in recipe if p not in meta["recipe"]}
                          | {p["name"] for p in meta["recipe"] if p not in recipe})
         raise ValueError(f"{workdir / 'state'} was trained with another recipe (phases differing: {changed}); "

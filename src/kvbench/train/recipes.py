@@ -50,6 +50,9 @@ class Phase:
     head_supervision : float — weight of the attention-supervision term
         (:mod:`kvbench.train.heads`: a previous-token head and an induction head)
         added to the loss; 0 turns it off. Text models only.
+    skip_supervision : float — weight of the skip head's attention-supervision term (:data:`kvbench.train.heads.SKIP_HEAD`:
+        the induction lookup of the token before the current one, which the chain-pairs task's alternation needs);
+        0 turns it off. Needs ``head_supervision``.
     cell_reading : float — weight of the per-cell reading term: at every visual
         token of a docpages/digitgrid page, the LM head must predict that cell's
         answer under the request's instruction (the instruction applied to the
@@ -85,6 +88,7 @@ class Phase:
     decay: bool = True
     freeze_vision: bool = False
     head_supervision: float = 0.0
+    skip_supervision: float = 0.0
     cell_reading: float = 0.0
     cell_target: str = "instruction"
     hide_prompt: str = ""
@@ -168,21 +172,34 @@ def vlm_mild_recipe() -> list[Phase]:
     return [replace(p, **mild) if p.kind == "tasks" else p for p in vlm_recipe()]
 
 
-#: ``(max hops, steps, batch)`` of the chain model's task phases after the copy warm-up: chains of
-#: ``max hops // 2 .. max hops`` variables, one distractor chain, every chain asked (:mod:`kvbench.data.chain`)
-CHAIN_LENGTHS = ((8, 150, 16), (32, 150, 8), (64, 150, 4), (128, 250, 2))
+#: ``(max hops, steps, batch)`` of the chain model's plain-chain phases after the copy warm-up: chains of
+#: ``max hops // 2 .. max hops`` variables, one distractor chain, every chain asked (:func:`kvbench.data.chain.sample_chain`)
+CHAIN_LENGTHS = ((8, 300, 16), (32, 300, 8))
+#: ``(max hops, steps, batch)`` of its chain-pairs phases that follow: two chains of ``max hops // 2 .. max hops``
+#: variables written in alternation, then four asks (:func:`kvbench.data.chain.sample_chain_pairs`)
+PAIRS_LENGTHS = ((8, 300, 16), (32, 250, 4), (64, 1700, 2))
 
 
 def chain_recipe() -> list[Phase]:
-    """Phases of ``tiny-qwen3-lm-chain`` (ResidualKV Table V's smoke backbone): :func:`lm_recipe`'s copy warm-up
-    (induction heads, supervised), then chains of increasing length, each hop an induction lookup in the prompt
-    (:mod:`kvbench.data.chain`), heads still supervised (the latest earlier occurrence of a chain token is its own
-    statement's key, so the induction target is the next variable)."""
-    phases = [replace(lm_recipe()[0], steps=300)]
+    """Phases of ``tiny-qwen2-lm-chain`` (ResidualKV Table V's smoke backbone): :func:`lm_recipe`'s copy warm-up
+    (induction heads, supervised), then plain chains (each hop an induction lookup in the prompt), then chain pairs
+    (each step a lookup keyed by the token two back, the final answer an induction lookup on the generated trace),
+    heads supervised throughout and the skip head from the pairs phases on.
+
+    The learning rate stays at 1e-3 in every chain phase (no decay): with each 150-step phase decayed to 1e-4 the
+    first trial stayed at chance; constant, the plain chains reached 86% token accuracy at 32 hops and the pairs
+    97% at 64 (docs/decisions.md, "Table V, long generation": the trials). The chain phases are constant, so a
+    longer last phase continues a shorter one's state exactly (how the trials extended pairs64).
+    """
+    phases = [lm_recipe()[0]]
     for hops, steps, batch in CHAIN_LENGTHS:
         mix = (("chain", 1.0, {"hops": hops, "min_hops": max(1, hops // 2), "n_distractors": 1}),)
         phases.append(Phase(f"chain{hops}", "tasks", steps=steps, lr=1e-3, warmup=10, batch=batch, seq_len=0,
-                            mixture=mix, head_supervision=1.0))
+                            mixture=mix, head_supervision=1.0, decay=False))
+    for hops, steps, batch in PAIRS_LENGTHS:
+        mix = (("chain_pairs", 1.0, {"hops": hops, "min_hops": max(1, hops // 2), "n_asks": 4}),)
+        phases.append(Phase(f"pairs{hops}", "tasks", steps=steps, lr=1e-3, warmup=10, batch=batch, seq_len=0,
+                            mixture=mix, head_supervision=1.0, skip_supervision=1.0, decay=False))
     return phases
 
 
@@ -213,17 +230,19 @@ def zoo_recipe(name: str, kind: str, overrides: dict, *, seed: int, threads: int
     phases = apply_overrides(RECIPES[spec.recipe_name](), overrides)
     arch = {"architecture": spec.architecture, "text": spec.text, "vision": spec.vision, "recipe": spec.recipe_name}
     return {"model": name, "kind": kind, "seed": seed, "threads": threads, "tokenizer": tokenizer,
-            "arch": json.loads(json.dumps(arch)), "phases": json.loads(json.dumps([_hashed(p) for p in phases]))}
+            "arch": json.loads(json.dumps(arch)), "phases": json.loads(json.dumps([phase_fields(p) for p in phases]))}
 
 
 #: Phase fields added after zoo models were trained, with the value those models had: left out of the recipe
 #: while they hold it, so that adding a field does not rename (and retrain) every trained model.
-LATER_FIELDS = {"stale_pages": 0.0}
+LATER_FIELDS = {"stale_pages": 0.0, "skip_supervision": 0.0}
 
 
-def _hashed(phase: Phase) -> dict:
-    """The phase's fields as they enter the recipe hash (:data:`LATER_FIELDS` at their old value left out)."""
-    return {k: v for k, v in asdict(phase).items() if not (k in LATER_FIELDS and v == LATER_FIELDS[k])}
+def phase_fields(phase: Phase | dict) -> dict:
+    """The phase's fields as they enter the recipe hash and a saved training state's recipe (:data:`LATER_FIELDS`
+    at their old value left out, so a state saved before such a field existed still resumes)."""
+    d = asdict(phase) if isinstance(phase, Phase) else phase
+    return {k: v for k, v in d.items() if not (k in LATER_FIELDS and v == LATER_FIELDS[k])}
 
 
 def apply_overrides(phases: list[Phase], overrides: dict) -> list[Phase]:
@@ -256,6 +275,11 @@ def apply_overrides(phases: list[Phase], overrides: dict) -> list[Phase]:
         p = replace(p, **fields)
         if not (isinstance(p.stale_pages, (int, float)) and 0 <= p.stale_pages <= 1):
             raise ValueError(f"phase {p.name!r}: stale_pages must be a share in [0, 1], got {p.stale_pages!r}")
+        if not (isinstance(p.skip_supervision, (int, float)) and p.skip_supervision >= 0):
+            raise ValueError(f"phase {p.name!r}: skip_supervision must be a weight >= 0, got {p.skip_supervision!r}")
+        if p.skip_supervision and not p.head_supervision:
+            raise ValueError(f"phase {p.name!r}: skip_supervision needs head_supervision (the skip head reads the "
+                             "supervised previous-token head)")
         if p.stale_pages and not p.hide_prompt:
             raise ValueError(f"phase {p.name!r}: stale_pages needs hide_prompt ('prefix' or 'text')")
         if p.cell_target not in CELL_TARGETS:

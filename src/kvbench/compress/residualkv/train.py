@@ -321,14 +321,16 @@ class TaskStream:
 
 
 class ChainStream(TaskStream):
-    """:class:`TaskStream` over the chain task (:mod:`kvbench.data.chain`) that ResidualKV Table V's zoo backbone
-    (``tiny-qwen3-lm-chain``) was trained on: chains of ``seq_len // 12 .. seq_len // 6`` hops, one distractor chain,
-    every chain asked (a record of about ``seq_len`` prompt tokens plus its answers)."""
+    """:class:`TaskStream` over the chain tasks (:mod:`kvbench.data.chain`) that ResidualKV Table V's zoo backbone
+    (``tiny-qwen2-lm-chain``) was trained on, half each: plain chains of ``seq_len // 12 .. seq_len // 6`` hops, one
+    distractor chain, every chain asked, and chain pairs of ``seq_len // 16 .. seq_len // 8`` hops with their trace
+    and asks (records of about ``seq_len`` prompt tokens plus their answers)."""
 
     def __init__(self, tokenizer: Any, split: str, seq_len: int, seed: int) -> None:
         super().__init__(tokenizer, split, seq_len, seed)
-        hops = max(2, seq_len // 6)
-        self.mixture = (("chain", 1.0, {"hops": hops, "min_hops": hops // 2, "n_distractors": 1}),)
+        hops, pairs = max(2, seq_len // 6), max(2, seq_len // 8)
+        self.mixture = (("chain", 1.0, {"hops": hops, "min_hops": hops // 2, "n_distractors": 1}),
+                        ("chain_pairs", 1.0, {"hops": pairs, "min_hops": pairs // 2, "n_asks": min(4, pairs // 2)}))
 
 
 #: Training data of the codec: plain text (the paper's kind), the zoo LM's task mixture, a VLM's image records
