@@ -158,3 +158,14 @@ def test_failed_samples_are_named_and_a_repeated_record_id_is_refused(tmp_path):
     comp.write_text(comp.read_text() + json.dumps({"id": rows[0]["id"], "score": 1.0}) + "\n")
     with pytest.raises(ValueError, match=r"conduit-rkv/conduit_r0.1: record id\(s\) .* appear more than once"):
         tables.write("beyond/conduit_rkv_cache", _spec(tmp_path), out, tmp_path)
+
+
+def test_a_full_layer_outside_the_zoo_model_fails_the_dag(tmp_path):
+    """Review: `storage.full_layers: [0, 30]` on the 24-layer zoo VLM passed the dry run and failed in the cache job,
+    after the VLM and its codec had trained."""
+    overlay = tmp_path / "ov.yaml"
+    overlay.write_text(yaml.safe_dump({"beyond": {"conduit_rkv_cache": {"storage": {"full_layers": [0, 30]}}}}))
+    r = snakemake(tmp_path, "-n", "results/beyond/conduit_rkv_cache.csv", "--configfile",
+                  str(REPO / "config/config.yaml"), str(overlay))
+    assert r.returncode != 0
+    assert "beyond.conduit_rkv_cache.storage.full_layers: [30] outside tiny-qwen2.5-vl's 24 layers" in r.stdout

@@ -2,6 +2,8 @@
 (kvbench.compress.residualkv.visual_case), the CSV and figure (kvbench.report.rkv_fig13), and the workflow targets."""
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import re
 
@@ -189,6 +191,12 @@ def test_bad_layers_images_and_records_are_named(vlm, rec, press):
         visual_case(model, proc, rec, None, sched, [1], image=1)
     with pytest.raises(ValueError, match="kind 'text'"):
         visual_case(model, proc, {**rec, "kind": "text"}, None, sched, [1])
+    # review: another model's codec drew another schedule's references without an error
+    n_layers, d_kv = sched.codec_shape
+    other = dataclasses.replace(sched, codec_shape=(n_layers + 2, d_kv))
+    with pytest.raises(ValueError, match=rf"trained for \(n_layers, d_kv\) = \({n_layers + 2}, {d_kv}\)"):
+        visual_case(model, proc, rec, None, other, [1])
+    assert f"codec {press.codec_dir}" in sched.describe()
 
 
 def test_cli_writes_the_csv_and_names_a_missing_record(vlm, rec, press, tmp_path, capsys):

@@ -467,6 +467,7 @@ def _crc_plan():
     """The compressed-image-cache plan (:class:`kvbench.report.conduit_rkv.CompressedCachePlan`; rules in
     conduit_rkv_cache.smk), None without `beyond.conduit_rkv_cache`. Its codec is rule rkv_mm_codec's for its model."""
     from kvbench.report.conduit_rkv import KEY, CompressedCachePlan
+    from kvbench.report.rkv_plan import known_model_shape
 
     section = (config.get("beyond") or {}).get(KEY)
     if not section:
@@ -477,7 +478,15 @@ def _crc_plan():
     if MM is None or not MM.section.get("codec"):
         raise ValueError(f"config beyond.{KEY} stores the image caches with the backbone's VLM codec, trained by rule "
                          "rkv_mm_codec from residualkv.tableII.codec: configure that mapping (config/config.yaml shows one)")
-    return CompressedCachePlan(section, CONDUIT)
+    plan = CompressedCachePlan(section, CONDUIT)
+    # a zoo model's depth is known now (a checkpoint's is checked by the cache job): fail before anything trains
+    shape = known_model_shape(plan.model, MODELS[plan.model]) if is_zoo(plan.model) else None
+    layers = plan.storage.get("full_layers", [])
+    bad = [l for l in layers if shape and not 0 <= int(l) < shape[0]]
+    if bad:
+        raise ValueError(f"config beyond.{KEY}.storage.full_layers: {bad} outside {plan.model}'s {shape[0]} layers "
+                         f"(0..{shape[0] - 1})")
+    return plan
 
 
 CRC = _crc_plan()

@@ -246,7 +246,7 @@ def header(plan: CompressedCachePlan, spec: dict, df: pd.DataFrame, sizes: dict 
         f"# codec: {spec['codec_dir']} (sha256 of its files {spec.get('codec_id', '?')[:12]}), the backbone's VLM "
         f"codec (rule rkv_mm_codec); storage per image, image-local positions: sparse layers = {st.n_sink} raw sink(s), "
         f"references on the codec's stride schedule stored FP8 e4m3, every other token a {st.bits}-bit residual code "
-        f"against the mean of its k nearest earlier references (int16 indices), no raw window; full-attention layers "
+        f"against the mean of its k nearest earlier references (int16 indices; int32 from 32,768 references on), no raw window; full-attention layers "
         f"{list(st.full_layers)} stored {full}; vision embeds (a refresh's layer-0 input) kept at the model dtype in "
         "both forms. Restored: every token's K/V decoded (kv = f_d(z) + mean of its references) when a request reuses "
         "the image; the refresh policies then run on the restored caches as on the raw ones.",

@@ -3,7 +3,8 @@
 ``results/residualkv/fig13.csv`` (``kvbench analyze rkv-visual-case``, from
 :func:`kvbench.compress.residualkv.visual_case.visual_case`), columns :data:`COLUMNS`: one row per (layer, visual token
 of the drawn image, reference rank) for the tokens the cache codes, and one row (``rank`` empty) per visual token it
-keeps raw (``stored_as`` ``reference``: in the FP8 pool itself; ``sink``). A reference's ``ref_kind``: ``patch`` (a
+keeps raw (``stored_as`` ``reference``: in the FP8 pool itself; ``sink``). A coded token with no earlier reference to
+pick (none visible yet) has no row, so ``visual_tokens`` in the summary counts the tokens with a row. A reference's ``ref_kind``: ``patch`` (a
 visual token of the same image: ``ref_row``/``ref_col``), ``other_image`` (a visual token of another image of the
 prompt), ``text`` (any other token: system prompt, captions, ``<|vision_start|>``), ``sink`` (position < n_sink; the
 cache never pools them, so only another schedule could give one). ``sq_l2`` is the codec's ranking (squared L2 to the

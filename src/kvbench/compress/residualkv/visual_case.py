@@ -47,6 +47,10 @@ class StoreSchedule:
     refs: ReferenceSchedule
     ref_fp8: bool = True
     full_layers: tuple[int, ...] = ()
+    #: ``(n_layers, d_kv)`` the codec was trained for (None: not known, e.g. a schedule built by hand)
+    codec_shape: tuple[int, int] | None = None
+    #: the trained codec's directory (named in the CSV header)
+    codec_dir: str | None = None
 
     def __post_init__(self):
         if any(i < 0 for i in self.full_layers):
@@ -67,11 +71,12 @@ class StoreSchedule:
                              "a visual case has no reference to draw")
         refs = ReferenceSchedule(k=cfg.k, n_sink=cfg.n_sink, stride=cfg.stride, alpha=cfg.alpha, grid=cfg.grid,
                                  block=max(1, cfg.window))
-        return cls(refs, bool(press.ref_fp8), tuple(press.full_layers))
+        return cls(refs, bool(press.ref_fp8), tuple(press.full_layers), (int(cfg.n_layers), int(cfg.d_kv)),
+                   str(press.codec_dir))
 
     def describe(self) -> str:
         return (f"{self.refs.describe()}; references stored {'FP8 e4m3' if self.ref_fp8 else 'float32'}; "
-                f"full layers {list(self.full_layers)}")
+                f"full layers {list(self.full_layers)}" + (f"; codec {self.codec_dir}" if self.codec_dir else ""))
 
 
 @dataclass
@@ -222,15 +227,22 @@ def visual_case(model: Any, proc: Any, record: dict, base_dir: str | Path | None
 
     Raises:
         ValueError: a record that is not a VLM record, a model without a merged patch grid (e.g. LLaVA-style anyres
-            tiles), ``image`` outside the record's images, or bad ``layers`` (:func:`check_layers`).
+            tiles), ``image`` outside the record's images, bad ``layers`` (:func:`check_layers`), or a codec trained
+            for another ``(n_layers, d_kv)`` than the model's.
     """
     from kvbench.compress.cache import decoder_layers
     from kvbench.compress.generate_vlm import encode_vlm, merged_grids, visual_positions
+    from kvbench.compress.residualkv.codec import model_kv_shape
 
     rid = record.get("id")
     if record.get("kind") != "vlm":
         raise ValueError(f"record {rid!r} is kind {record.get('kind')!r}: a visual case needs a VLM record (kind: vlm)")
     layers = check_layers(layers, len(decoder_layers(model)), schedule)
+    shape = model_kv_shape(model)
+    if schedule.codec_shape is not None and tuple(schedule.codec_shape) != shape:
+        # another model's codec would draw another schedule's references without any error
+        raise ValueError(f"the codec was trained for (n_layers, d_kv) = {tuple(schedule.codec_shape)}, model "
+                         f"{model_name or type(model).__name__} has {shape}: give the codec of this model")
     inputs = encode_vlm(model, proc, record, base_dir)
     ids = inputs["input_ids"]
     vis = visual_positions(model, ids).cpu()
