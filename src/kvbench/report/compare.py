@@ -304,8 +304,19 @@ def _case_cells(ours: Ours) -> None:
 
 # --- matching ---------------------------------------------------------------------------------
 
+#: Budget keys that describe a published row's operating point rather than select a setting: ResidualKV's tables
+#: label a row "(KR 19%, CR 20%)", which our KR/CR columns measure for our own row; they never pick our cell.
+OPERATING_POINT = frozenset({"KR", "CR"})
+
+
+def _setting(budget: dict) -> dict:
+    """The keys of a published budget that select a setting (:data:`OPERATING_POINT` removed)."""
+    return {k: v for k, v in budget.items() if k not in OPERATING_POINT}
+
+
 def _budget_ok(want: dict, have: dict) -> bool:
-    return all(k in have and have[k] is not None and math.isclose(have[k], v, abs_tol=1e-9) for k, v in want.items())
+    return all(k in have and have[k] is not None and math.isclose(have[k], v, abs_tol=1e-9)
+               for k, v in _setting(want).items())
 
 
 class Want(NamedTuple):
@@ -462,8 +473,8 @@ def _ordering_rows(pub: Published, ours: Ours) -> tuple[list[dict], set]:
     backbones = list(dict.fromkeys(c.backbone for c in ours.cells))
     regimes = {c.backbone: c.regime for c in ours.cells}
     for o in published_orderings(pub, ours.key):
-        pub_text = o.label or f"{o.a}{' ' + _fmt_budget(o.a_budget) if o.a_budget != o.b_budget else ''} {o.relation} " \
-                   f"{o.b}{' ' + _fmt_budget(o.b_budget) if o.a_budget != o.b_budget else ''}" + \
+        side = lambda m, b: f"{m} ({_fmt_budget(b)})" if b and o.a_budget != o.b_budget else m  # noqa: E731
+        pub_text = o.label or f"{side(o.a, o.a_budget)} {o.relation} {side(o.b, o.b_budget)}" + \
                    (f" by {abs(o.diff):g}" if o.diff else "")
         for backbone in backbones:
             slots = list(dict.fromkeys(c.where for c in ours.cells if c.backbone == backbone
@@ -477,9 +488,10 @@ def _ordering_rows(pub: Published, ours: Ours) -> tuple[list[dict], set]:
                 used.update(e.id for e in o.entries)
                 diff, lo, hi, told, note = round(ca.value - cb.value, 4), None, None, None, ""
                 r = ca.budget.get("r")
-                paired = ours.paired.get((backbone, r, o.a, o.b)) if o.a_budget == o.b_budget else None
+                same = _setting(o.a_budget) == _setting(o.b_budget)   # one setting: the table's paired row applies
+                paired = ours.paired.get((backbone, r, o.a, o.b)) if same else None
                 flip = 1
-                if paired is None and o.a_budget == o.b_budget:
+                if paired is None and same:
                     paired, flip = ours.paired.get((backbone, r, o.b, o.a)), -1
                 prefix = POOLED.get((o.e.metric, next(iter(ca.columns & POOLED_SCOPES), None)))
                 if paired is not None and prefix is not None and _num(paired.get(f"{prefix}diff")) is not None:
@@ -494,7 +506,7 @@ def _ordering_rows(pub: Published, ours: Ours) -> tuple[list[dict], set]:
                     note = "ours: difference of the two cells; the table has no paired CI for this pair"
                 rows.append({"part": "ordering", "backbone": backbone, "regime": regimes.get(backbone, ""),
                              "paper_backbone": o.e.backbone,
-                             "method": f"{o.a}{MINUS}{o.b}", "budget": _fmt_budget(ca.budget) if o.a_budget == o.b_budget
+                             "method": f"{o.a}{MINUS}{o.b}", "budget": _fmt_budget(ca.budget) if same
                              else f"{_fmt_budget(ca.budget)} vs {_fmt_budget(cb.budget)}",
                              "column": col, "metric": o.e.metric, "unit": o.e.unit, "ours": diff,
                              "published": o.diff if o.diff is not None else (
