@@ -20,7 +20,7 @@ import yaml
 
 from test_workflow import CONFIG, SNAKEFILE, snakemake
 
-CATEGORIES = {"CONDUIT", "ResidualKV", "Smoke suite", "Parity", "Published comparison"}
+CATEGORIES = {"CONDUIT", "ResidualKV", "Beyond both papers", "Smoke suite", "Parity", "Published comparison"}
 SUBCATEGORIES = {"Tables", "Figures", "Figure data", "Published comparison", "Summary"}
 # Outputs under results/ that are not tables or figures, and copies under short names: not reported.
 NOT_REPORTED = {
@@ -137,7 +137,8 @@ def _item_name(path: str) -> str:
         return f"Table {m.group(1)}"
     if m := re.fullmatch(r"fig(\d+)(_throughput|_summary)?", stem):
         return f"Figure {m.group(1)}" if "/conduit/" in path else f"Fig. {m.group(1)}"
-    return {"staleness_gap": "staleness gap", "zoo": "zoo", "zoo_training": "zoo", "kvpress": "Parity with kvpress"}[stem]
+    return {"staleness_gap": "staleness gap", "zoo": "zoo", "zoo_training": "zoo", "kvpress": "Parity with kvpress",
+            "conduit_rkv_cache": "compressed image caches"}[stem]
 
 
 def test_each_caption_names_its_table_or_figure_and_paper_section(workflow):

@@ -928,7 +928,9 @@ def report_items():
         items.append(["figures/residualkv/fig3.pdf", "results/residualkv/fig3_summary.csv", "results/residualkv/fig3.csv"])
         for n in RESIDUALKV_ONLY_FIGURES:
             item = [f"figures/residualkv/fig{n}.pdf", f"results/residualkv/fig{n}.csv"]
-            items += [item + (["results/residualkv/fig11_throughput.csv"] if n == "11" else [])]
+            item += {"11": ["results/residualkv/fig11_throughput.csv"],
+                     "13": ["results/residualkv/fig13_summary.csv"]}.get(n, [])   # Fig. 13's shares per layer
+            items += [item]
             if n in ("6", "8"):
                 items.append([f"results/residualkv/fig{n}.csv"])
     items.append(["results/parity/kvpress.csv"])  # any config: the parity target needs no config section

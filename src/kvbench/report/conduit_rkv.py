@@ -297,12 +297,14 @@ def _write(key: str, spec: str | dict, out: str | Path, root: str | Path = ".") 
 TABLES: dict[str, Table] = {t.name: t for t in (
     Table("beyond/conduit_rkv_cache", "Beyond both papers", "beyond",
           "CONDUIT over ResidualKV-compressed image caches (Table 1's r block, raw vs compressed)",
-          "**Beyond both papers: CONDUIT over ResidualKV-compressed image caches** (issue #17): each image's cached "
+          "**Beyond both papers: CONDUIT over ResidualKV-compressed image caches** (no paper section: CONDUIT's "
+          "Limitations name the storage of cached visual K/V as its remaining cost): each image's cached "
           "visual K/V stored in ResidualKV's form (FP8 references + quantised residual codes; full-attention layers "
           "as configured) and restored when a request reuses the image; Table 1's rows at one budget run on the "
           "restored caches. Per row the score on the raw and on the compressed caches, their paired difference with "
           "a 95% paired-bootstrap CI, and the cache bytes per image raw vs compressed (KR); below, CONDUIT minus "
-          "ProphetKV and minus the strongest other budgeted row on each cache form. No published number exists.",
+          "ProphetKV and minus the strongest other budgeted row on each cache form. No published number exists: these are "
+          "not the paper's numbers; on the smoke profile the backbone is the tiny zoo VLM.",
           _write),
 )}
 
