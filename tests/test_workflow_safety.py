@@ -32,7 +32,7 @@ COMPRESSOR = "compressors/their `touch pwned` dir"
 # The zoo LM's KV shape (8 layers, 2 KV heads of 32): the ResidualKV plan checks the smoke codecs against it.
 LM_SHAPE = {"num_hidden_layers": 8, "hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2}
 TARGETS = ["all", "conduit", "residualkv", "results/table3.csv", "results/table1.csv", "results/tableIII.csv",
-           "figures/fig8.pdf", "results/compare.md"]
+           "figures/fig8.pdf", "results/compare.md", "results/beyond/conduit_rkv_cache.csv"]
 
 
 def _hostile_config(tmp_path: Path) -> tuple[dict, Path]:
@@ -65,6 +65,7 @@ def _hostile_config(tmp_path: Path) -> tuple[dict, Path]:
                  d_ff=cfg["residualkv"]["codec"]["d_ff"])
     cfg["residualkv"]["codec"]["import"] = COMPRESSOR
     cfg["compare"] = {"tables": ["conduit/table1", "residualkv/tableIII"]}   # rules compare_table, compare_page
+    cfg["beyond"]["conduit_rkv_cache"]["model"] = "ckpt-vlm"   # rules conduit_rkv_cache, rkv_mm_codec on the checkpoint
     return cfg, root
 
 

@@ -473,8 +473,11 @@ def _crc_plan():
     if not section:
         return None
     if CONDUIT is None:
-        raise ValueError(f"config beyond.{KEY} reruns CONDUIT's Table 1 rows on compressed image caches: it needs a "
-                         "`conduit:` section")
+        raise ValueError(f"config beyond.{KEY} reruns CONDUIT's Table 1 rows on compressed image caches, but the config "
+                         "has no `conduit:` section")
+    if not config.get("residualkv"):
+        raise ValueError(f"config beyond.{KEY} stores the image caches with a VLM codec trained from "
+                         "residualkv.tableII.codec, but the config has no `residualkv:` section")
     if MM is None or not MM.section.get("codec"):
         raise ValueError(f"config beyond.{KEY} stores the image caches with the backbone's VLM codec, trained by rule "
                          "rkv_mm_codec from residualkv.tableII.codec: configure that mapping (config/config.yaml shows one)")
