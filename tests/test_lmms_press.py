@@ -54,3 +54,29 @@ def test_fullkv_by_name_matches_the_full_eval_and_snapkv_matches_kvbench_eval(ta
     _, preds = _evaluate(lm, root / "tasks")
     method = CompressMethod(spec="snapkv:keep=0.1,window=4")
     assert preds == [method.predict(model, proc, r, root / "data") for r in records]
+
+
+def test_a_press_answers_multi_round_requests_one_compressed_request_per_round(task, vlm_dir):  # noqa: F811
+    """The press model had no multi-round path (NotImplementedError); it now shares the reuse model's loop, each
+    round a new request whose prompt goes through the press."""
+    from lmms_eval.api.instance import Instance
+
+    from kvbench.lmms.press import KVBenchPress
+    from kvbench.lmms.records import to_record as rec_of
+    from kvbench.lmms.task import doc_to_text, doc_to_visual
+
+    root, records = task
+    lm = KVBenchPress(pretrained=str(vlm_dir), press="snapkv", keep=0.5, window=4)
+    lm.task_dict = {"t": {"test": records}}
+    visual = lambda doc: doc_to_visual(doc, root / "data")  # noqa: E731
+
+    def rounds(doc, previous_output, round_idx, previous_round_info):
+        if round_idx == 2:
+            return None, None, True, list(previous_output), None
+        return visual(doc), doc_to_text(doc) + " again", False, previous_output, None
+
+    req = Instance("generate_until_multi_round", (doc_to_text(records[0]), {"max_new_tokens": 2}, visual, rounds, 0,
+                                                  "t", "test"), idx=0, metadata={"task": "t", "doc_id": 0, "repeats": 1})
+    (got,) = lm.generate_until_multi_round([req])
+    answer = lambda text: lm.answer(rec_of(text, visual(records[0]), records[0], max_new_tokens=2, **lm.opts), [])  # noqa: E731
+    assert got == (answer(doc_to_text(records[0])), answer(doc_to_text(records[0]) + " again"))

@@ -21,7 +21,7 @@ from lmms_eval.api.model import lmms
 
 from kvbench.data.instructions import GENERIC_SYSTEM
 from kvbench.lmms import class_name
-from kvbench.lmms.records import cut_at_stop, generate_until, to_record
+from kvbench.lmms.records import cut_at_stop, generate_until, generate_until_multi_round, to_record
 from kvbench.reuse import (
     ImageKVStore,
     adapter_for,
@@ -167,49 +167,10 @@ class KVBenchReuse(lmms):
         return out
 
     def generate_until_multi_round(self, requests) -> list[tuple[str, ...]]:
-        """Multi-round requests, lmms-eval's protocol (as its ``llava_onevision`` wrapper, batch 1).
-
-        ``req.args`` = ``(context, gen_kwargs, doc_to_visual, doc_to_text, doc_id, task, split)``. Round 0
-        answers ``context`` with ``doc_to_visual(doc)``; round i >= 1 calls ``doc_to_text(doc,
-        previous_output=<answers so far>, round_idx=i, previous_round_info=<its last info>)``, which returns
-        ``(visuals, context, terminal, round_res, info)``; ``terminal`` ends the request and its
-        ``round_res`` is the result. Every round is a new request to the reuse engine, so images that recur
-        across rounds are read from their caches under the new prefix (CONDUIT's setting) and refreshed by
-        the policy. ``until`` strings are ignored, as lmms-eval's wrappers do for multi-round tasks.
-
-        Returns: per request, the tuple of answers (one per round).
-
-        Raises:
-            ValueError: ``doc_to_text`` does not return the 5-tuple above, or a round's visuals are None
-                (naming the task, doc and round).
-        """
-        out = []
-        for req in requests:
-            context, gen_kwargs, doc_to_visual, doc_to_text, doc_id, task, split = req.args
-            doc = self.task_dict[task][split][doc_id]
-            gen_kwargs = dict(gen_kwargs or {})
-            visuals, answers, info, round_idx = doc_to_visual(doc), [], None, 0
-            while True:
-                if round_idx:
-                    step = doc_to_text(doc, previous_output=list(answers), round_idx=round_idx, previous_round_info=info)
-                    if not isinstance(step, (tuple, list)) or len(step) != 5:
-                        raise ValueError(f"{task}/{split}/{doc_id}: doc_to_text of a multi-round task must return "
-                                         f"(visuals, context, terminal, round_res, info), got {type(step).__name__}")
-                    visuals, context, terminal, round_res, info = step
-                    if terminal:
-                        answers = list(round_res)
-                        break
-                if visuals is None:  # would reach the processor as an image [None] and fail far from here
-                    raise ValueError(f"{task}/{split}/{doc_id}: round {round_idx} has no visuals (None); each round of "
-                                     f"a multi-round request must give its images (a list, possibly empty)")
-                record = to_record(context, visuals if isinstance(visuals, list) else [visuals], doc,
-                                   rid=f"{task}/{split}/{doc_id}/round{round_idx}",
-                                   max_new_tokens=gen_kwargs.get("max_new_tokens", self.max_new_tokens), **self.opts)
-                answers.append(self.answer(record, []))
-                round_idx += 1
-            out.append(tuple(answers))
-            self.cache_hook.add_partial("generate_until_multi_round", (context, gen_kwargs), out[-1])
-        return out
+        """lmms-eval's multi-round requests (:func:`kvbench.lmms.records.generate_until_multi_round`): every round is
+        a new request to the reuse engine, so images that recur across rounds are read from their caches under the
+        new prefix (CONDUIT's setting) and refreshed by the policy."""
+        return generate_until_multi_round(self, requests)
 
 
 def _preset(policy: str) -> type[KVBenchReuse]:

@@ -18,7 +18,7 @@ from lmms_eval.api.model import lmms
 from kvbench.compress.registry import PRESS
 from kvbench.data.instructions import GENERIC_SYSTEM
 from kvbench.eval.compress import CompressMethod
-from kvbench.lmms.records import cut_at_stop, generate_until
+from kvbench.lmms.records import cut_at_stop, generate_until, generate_until_multi_round
 from kvbench.utils.spec import MethodSpec, fmt, parse
 
 #: lmms-eval model id of the generic press model (``press=`` picks the press).
@@ -106,8 +106,10 @@ class KVBenchPress(lmms):
     def loglikelihood(self, requests):
         raise NotImplementedError(f"{type(self).__name__} serves generate_until requests only (module docstring)")
 
-    def generate_until_multi_round(self, requests):
-        raise NotImplementedError(f"{type(self).__name__} serves single-round generate_until requests only")
+    def generate_until_multi_round(self, requests) -> list[tuple[str, ...]]:
+        """lmms-eval's multi-round requests (:func:`kvbench.lmms.records.generate_until_multi_round`): every round is
+        a new request whose whole prompt goes through the press (no cache is carried between rounds)."""
+        return generate_until_multi_round(self, requests)
 
 
 def _preset(press: str) -> type[KVBenchPress]:

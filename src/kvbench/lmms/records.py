@@ -76,3 +76,49 @@ def generate_until(model: Any, requests: Any) -> list[str]:
         out.append(text)
         model.cache_hook.add_partial("generate_until", (context, gen_kwargs), text)
     return out
+
+
+def generate_until_multi_round(model: Any, requests: Any) -> list[tuple[str, ...]]:
+    """Multi-round requests, lmms-eval's protocol (as its ``llava_onevision`` wrapper, batch 1), answered by
+    ``model.answer(record, until)`` round by round (the reuse engine's and the press models' shared loop).
+
+    ``req.args`` = ``(context, gen_kwargs, doc_to_visual, doc_to_text, doc_id, task, split)``. Round 0
+    answers ``context`` with ``doc_to_visual(doc)``; round i >= 1 calls ``doc_to_text(doc,
+    previous_output=<answers so far>, round_idx=i, previous_round_info=<its last info>)``, which returns
+    ``(visuals, context, terminal, round_res, info)``; ``terminal`` ends the request and its
+    ``round_res`` is the result. Every round is a new request to ``model``. ``until`` strings are ignored, as
+    lmms-eval's wrappers do for multi-round tasks.
+
+    Returns: per request, the tuple of answers (one per round).
+
+    Raises:
+        ValueError: ``doc_to_text`` does not return the 5-tuple above, or a round's visuals are None
+            (naming the task, doc and round).
+    """
+    out = []
+    for req in requests:
+        context, gen_kwargs, doc_to_visual, doc_to_text, doc_id, task, split = req.args
+        doc = model.task_dict[task][split][doc_id]
+        gen_kwargs = dict(gen_kwargs or {})
+        visuals, answers, info, round_idx = doc_to_visual(doc), [], None, 0
+        while True:
+            if round_idx:
+                step = doc_to_text(doc, previous_output=list(answers), round_idx=round_idx, previous_round_info=info)
+                if not isinstance(step, (tuple, list)) or len(step) != 5:
+                    raise ValueError(f"{task}/{split}/{doc_id}: doc_to_text of a multi-round task must return "
+                                     f"(visuals, context, terminal, round_res, info), got {type(step).__name__}")
+                visuals, context, terminal, round_res, info = step
+                if terminal:
+                    answers = list(round_res)
+                    break
+            if visuals is None:  # would reach the processor as an image [None] and fail far from here
+                raise ValueError(f"{task}/{split}/{doc_id}: round {round_idx} has no visuals (None); each round of "
+                                 f"a multi-round request must give its images (a list, possibly empty)")
+            record = to_record(context, visuals if isinstance(visuals, list) else [visuals], doc,
+                               rid=f"{task}/{split}/{doc_id}/round{round_idx}",
+                               max_new_tokens=gen_kwargs.get("max_new_tokens", model.max_new_tokens), **model.opts)
+            answers.append(model.answer(record, []))
+            round_idx += 1
+        out.append(tuple(answers))
+        model.cache_hook.add_partial("generate_until_multi_round", (context, gen_kwargs), out[-1])
+    return out

@@ -203,7 +203,8 @@ class VisualPress(Press):
     def select(self, layer: VisualLayer, query: torch.Tensor, view: KVView) -> Reduction:
         """The request's :class:`Reduction`, decided at :meth:`select_layer` before its attention. Abstract: a subclass
         whose :meth:`select_layer` names a layer defines it (DivPrune, PACT; FastV decides in its own hook)."""
-        raise NotImplementedError(f"{type(self).__name__}.select_layer names a layer but the press defines no select()")
+        # a contract check, not a missing feature: every press in the registry that names a layer defines select()
+        raise TypeError(f"{type(self).__name__}.select_layer names a layer but the press defines no select()")
 
     def prepare(self, model: Any, state: VisualState) -> None:
         """Per-request setup with the model at hand (PACT's hidden-state hook). Default: nothing."""
