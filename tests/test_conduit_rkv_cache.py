@@ -9,7 +9,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import yaml
-from test_workflow import PAPER_CONFIG, REPO, _fake_paper_root, planned_jobs, snakemake
+from test_workflow import REPO, paper_dry_run, planned_jobs, snakemake
 
 from kvbench.report import tables
 from kvbench.report.conduit import ConduitPlan
@@ -121,12 +121,8 @@ def test_missing_run_leaves_an_empty_cell_with_its_reason(tmp_path):
 
 
 def test_paper_dry_run_lists_the_jobs(tmp_path):
-    root = tmp_path / "kvbench-data"
-    cfg = _fake_paper_root(root)
+    cfg, root, r = paper_dry_run(tmp_path, "results/beyond/conduit_rkv_cache.csv")
     section = cfg["beyond"]["conduit_rkv_cache"]
-    r = snakemake(tmp_path, "-n", "-p", "results/beyond/conduit_rkv_cache.csv", "--configfile", str(PAPER_CONFIG),
-                  "--config", f"paths={{root: {root}}}")
-    assert r.returncode == 0, r.stdout[-3000:]
     datasets = {c["dataset"] for c in cfg["conduit"]["multi_image"].values()}
     schema = yaml.safe_load((REPO / "workflow/schemas/config.schema.yaml").read_text())
     n_rows = len(cfg["conduit"].get("methods") or schema["properties"]["conduit"]["properties"]["methods"]["default"])

@@ -7,7 +7,7 @@ import re
 import pandas as pd
 import pytest
 import yaml
-from test_workflow import CONFIG, PAPER_CONFIG, _fake_paper_root, planned_jobs, snakemake
+from test_workflow import CONFIG, paper_dry_run, planned_jobs, snakemake
 
 from kvbench.report.rkv_multimodal import MMPlan
 from kvbench.report.tables import TABLES
@@ -113,12 +113,8 @@ def test_smoke_target_plans_its_vlm_runs(tmp_path):
 
 
 def test_paper_target_resolves_on_local_checkpoints(tmp_path):
-    root = tmp_path / "kvbench-data"
-    cfg = _fake_paper_root(root)
+    cfg, root, r = paper_dry_run(tmp_path, "results/residualkv/tableII.csv")
     section = cfg["residualkv"]["tableII"]
-    r = snakemake(tmp_path, "-n", "-p", "results/residualkv/tableII.csv", "--configfile", str(PAPER_CONFIG),
-                  "--config", f"paths={{root: {root}}}")
-    assert r.returncode == 0, r.stdout[-3000:]
     rows = sum(len(r.get("models") or section["models"]) for r in section["rows"])
     assert planned_jobs(r.stdout) == {"eval": rows * len(section["tasks"]), "rkv_mm_codec": len(section["models"]),
                                       "table": 1}

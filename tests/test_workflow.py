@@ -222,6 +222,16 @@ def _fake_paper_root(root: Path) -> dict:
     return cfg
 
 
+def paper_dry_run(tmp_path: Path, *targets: str) -> tuple[dict, Path, subprocess.CompletedProcess]:
+    """``snakemake -n -p <targets>`` on the paper profile over a fake data root (:func:`_fake_paper_root`) under
+    ``tmp_path``: the config, the root, and the finished process (its return code checked)."""
+    root = tmp_path / "kvbench-data"
+    cfg = _fake_paper_root(root)
+    r = snakemake(tmp_path, "-n", "-p", *targets, "--configfile", str(PAPER_CONFIG), "--config", f"paths={{root: {root}}}")
+    assert r.returncode == 0, r.stdout[-3000:]
+    return cfg, root, r
+
+
 def test_paper_dry_run_resolves_with_local_files(tmp_path):
     root = tmp_path / "kvbench-data"
     cfg = _fake_paper_root(root)
