@@ -30,7 +30,7 @@ import pandas as pd
 
 from kvbench.eval.registry import parse_method_spec, slug
 from kvbench.report.conduit import Column, ConduitPlan, Row, Runs, _mean, note_errors
-from kvbench.report.paired import paired_bootstrap
+from kvbench.report.paired import paired_stats
 from kvbench.report.plan import Run, Table, load_spec, write_csv
 from kvbench.reuse.compressed_store import CacheCodec
 from kvbench.utils.recipe import recipe_hash
@@ -144,8 +144,9 @@ def _paired(runs: Runs, a_dir: dict[str, str], b_dir: dict[str, str], cols: list
 
 
 def _ci(d: np.ndarray, boot: dict) -> dict:
-    lo, hi = paired_bootstrap(d, boot["resamples"], boot["seed"])
-    return {"ci95_lo": round(100 * lo, 2), "ci95_hi": round(100 * hi, 2), "told_apart": bool(lo > 0 or hi < 0)}
+    """95% paired-bootstrap CI of ``d`` (points) and whether it excludes 0 (:func:`kvbench.report.paired.paired_stats`)."""
+    stats = paired_stats(d, boot["resamples"], boot["seed"])
+    return {k: stats[k] for k in ("ci95_lo", "ci95_hi", "told_apart")}
 
 
 def bytes_summary(indexes: dict[str, dict]) -> dict | None:
