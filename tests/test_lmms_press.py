@@ -80,3 +80,58 @@ def test_a_press_answers_multi_round_requests_one_compressed_request_per_round(t
     (got,) = lm.generate_until_multi_round([req])
     answer = lambda text: lm.answer(rec_of(text, visual(records[0]), records[0], max_new_tokens=2, **lm.opts), [])  # noqa: E731
     assert got == (answer(doc_to_text(records[0])), answer(doc_to_text(records[0]) + " again"))
+
+
+def _full_logprob(model, proc, record, base_dir, continuation):
+    """Reference: one plain forward of prompt + continuation (the model's own positions), summed log-probs."""
+    from kvbench.compress.generate_vlm import encode_vlm
+
+    inputs = encode_vlm(model, proc, record, base_dir)
+    n = inputs["input_ids"].shape[1]
+    cont = torch.tensor([continuation])
+    full = dict(inputs, input_ids=torch.cat([inputs["input_ids"], cont], 1))
+    for k, fill in (("attention_mask", 1), ("mm_token_type_ids", 0)):
+        if k in full:
+            full[k] = torch.cat([full[k], torch.full_like(cont, fill)], 1)
+    with torch.no_grad():
+        logits = model(**full).logits[0, n - 1:-1].float()
+    lp = torch.log_softmax(logits, -1)
+    return float(lp.gather(1, cont[0][:, None]).sum()), bool((lp.argmax(-1) == cont[0]).all())
+
+
+def test_a_press_scores_loglikelihood_requests_through_its_compressed_cache(task, vlm_dir):  # noqa: F811
+    """The press model's loglikelihood raised NotImplementedError, so lmms-eval's multiple-choice tasks could not run
+    through a press. Now: fullkv's loss equals a plain forward of prompt + continuation; SnapKV's equals
+    CompressMethod's on the same record and differs from full; an empty continuation is refused."""
+    from lmms_eval.api.instance import Instance
+
+    from kvbench.eval.compress import CompressMethod
+    from kvbench.lmms.press import KVBenchPress
+    from kvbench.lmms.records import to_record as rec_of
+    from kvbench.lmms.task import doc_to_text, doc_to_visual
+
+    root, records = task
+    visual = lambda doc: doc_to_visual(doc, root / "data")  # noqa: E731
+    conts = ["3", "45 1"]
+    meta = lambda i: {"task": "t", "doc_id": i, "repeats": 1}  # noqa: E731
+    reqs = [Instance("loglikelihood", (doc_to_text(d), c, visual, i, "t", "test"), idx=0, metadata=meta(i))
+            for i, d in enumerate(records[:2]) for c in conts]
+    full = KVBenchPress(pretrained=str(vlm_dir), press="fullkv")
+    snap = KVBenchPress(pretrained=str(vlm_dir), press="snapkv", keep=0.1, window=4)
+    for lm in (full, snap):
+        lm.task_dict = {"t": {"test": records}}
+    got_full, got_snap = full.loglikelihood(reqs), snap.loglikelihood(reqs)
+    tok = full.processor.tokenizer
+    method = CompressMethod(spec="snapkv:keep=0.1,window=4")
+    for k, req in enumerate(reqs):
+        context, c, _, i, _, _ = req.args
+        ids = tok(c, add_special_tokens=False)["input_ids"]
+        rec = rec_of(context, visual(records[i]), records[i], rid=f"t/test/{i}", max_new_tokens=1, **full.opts)
+        want, greedy = _full_logprob(full.model, full.processor, rec, None, ids)
+        assert got_full[k][0] == pytest.approx(-want / len(ids), abs=1e-4) and got_full[k][1] == greedy
+        lp, g = method.continuation_logprob(snap.model, snap.processor, rec, None, ids)
+        assert got_snap[k] == (pytest.approx(-lp / len(ids), abs=1e-6), g)
+    assert any(abs(a[0] - b[0]) > 1e-4 for a, b in zip(got_full, got_snap)), "SnapKV at keep 0.1 read the full cache"
+    with pytest.raises(ValueError, match="empty continuation"):
+        full.loglikelihood([Instance("loglikelihood", (doc_to_text(records[0]), "", visual, 0, "t", "test"), idx=0,
+                                     metadata=meta(0))])

@@ -25,6 +25,7 @@ sequence position, so their rotations are the model's own. Eviction presses stor
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -166,6 +167,7 @@ def _vision_tower(model: Any) -> Any:
 
 
 @torch.inference_mode()
+@torch.no_grad()
 def greedy_generate_vlm(model: Any, press: Press, inputs: dict, split: int, max_new_tokens: int,
                         eos: set[int]) -> tuple[list[int], PressCache]:
     """Prefill ``inputs`` (:func:`encode_vlm`) in chunks ``[:split]`` and ``[split:]`` through ``press``'s cache
@@ -178,6 +180,54 @@ def greedy_generate_vlm(model: Any, press: Press, inputs: dict, split: int, max_
         ValueError: a visual token after ``split`` (the context chunk must hold every image), or a press with a
             context pass (KVzip: :attr:`~kvbench.compress.cache.Press.context_pass`).
     """
+    out: list[int] = []
+    with _prefilled(model, press, inputs, split) as (cache, logits, step_position):
+        for _ in range(max_new_tokens):
+            nxt = int(logits[0, -1].argmax())
+            out.append(nxt)
+            if nxt in eos or len(out) == max_new_tokens:
+                break
+            logits = step_position(nxt)
+    return out, cache
+
+
+@torch.no_grad()
+def continuation_logprob_vlm(model: Any, press: Press, inputs: dict, split: int,
+                             continuation: list[int]) -> tuple[float, bool, PressCache]:
+    """Log-likelihood of ``continuation`` after the prompt, read through ``press``'s compressed cache (lmms-eval's
+    ``loglikelihood`` contract, multiple-choice tasks).
+
+    The prompt is prefilled as :func:`greedy_generate_vlm` prefills it; then the continuation is teacher-forced one
+    token per decode step, so its tokens enter the cache as generated tokens do (a press that compresses while
+    decoding acts on them) and each is scored by the logits of the step before it, as a generated token would be.
+
+    Args:
+        continuation: token ids (>= 1).
+
+    Returns:
+        ``(sum of log-probabilities in nats, whether every token is the greedy argmax, cache)``.
+
+    Raises:
+        ValueError: an empty continuation; the errors of :func:`greedy_generate_vlm`.
+    """
+    if not continuation:
+        raise ValueError("continuation must have at least one token")
+    total, greedy = 0.0, True
+    with _prefilled(model, press, inputs, split) as (cache, logits, step_position):
+        for i, t in enumerate(continuation):
+            lp = torch.log_softmax(logits[0, -1].float(), -1)
+            total += float(lp[t])
+            greedy = greedy and int(lp.argmax()) == t
+            if i + 1 < len(continuation):
+                logits = step_position(t)
+    return total, greedy, cache
+
+
+@contextmanager
+def _prefilled(model: Any, press: Press, inputs: dict, split: int):
+    """Prefill ``inputs`` through ``press``'s cache (:func:`greedy_generate_vlm`'s chunks); yields ``(cache, last
+    prefill logits [1, t, V], step)``, where ``step(token_id)`` forwards one decode step at the next position and
+    returns its logits. Decode steps must run inside the block (the press's attention is installed there)."""
     if press.context_pass:
         # its scoring pass re-reads the context from token ids, where a VLM's image tokens are placeholders
         raise ValueError(f"press {press.name!r} scores the context by re-reading its token ids, which cannot carry "
@@ -201,9 +251,16 @@ def greedy_generate_vlm(model: Any, press: Press, inputs: dict, split: int, max_
 
     handle = decoder.register_forward_pre_hook(capture, with_kwargs=True)
     chunks = [(0, first)] + ([(first, n)] if first < n else [])
-    out: list[int] = []
     vision = _vision_tower(model)
     vision_impl = None if vision is None else vision.config._attn_implementation
+    next_position = [int(pos.max()) + 1]
+
+    def step(token: int) -> torch.Tensor:
+        p = torch.full(pos.shape[:-1] + (1,), next_position[0], dtype=pos.dtype, device=pos.device)
+        next_position[0] += 1
+        return model(input_ids=torch.tensor([[token]], device=ids.device), position_ids=p, cache=cache,
+                     use_cache=True).logits
+
     try:
         with press_attention(model, cache):
             if vision is not None:
@@ -217,15 +274,6 @@ def greedy_generate_vlm(model: Any, press: Press, inputs: dict, split: int, max_
                                **extra).logits
                 if i == 0 and len(chunks) > 1:
                     press.after_context(model, cache, ids[:, a:b])
-            nxt_pos = int(pos.max()) + 1
-            for step in range(max_new_tokens):
-                nxt = int(logits[0, -1].argmax())
-                out.append(nxt)
-                if nxt in eos or len(out) == max_new_tokens:
-                    break
-                p = torch.full(pos.shape[:-1] + (1,), nxt_pos + step, dtype=pos.dtype, device=pos.device)
-                logits = model(input_ids=torch.tensor([[nxt]], device=ids.device), position_ids=p, cache=cache,
-                               use_cache=True).logits
+            yield cache, logits, step
     finally:
         handle.remove()
-    return out, cache

@@ -29,7 +29,7 @@ import torch
 
 from kvbench.compress import accounting
 from kvbench.compress.generate import GREEDY, Sampling, final_question_ids, greedy_generate, split_prompt
-from kvbench.compress.generate_vlm import encode_vlm, greedy_generate_vlm, question_start
+from kvbench.compress.generate_vlm import continuation_logprob_vlm, encode_vlm, greedy_generate_vlm, question_start
 from kvbench.compress.multiquery import answer_queries
 from kvbench.compress.registry import PRESS
 from kvbench.compress.residualkv.codec import CODEC_FILE, CONFIG_FILE
@@ -151,14 +151,19 @@ class CompressMethod(EvalMethod):
         # the run's record index, not a count of this process's calls: a resumed run audits the same records
         self._n = index
 
-    def predict(self, model: Any, proc: Any, record: dict, base_dir: str | Path | None) -> str | list[str]:
-        tok = getattr(proc, "tokenizer", proc)
+    def predict_checks(self, model: Any) -> None:
+        """Once per run: a press that cannot serve this model (layers out of range, a codec of another shape) stops
+        the run (:class:`FatalRunError`) instead of failing every record."""
         if not self._fits:
-            try:  # a press that cannot serve this model (layers out of range, a codec of another shape) stops the run
+            try:
                 self.press().new_cache(model)
             except ValueError as e:
                 raise FatalRunError(f"method {self.spec!r} does not fit the model: {e}") from e
             self._fits = True
+
+    def predict(self, model: Any, proc: Any, record: dict, base_dir: str | Path | None) -> str | list[str]:
+        tok = getattr(proc, "tokenizer", proc)
+        self.predict_checks(model)
         if is_multi(record):
             return self._predict_queries(model, proc, tok, record)
         if record.get("kind") == "vlm":
@@ -177,6 +182,31 @@ class CompressMethod(EvalMethod):
         self._audit["n_generated"] = len(new)   # Table V's mean generated tokens
         self._n += 1
         return self.decode(proc, record, torch.tensor(new))
+
+    def continuation_logprob(self, model: Any, proc: Any, record: dict, base_dir: str | Path | None,
+                             continuation: list[int]) -> tuple[float, bool]:
+        """Log-likelihood of ``continuation`` (token ids) after a VLM record's prompt, read through the press's cache
+        (prefilled as :meth:`predict` prefills it, the continuation teacher-forced one decode step per token:
+        :func:`kvbench.compress.generate_vlm.continuation_logprob_vlm`); the audit row is that request's.
+
+        Returns:
+            ``(sum of log-probabilities in nats, whether every token is the greedy argmax)``.
+
+        Raises:
+            ValueError: a record that is not ``kind: "vlm"`` (lmms-eval's requests are), an empty continuation.
+        """
+        if record.get("kind") != "vlm" or is_multi(record):
+            raise ValueError(f"{record.get('id')}: continuation scoring takes single-query VLM records (lmms-eval's "
+                             f"requests), got kind {record.get('kind')!r}")
+        self.predict_checks(model)
+        inputs = encode_vlm(model, proc, record, base_dir)
+        ids = inputs["input_ids"]
+        split = self.press().first_chunk(ids.shape[1], question_start(proc, record, ids))
+        total, greedy, cache = continuation_logprob_vlm(model, self.press(), inputs, split, continuation)
+        self._audit = self._audit_row(model, cache, ids.shape[1], question_chunk=0 < split < ids.shape[1],
+                                      n_context=split if 0 < split else ids.shape[1])
+        self._n += 1
+        return total, greedy
 
     def _predict_queries(self, model: Any, proc: Any, tok: Any, record: dict) -> list[str]:
         """A multi-query record (:mod:`kvbench.eval.multiquery`): the context prefilled once as its own chunk

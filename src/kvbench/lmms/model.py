@@ -21,7 +21,12 @@ from lmms_eval.api.model import lmms
 
 from kvbench.data.instructions import GENERIC_SYSTEM
 from kvbench.lmms import class_name
-from kvbench.lmms.records import cut_at_stop, generate_until, generate_until_multi_round, to_record
+from kvbench.lmms.records import (
+    cut_at_stop,
+    generate_until,
+    generate_until_multi_round,
+    loglikelihood,
+)
 from kvbench.reuse import (
     ImageKVStore,
     adapter_for,
@@ -134,37 +139,20 @@ class KVBenchReuse(lmms):
         return generate_until(self, requests)
 
     def loglikelihood(self, requests) -> list[tuple[float, bool]]:
-        """``(loss, is_greedy)`` per request, the prompt refreshed by the policy.
-
-        ``loss`` is the mean negative log-likelihood per continuation token (nats), as lmms-eval's
-        own wrappers return it (the HF ``loss``; its ``multiple_choice`` scoring takes the argmin,
-        EvolvingLMMs-Lab/lmms-eval#370). ``req.args`` = ``(context, continuation or doc_to_target,
-        doc_to_visual, doc_id, task, split)``; the continuation is tokenised on its own and
-        appended after the generation prompt. Note: lmms-eval 0.7.3's evaluator turns a
-        non-string response into ``str(...)`` (``unwrap_generation_output``), so its
-        ``multiple_choice`` tasks fail for every model in that version; call this method directly.
+        """``(loss, is_greedy)`` per request (:func:`kvbench.lmms.records.loglikelihood`), the prompt refreshed by
+        the policy.
 
         Raises:
             ValueError: an empty continuation.
         """
-        out = []
-        tok = getattr(self.adapter.processor, "tokenizer", self.adapter.processor)
-        for req in requests:
-            context, target, doc_to_visual, doc_id, task, split = req.args
-            doc = self.task_dict[task][split][doc_id]
-            continuation = target if isinstance(target, str) else target(doc)
-            visuals = doc_to_visual(doc)
-            record = to_record(context, visuals if isinstance(visuals, list) else [visuals], doc,
-                               rid=f"{task}/{split}/{doc_id}", max_new_tokens=1, **self.opts)
-            ids = tok(continuation, add_special_tokens=False)["input_ids"]
-            if not ids:
-                raise ValueError(f"{record['id']}: empty continuation {continuation!r}")
-            res = run_record(self.adapter, self.store(record["generic_system"]), record, self.policy, self.r,
-                             **self.params)
-            logprob, greedy = continuation_logprob(self.adapter, res.output, ids)
-            out.append((-logprob / len(ids), greedy))
-            self.cache_hook.add_partial("loglikelihood", (context, continuation), out[-1])
-        return out
+        return loglikelihood(self, requests, getattr(self.adapter.processor, "tokenizer", self.adapter.processor))
+
+    def continuation_logprob(self, record: dict, ids: list[int]) -> tuple[float, bool]:
+        """``(sum of log-probabilities in nats, is_greedy)`` of continuation ``ids`` after ``record``'s prompt, over
+        the policy's refreshed K/V (:func:`kvbench.reuse.continuation_logprob`)."""
+        res = run_record(self.adapter, self.store(record["generic_system"]), record, self.policy, self.r,
+                         **self.params)
+        return continuation_logprob(self.adapter, res.output, ids)
 
     def generate_until_multi_round(self, requests) -> list[tuple[str, ...]]:
         """lmms-eval's multi-round requests (:func:`kvbench.lmms.records.generate_until_multi_round`): every round is

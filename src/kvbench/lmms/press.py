@@ -5,8 +5,8 @@ Each ``generate_until`` request becomes a kvbench record (:func:`kvbench.lmms.re
 :class:`kvbench.eval.compress.CompressMethod` (the full VLM eval's prompt, the context chunk with every image
 compressed, then the question and greedy decoding through the compressed cache: :mod:`kvbench.compress.generate_vlm`).
 So ``--model kvbench_press_fullkv`` answers as ``kvbench eval --method fullkv`` and as ``--model kvbench_full``.
-Batch size 1. ``loglikelihood`` is not served (lmms-eval 0.7.3's multiple-choice scoring fails for every model,
-docs/decisions.md; the generation tasks are what Table II scores).
+``loglikelihood`` requests (multiple-choice tasks) teacher-force the continuation through the same compressed cache.
+Batch size 1.
 """
 from __future__ import annotations
 
@@ -18,7 +18,12 @@ from lmms_eval.api.model import lmms
 from kvbench.compress.registry import PRESS
 from kvbench.data.instructions import GENERIC_SYSTEM
 from kvbench.eval.compress import CompressMethod
-from kvbench.lmms.records import cut_at_stop, generate_until, generate_until_multi_round
+from kvbench.lmms.records import (
+    cut_at_stop,
+    generate_until,
+    generate_until_multi_round,
+    loglikelihood,
+)
 from kvbench.utils.spec import MethodSpec, fmt, parse
 
 #: lmms-eval model id of the generic press model (``press=`` picks the press).
@@ -103,8 +108,21 @@ class KVBenchPress(lmms):
     def generate_until(self, requests) -> list[str]:
         return generate_until(self, requests)
 
-    def loglikelihood(self, requests):
-        raise NotImplementedError(f"{type(self).__name__} serves generate_until requests only (module docstring)")
+    def loglikelihood(self, requests) -> list[tuple[float, bool]]:
+        """``(loss, is_greedy)`` per request (:func:`kvbench.lmms.records.loglikelihood`), the prompt's cache
+        compressed by the press: the continuation is teacher-forced after the generation prompt, one decode step per
+        token through the compressed cache (:meth:`kvbench.eval.compress.CompressMethod.continuation_logprob`).
+
+        Raises:
+            ValueError: an empty continuation.
+        """
+        return loglikelihood(self, requests, getattr(self.processor, "tokenizer", self.processor))
+
+    def continuation_logprob(self, record: dict, ids: list[int]) -> tuple[float, bool]:
+        """``(sum of log-probabilities in nats, is_greedy)`` of continuation ``ids`` after ``record``'s prompt."""
+        self.method.start(self._n)
+        self._n += 1
+        return self.method.continuation_logprob(self.model, self.processor, record, None, ids)
 
     def generate_until_multi_round(self, requests) -> list[tuple[str, ...]]:
         """lmms-eval's multi-round requests (:func:`kvbench.lmms.records.generate_until_multi_round`): every round is

@@ -78,6 +78,37 @@ def generate_until(model: Any, requests: Any) -> list[str]:
     return out
 
 
+def loglikelihood(model: Any, requests: Any, tokenizer: Any) -> list[tuple[float, bool]]:
+    """lmms-eval's ``loglikelihood`` for the kvbench models: ``(loss, is_greedy)`` per request, scored by
+    ``model.continuation_logprob(record, ids) -> (sum of log-probabilities in nats, is_greedy)``.
+
+    ``loss`` is the mean negative log-likelihood per continuation token (nats), as lmms-eval's own wrappers return it
+    (the HF ``loss``; its ``multiple_choice`` scoring takes the argmin, EvolvingLMMs-Lab/lmms-eval#370). ``req.args``
+    = ``(context, continuation or doc_to_target, doc_to_visual, doc_id, task, split)``; the continuation is tokenised
+    on its own by ``tokenizer`` and appended after the generation prompt. Note: lmms-eval 0.7.3's evaluator turns a
+    non-string response into ``str(...)`` (``unwrap_generation_output``), so its ``multiple_choice`` tasks fail for
+    every model in that version; call this method directly.
+
+    Raises:
+        ValueError: an empty continuation (naming the request).
+    """
+    out = []
+    for req in requests:
+        context, target, doc_to_visual, doc_id, task, split = req.args
+        doc = model.task_dict[task][split][doc_id]
+        continuation = target if isinstance(target, str) else target(doc)
+        visuals = doc_to_visual(doc)
+        record = to_record(context, visuals if isinstance(visuals, list) else [visuals], doc,
+                           rid=f"{task}/{split}/{doc_id}", max_new_tokens=1, **model.opts)
+        ids = tokenizer(continuation, add_special_tokens=False)["input_ids"]
+        if not ids:
+            raise ValueError(f"{record['id']}: empty continuation {continuation!r}")
+        logprob, greedy = model.continuation_logprob(record, ids)
+        out.append((-logprob / len(ids), greedy))
+        model.cache_hook.add_partial("loglikelihood", (context, continuation), out[-1])
+    return out
+
+
 def generate_until_multi_round(model: Any, requests: Any) -> list[tuple[str, ...]]:
     """Multi-round requests, lmms-eval's protocol (as its ``llava_onevision`` wrapper, batch 1), answered by
     ``model.answer(record, until)`` round by round (the reuse engine's and the press models' shared loop).
