@@ -268,21 +268,22 @@ def test_table_v_cells_and_header(tmp_path):
 
 
 def test_table_v_smoke_dry_run(tmp_path):
-    """On the tiny zoo Table V is the overlay config/longgen.yaml over the default profile (its zoo model is kept out
-    of config/config.yaml until it reaches its floor), merged by Snakemake from two --configfile arguments."""
-    from test_workflow import CONFIG, REPO, planned_jobs, snakemake
+    """On the tiny zoo Table V is in the default profile. Its chain model is `on_demand`: Table V's target trains it,
+    the default target (the zoo report) does not, and its floor error names Table V (it named Tables III/VI-VIII)."""
+    from test_workflow import planned_jobs, snakemake
 
-    plain = snakemake(tmp_path, "-n", "results/residualkv/tableV.csv")
-    assert plain.returncode != 0 and "residualkv.tableV is not set" in plain.stdout   # not in the default profile
-    r = snakemake(tmp_path, "-n", "-p", "results/residualkv/tableV.csv", "--configfile", str(CONFIG),
-                  str(REPO / "config" / "longgen.yaml"))
+    r = snakemake(tmp_path, "-n", "-p", "results/residualkv/tableV.csv")
     assert r.returncode == 0, r.stdout[-3000:]
     jobs = planned_jobs(r.stdout)
     assert jobs["eval"] == 4 and jobs["rkv_codec"] == 1 and jobs["train"] == 1 and jobs["table"] == 1
     assert "kvbench train --model tiny-qwen2-lm-chain " in r.stdout and '"chain_pairs_64": 0.5' in r.stdout
+    assert "--feeds 'ResidualKV Table V (when it is residualkv.long_generation.model)'" in r.stdout
     assert re.search(r"--out codecs/smoke/tiny-qwen2-lm-chain/main-[0-9a-f]{8} .*--data chain ", r.stdout)
     assert not re.search(r"zoo/smoke/tiny-qwen2-lm-[0-9a-f]{8}", r.stdout)   # Table V never touches the main zoo LM
     assert r.stdout.count("--split data/smoke/chain_pairs_64-") == 4 and "--limit 50" in r.stdout
+    default = snakemake(tmp_path, "-n", "-p")
+    assert default.returncode == 0, default.stdout[-3000:]
+    assert "tiny-qwen2-lm-chain" not in default.stdout and "kvbench train --model tiny-qwen2-lm " in default.stdout
 
 
 def test_table_v_paper_dry_run(tmp_path):

@@ -77,7 +77,10 @@ def test_default_target_is_the_zoo_report(tmp_path):
     jobs = planned_jobs(r.stdout)
     # the eval matrix's datasets (Table IV's multi-query tasks and Table V's chain tasks are datasets outside it)
     matrix = {d for tasks in cfg["eval"]["matrix"].values() for d in tasks}
-    assert jobs == {"tokenizer": 1, "data": len(matrix), "train": len(cfg["models"]),
+    # an on-demand zoo model (Table V's chain model) is trained by the targets that read it, not by the default one
+    reported = [m for m, spec in cfg["models"].items() if not spec["zoo"].get("on_demand")]
+    assert 0 < len(reported) < len(cfg["models"])
+    assert jobs == {"tokenizer": 1, "data": len(matrix), "train": len(reported),
                     "eval": n_runs, "report_zoo": 1, "report_zoo_figure": 1, "all": 1}
 
 
@@ -433,7 +436,7 @@ def test_every_table_and_run_of_a_profile_is_in_the_dag(tmp_path, profile):
     else:
         cfg = load(CONFIG)
     tables = [t for t in TABLES.values() if t.section in cfg and t.section != "conduit_latency"]
-    # Table V on the tiny zoo is the overlay config/longgen.yaml (its zoo model does not reach its floor yet)
+    # a config may leave Table V out
     tables = [t for t in tables if t.name != "residualkv/tableV" or "tableV" in cfg["residualkv"]]
     # targets before --config, which takes every argument after it
     r = snakemake(tmp_path, "-n", "conduit", "residualkv", "runs", *[t.path for t in tables], *config)

@@ -66,7 +66,7 @@ NOT_DEFAULTED = {
     "datasets.*.scbench": ("paper", ["all"], None),
     # Table V (long generation) runs on long_generation's backbone; its other keys fall back to the section's
     "residualkv.tableV": ("smoke", ["results/residualkv/tableV.csv"], "residualkv.tableV is not set"),
-    # (the paper profile has both; the smoke profile's Table V is the config/longgen.yaml overlay)
+    # (both profiles have both)
     "residualkv.long_generation": ("paper", ["residualkv"], "residualkv.long_generation"),
     **{f"residualkv.long_generation.{k}": ("paper", ["results/residualkv/tableV.csv"], None)
        for k in ("codec", "n_test", "protocol", "threads", "train", "sampling", "sampling.temperature",

@@ -18,6 +18,8 @@ ROOT = os.path.expanduser(config["paths"]["root"])
 MODELS = config["models"]
 DATASETS = config["datasets"]
 ZOO_MODELS = [m for m, spec in MODELS.items() if "zoo" in spec]
+# the zoo models the default target trains and the zoo report shows (an `on_demand` one is trained for its tables)
+REPORT_ZOO_MODELS = [m for m in ZOO_MODELS if not MODELS[m]["zoo"].get("on_demand")]
 SMOKE_DATASETS = [d for d, spec in DATASETS.items() if "smoke" in spec]
 SCBENCH_DATASETS = [d for d, spec in DATASETS.items() if "scbench" in spec]   # SCBench's own files (scbench.smk)
 
@@ -185,9 +187,11 @@ def train_overrides(model):
 def model_feeds(model):
     """The targets a zoo model of this kind feeds, named when its skill floor fails (kvbench.train.floors).
 
-    From the model's kind only: a param that followed the conduit/residualkv sections would rerun
-    (and first delete) a finished model whenever those sections change.
+    From the model's own entry only (its kind, `zoo.on_demand`): a param that followed the conduit/residualkv sections
+    would rerun (and first delete) a finished model whenever those sections change.
     """
+    if MODELS[model]["zoo"].get("on_demand"):   # not in the zoo report; Table V's chain model is the one such model
+        return "ResidualKV Table V (when it is residualkv.long_generation.model)"
     kind = {"lm": "ResidualKV Tables III, VI-VIII and Figs. 5, 10-12 (when it is residualkv.model)",
             "vlm": "CONDUIT Tables 1, 2, 4, 5, the staleness gap and Fig. 3 (when it is in conduit.models)"}
     return f"results/{PROFILE}/zoo.csv and {kind[MODELS[model]['kind']]}"
@@ -226,8 +230,9 @@ def zoo_report_targets():
 
 
 def default_targets():
-    """Inputs of the default target: the zoo report when the config has zoo models, plus every checkpoint model's runs."""
-    targets = zoo_report_targets() if ZOO_MODELS else []
+    """Inputs of the default target: the zoo report when the config has zoo models (not `on_demand` ones), plus every
+    checkpoint model's runs."""
+    targets = zoo_report_targets() if REPORT_ZOO_MODELS else []
     checkpoint_models = [m for m in MODELS if not is_zoo(m)]
     return targets + matrix_metrics(models=checkpoint_models)
 
@@ -920,7 +925,7 @@ def report_items():
     Fig. 11 its throughput CSV; the kvpress parity table (parity.smk) in every config. Short-name copies
     (targets.smk) are not listed: they repeat these.
     """
-    items = [[f] for f in zoo_report_targets()] if ZOO_MODELS else []
+    items = [[f] for f in zoo_report_targets()] if REPORT_ZOO_MODELS else []
     items += [[f] for f in (conduit_targets() if CONDUIT else []) if f.endswith(".csv")]
     items += [[table_of(t).path] for t in configured_tables() if table_of(t).section != "conduit"]
     if CONDUIT:

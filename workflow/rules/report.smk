@@ -5,7 +5,7 @@
 rule report_zoo:
     input:
         metrics=matrix_metrics(methods=["full"]),
-        summaries=[f"{train_dir(m)}/summary.json" for m in ZOO_MODELS],
+        summaries=[f"{train_dir(m)}/summary.json" for m in REPORT_ZOO_MODELS],
     output:
         table=report(
             "results/{profile}/zoo.csv",
@@ -16,7 +16,7 @@ rule report_zoo:
         timing="results/{profile}/zoo.timing.csv",
     params:
         runs=[run_dir(m, t, k) for m, t, k in matrix_cells(methods=["full"])],
-        train=[train_dir(m) for m in ZOO_MODELS],
+        train=[train_dir(m) for m in REPORT_ZOO_MODELS],
     log:
         "logs/report/{profile}/zoo.log",
     benchmark:
@@ -36,7 +36,7 @@ rule report_zoo:
 rule report_zoo_figure:
     input:
         # summary.json is written after the final curves.csv (models.smk).
-        summaries=[f"{train_dir(m)}/summary.json" for m in ZOO_MODELS],
+        summaries=[f"{train_dir(m)}/summary.json" for m in REPORT_ZOO_MODELS],
     output:
         report(
             "figures/{profile}/zoo_training.pdf",
@@ -45,7 +45,7 @@ rule report_zoo_figure:
             subcategory="Figures",
         ),
     params:
-        train=[train_dir(m) for m in ZOO_MODELS],
+        train=[train_dir(m) for m in REPORT_ZOO_MODELS],
     log:
         "logs/report/{profile}/zoo_figure.log",
     benchmark:

@@ -199,8 +199,8 @@ localrules:
 
 
 rule residualkv:
-    """Every ResidualKV target of the config (Tables I-VIII that it configures: II needs `residualkv.tableII`, V the
-    overlay config/longgen.yaml on the tiny zoo; Figures 3, 5, 6, 8, 10, 11, 12, and 13 with `residualkv.fig13`)."""
+    """Every ResidualKV target of the config (Tables I-VIII that it configures: II needs `residualkv.tableII`, V
+    `residualkv.tableV`; Figures 3, 5, 6, 8, 10, 11, 12, and 13 with `residualkv.fig13`)."""
     input:
         lambda wc: rkv_plan() and [table_of(t).path for t in configured_tables() if t.startswith("residualkv/")]
         + [f"figures/residualkv/fig{n}.pdf" for n in (3, 5, 6, 8, 10, 11, 12)]

@@ -488,9 +488,8 @@ class RKVPlan:
             ValueError: the config lacks ``target``'s key (:meth:`rows_key`), naming it.
         """
         if not self.configured(target):
-            shows = ("the overlay config/longgen.yaml shows one: --configfile config/config.yaml config/longgen.yaml"
-                     if target == "tableV" else "config/config.yaml shows one")
-            raise ValueError(f"config residualkv.{self.rows_key(target)} is not set, so {target} has no rows ({shows})")
+            raise ValueError(f"config residualkv.{self.rows_key(target)} is not set, so {target} has no rows "
+                             "(config/config.yaml shows one)")
         if target not in SWEEP_TARGETS:
             return [Row(e["label"], self._row_spec(target, e)) for e in self.s[target]]
         sweep = self.s["stride_sweep"]

@@ -178,6 +178,9 @@ CHAIN_LENGTHS = ((8, 300, 16), (32, 300, 8))
 #: ``(max hops, steps, batch)`` of its chain-pairs phases that follow: two chains of ``max hops // 2 .. max hops``
 #: variables written in alternation, then four asks (:func:`kvbench.data.chain.sample_chain_pairs`)
 PAIRS_LENGTHS = ((8, 300, 16), (32, 250, 4), (64, 1700, 2))
+#: ``(max hops, steps, batch)`` of the last phase: :data:`PAIRS_LENGTHS`'s last, its learning rate cosine-decayed
+#: to a tenth (warm-up of one step: it continues at the rate the phase before ended on)
+PAIRS_ANNEAL = (64, 400, 2)
 
 
 def chain_recipe() -> list[Phase]:
@@ -186,10 +189,13 @@ def chain_recipe() -> list[Phase]:
     (each step a lookup keyed by the token two back, the final answer an induction lookup on the generated trace),
     heads supervised throughout and the skip head from the pairs phases on.
 
-    The learning rate stays at 1e-3 in every chain phase (no decay): with each 150-step phase decayed to 1e-4 the
-    first trial stayed at chance; constant, the plain chains reached 86% token accuracy at 32 hops and the pairs
-    97% at 64 (docs/decisions.md, "Table V, long generation": the trials). The chain phases are constant, so a
-    longer last phase continues a shorter one's state exactly (how the trials extended pairs64).
+    The learning rate stays at 1e-3 in every chain phase but the last (no decay): with each 150-step phase decayed to
+    1e-4 the first trial stayed at chance; constant, the plain chains reached 86% token accuracy at 32 hops and the
+    pairs 97% at 64, a plateau at which only 0.40 of the 64-hop final answers were right. The last phase,
+    ``pairs64_anneal`` (:data:`PAIRS_ANNEAL`), continues pairs64 with the rate cosine-decayed 1e-3 -> 1e-4, the usual
+    end of a constant-rate run; with it the final answers reached 0.95 (docs/decisions.md, "Table V, long
+    generation": the trials). The phases before it are constant, so a longer phase continues a shorter one's state
+    exactly (how the trials extended pairs64 and then appended the anneal).
     """
     phases = [lm_recipe()[0]]
     for hops, steps, batch in CHAIN_LENGTHS:
@@ -200,6 +206,8 @@ def chain_recipe() -> list[Phase]:
         mix = (("chain_pairs", 1.0, {"hops": hops, "min_hops": max(1, hops // 2), "n_asks": 4}),)
         phases.append(Phase(f"pairs{hops}", "tasks", steps=steps, lr=1e-3, warmup=10, batch=batch, seq_len=0,
                             mixture=mix, head_supervision=1.0, skip_supervision=1.0, decay=False))
+    hops, steps, batch = PAIRS_ANNEAL
+    phases.append(replace(phases[-1], name=f"pairs{hops}_anneal", steps=steps, batch=batch, warmup=1, decay=True))
     return phases
 
 
