@@ -249,6 +249,8 @@ def test_smoke_targets_plan_the_case_on_table_ii_codec(tmp_path):
     ({"layers": [30]}, r"residualkv\.fig13\.layers: layers \[30\] outside the model's 24"),
     ({"model": "tiny-qwen2-lm"}, r"residualkv\.fig13\.model: 'tiny-qwen2-lm' is not one of residualkv\.tableII\.models"),
     ({"task": "niah_1k"}, r"residualkv\.fig13\.task: 'niah_1k' must be a `vlm` dataset"),
+    # an index past the smoke split was only refused when the job ran
+    ({"record": 300}, r"residualkv\.fig13\.record: 300 is outside digitgrid's test split of 300 records"),
     (None, r"residualkv\.fig13 is not set"),
 ])
 def test_bad_fig13_config_is_named_in_the_dry_run(tmp_path, change, match):

@@ -91,6 +91,28 @@ def test_table_ii_cells_and_header(tmp_path):
     assert "7/36 = 19.4%" in text and "SnapKV: keep=0.1" in text and "Full cache: full cache" in text
 
 
+def test_cr_lower_bound_is_computed_from_the_rows_full_layers_and_the_runs_layer_count(tmp_path):
+    """The header's CR caveat was only the notes' 7/36 citation; each row that keeps full layers now gets its own
+    bound beta = |full_layers| / layers, the layer count read from its runs' audit (bytes by layer)."""
+    from kvbench.report.rkv_multimodal import cr_bounds
+
+    rows = [{"label": "Full cache", "method": "fullkv"},
+            {"label": "ResidualKV", "method": "residualkv:full_layers=0+1+5"}]
+    plan = MMPlan({**SECTION, "rows": rows, "codec": {"config": {}}}, "smoke", {})
+    for task in plan.tasks:
+        for row in plan.rows:
+            d = tmp_path / plan.run("tiny-qwen2.5-vl", task, row.spec).path("smoke")
+            d.mkdir(parents=True)
+            write_jsonl(d / "predictions.jsonl", [{"id": "0", "status": "ok", "score": 1,
+                                                    "plan": {"bytes": [10] * 24, "cr": 0.5}}])
+    line = cr_bounds(plan, tmp_path)
+    assert "tiny-qwen2.5-vl ResidualKV: 3/24 = 12.5%" in line and "Full cache" not in line and "7/36 = 19.4%" in line
+    d = tmp_path / plan.run("tiny-qwen2.5-vl", "digitgrid", plan.rows[1].spec).path("smoke")
+    write_jsonl(d / "predictions.jsonl", [{"id": "0", "status": "ok", "score": 1, "plan": {"bytes": [10] * 36}}])
+    assert "runs disagree on the layer count [24, 36]" in cr_bounds(plan, tmp_path)
+    assert cr_bounds(MMPlan(SECTION, "smoke", {}), tmp_path) == ""   # no row keeps full layers
+
+
 def test_missing_run_is_named(tmp_path):
     spec = {"profile": "smoke", "tableII": SECTION, "zoo": {}}
     with pytest.raises(FileNotFoundError, match="docpages/residualkv/fullkv_protocol-shared_context"):
@@ -126,3 +148,19 @@ def test_paper_target_resolves_on_local_checkpoints(tmp_path):
     for t in section["tasks"]:
         assert f"--split {root}/{cfg['datasets'][t]['jsonl']} " in r.stdout
     assert "(local checkpoints)" not in r.stdout  # the header is the writer's, not the plan's
+
+
+def test_codec_threads_are_configurable_and_in_the_recipe(tmp_path):
+    """rkv_mm_codec always trained on 1 thread; `tableII.codec.train.threads` now sets it, and, since thread counts
+    round differently, it names another codec directory (absent, the directory is the one it was)."""
+    from test_workflow import load, write_config
+
+    cfg = load(CONFIG)
+    plain = snakemake(tmp_path, "-n", "-p", "results/residualkv/tableII.csv")
+    cfg["residualkv"]["tableII"]["codec"]["train"]["threads"] = 2
+    two = snakemake(tmp_path, "-n", "-p", "results/residualkv/tableII.csv", "--configfile",
+                    str(write_config(tmp_path / "c.yaml", cfg)))
+    assert plain.returncode == 0 and two.returncode == 0, two.stdout[-3000:]
+    dirs = [re.search(r"codec-train .*--out (codecs/smoke/tiny-qwen2\.5-vl/mm-[0-9a-f]{8}) .*--threads (\d) ", r.stdout)
+            .groups() for r in (plain, two)]
+    assert dirs[0][1] == "1" and dirs[1][1] == "2" and dirs[0][0] != dirs[1][0]

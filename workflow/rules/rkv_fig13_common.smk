@@ -30,6 +30,12 @@ def _rkv_fig13():
     task = s["task"]
     if task not in DATASETS or (DATASETS[task].get("kind") or (TASKS[task].kind if task in TASKS else None)) != "vlm":
         raise ValueError(f"config residualkv.fig13.task: {task!r} must be a `vlm` dataset defined under `datasets`")
+    # a smoke split's length is its config's n_test: an index past it is refused here, not when the job reads the split
+    # (a local benchmark file's length, and every record's image count, are known only then)
+    n_test = (DATASETS[task].get("smoke") or {}).get("n_test")
+    if n_test is not None and not 0 <= int(s["record"]) < int(n_test):
+        raise ValueError(f"config residualkv.fig13.record: {s['record']} is outside {task}'s test split of {n_test} "
+                         f"records (datasets.{task}.smoke.n_test); expected 0..{int(n_test) - 1}")
     rows = [r for r in MM.rows_of(s["model"]) if MM.takes_codec(r.spec)]
     if not rows:
         raise ValueError(f"config residualkv.fig13: residualkv.tableII has no ResidualKV row for {s['model']!r}, so no "

@@ -28,7 +28,8 @@ rule rkv_mm_codec:
         "logs/residualkv/codec/{profile}/{model}/{mmcodec}.log",
     benchmark:
         "benchmarks/residualkv/codec/{profile}/{model}/{mmcodec}.tsv"
-    threads: 1
+    # 1 unless `tableII.codec.train.threads` says more (then in the recipe hash: 2 threads round differently)
+    threads: lambda wc: MM.section["codec"]["train"].get("threads", 1)
     resources:
         mem_mb=model_resource("mem_mb", 8000, 64000),
         runtime=lambda wc: 120 if is_zoo(wc.model) else 24 * 60,

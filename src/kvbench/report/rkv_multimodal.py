@@ -178,6 +178,32 @@ def _budget(spec: str) -> str:
     return ", ".join(f"{k}={v}" for k, v in params.items()) or "full cache"
 
 
+def cr_bounds(plan: MMPlan, root: str | Path = ".") -> str:
+    """The header line of the CR lower bound of each row that keeps whole layers (``full_layers``): by the paper's
+    formula CR = beta + (1 - beta) r (notes §3.3), CR >= beta = full-attention layers / layers, here computed from
+    the row's spec and the layer count of its runs' audit (bytes by layer), beside the paper's 7/36 on Qwen3-VL-8B
+    (Table I). Empty when no row keeps full layers."""
+    bounds = []
+    for model in plan.models:
+        for row in plan.rows_of(model):
+            full = press_spec(row.spec).params.get("full_layers")
+            if not full:
+                continue
+            layers = {len(r["plan"]["bytes"]) for t in plan.tasks
+                      for r in _read_run(Path(root) / plan.run(model, t, row.spec).path(plan.profile))
+                      if r.get("status") == "ok" and isinstance(r.get("plan"), dict) and r["plan"].get("bytes")}
+            if len(layers) != 1:
+                bounds.append(f"{model} {row.label}: no layer count in its runs' audit" if not layers else
+                              f"{model} {row.label}: runs disagree on the layer count {sorted(layers)}")
+                continue
+            (n,) = layers
+            bounds.append(f"{model} {row.label}: {len(full)}/{n} = {100 * len(full) / n:.1f}%")
+    if not bounds:
+        return ""
+    return ("# CR lower bound of the rows that keep full-attention layers, beta = full layers / layers (from the row's "
+            f"spec and its runs' layer count): {'; '.join(bounds)} (the paper's ResidualKV on Qwen3-VL-8B: 7/36 = 19.4%)")
+
+
 def _kept(run_dir: Path) -> float:
     plans = [r["plan"] for r in _read_run(run_dir) if r.get("status") == "ok" and isinstance(r.get("plan"), dict)]
     return _mean([p.get("kept") for p in plans])
@@ -230,7 +256,8 @@ def _write(key: str, spec: str | dict, out: str | Path, root: str | Path = ".") 
     plan = MMPlan.from_spec(spec)
     df, lines = paired_by_model(plan, score_table(plan, root), bootstrap_settings(spec), root)
     Path(out).parent.mkdir(parents=True, exist_ok=True)
-    write_csv(df, plan.header() + lines, str(out))
+    bound = cr_bounds(plan, root)
+    write_csv(df, plan.header() + ([bound] if bound else []) + lines, str(out))
     return df
 
 
