@@ -267,6 +267,20 @@ def test_table_v_cells_and_header(tmp_path):
     assert "SnapKV: snapkv_decoding:interval=8,keep=1.0,protocol=one_pass,target_size=64" in header
 
 
+
+def test_an_imported_main_codec_is_not_inherited_by_another_backbone():
+    """With residualkv.codec.import (an authors' compressor for residualkv.model), Table V's chain model inherited
+    the import and its runs asked for a codec no rule makes (the hostile-config dry run failed); another backbone now
+    inherits the settings only and trains its own; the same backbone keeps the import."""
+    from kvbench.report.rkv_generation import generation_section
+
+    section = {**GEN_SECTION, "codec": {**GEN_SECTION["codec"], "import": "compressors/theirs"}}
+    assert generation_section(section)["codec"] == GEN_SECTION["codec"]
+    same = {**section, "long_generation": {**section["long_generation"], "model": "tiny-qwen2-lm"}}
+    assert generation_section(same)["codec"]["import"] == "compressors/theirs"
+    own = {**section, "long_generation": {**section["long_generation"], "codec": {"import": "compressors/chain"}}}
+    assert generation_section(own)["codec"] == {"import": "compressors/chain"}
+
 def test_table_v_smoke_dry_run(tmp_path):
     """On the tiny zoo Table V is in the default profile. Its chain model is `on_demand`: Table V's target trains it,
     the default target (the zoo report) does not, and its floor error names Table V (it named Tables III/VI-VIII)."""

@@ -51,7 +51,9 @@ SAMPLING_KEYS = ("temperature", "top_p", "top_k")
 
 def generation_section(section: dict) -> dict:
     """The ``residualkv`` section as Table V's plan reads it (module docstring): ``long_generation``'s keys over the
-    section's :data:`INHERITED_KEYS`, its ``train`` keys over the section's ``train``, the rows of ``tableV``.
+    section's :data:`INHERITED_KEYS`, its ``train`` keys over the section's ``train``, the rows of ``tableV``. The
+    section's ``codec.import`` (an authors' compressor for ``residualkv.model``) is inherited only by that same model:
+    another ``long_generation.model`` without its own ``codec`` trains one with the section's codec settings.
 
     Raises:
         ValueError: no ``long_generation`` mapping, or it lacks ``model``/``tasks``, or sets an unknown key, or no
@@ -69,6 +71,10 @@ def generation_section(section: dict) -> dict:
     if not section.get("tableV"):
         raise ValueError("residualkv.tableV has no rows")
     out = {k: section[k] for k in INHERITED_KEYS if k in section}
+    if "codec" not in gen and gen["model"] != section.get("model") and "import" in out.get("codec", {}):
+        # an imported compressor is residualkv.model's weights, of its shape: another backbone inherits the codec
+        # settings and trains its own (the table header names the codec it used)
+        out["codec"] = {k: v for k, v in out["codec"].items() if k != "import"}
     out.update({k: gen[k] for k in GENERATION_KEYS if k in gen})
     out["train"] = {**section.get("train", {}), **gen.get("train", {})}
     out["tableIII"] = []   # the plan's required key; Table V's rows are its only targets
