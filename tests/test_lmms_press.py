@@ -39,6 +39,14 @@ def test_bad_model_args_fail_before_loading(bad, match):
         KVBenchPress(pretrained="/nonexistent", **bad)
 
 
+def test_a_text_lm_is_refused_when_loaded(lm_dir):
+    """A text LM as a press model read the image placeholders as text and scored image requests without the images."""
+    from kvbench.lmms.press import KVBenchPress
+
+    with pytest.raises(ValueError, match="with no vision tower; lmms-eval's requests carry images"):
+        KVBenchPress(pretrained=str(lm_dir), press="fullkv")
+
+
 def test_fullkv_by_name_matches_the_full_eval_and_snapkv_matches_kvbench_eval(task, vlm_dir):  # noqa: F811
     """`--model kvbench_press_fullkv` answers as `kvbench eval --method full`; a SnapKV object as CompressMethod."""
     from kvbench.eval.compress import CompressMethod
@@ -135,3 +143,8 @@ def test_a_press_scores_loglikelihood_requests_through_its_compressed_cache(task
     with pytest.raises(ValueError, match="empty continuation"):
         full.loglikelihood([Instance("loglikelihood", (doc_to_text(records[0]), "", visual, 0, "t", "test"), idx=0,
                                      metadata=meta(0))])
+    with pytest.raises(ValueError, match=r"t/test/0: the continuation must be a string, got int 3"):
+        full.loglikelihood([Instance("loglikelihood", (doc_to_text(records[0]), lambda d: 3, visual, 0, "t", "test"),
+                                     idx=0, metadata=meta(0))])
+    with pytest.raises(ValueError, match="got 2 values"):
+        full.loglikelihood([Instance("loglikelihood", ("", "3"), idx=0, metadata=meta(0))])

@@ -263,6 +263,7 @@ def test_table_v_cells_and_header(tmp_path):
     assert df["generated tokens"].tolist() == [128.0, 128.0, 64.0] and df["sequence tokens"].tolist() == [900.0] * 3
     header = (tmp_path / "t5.csv").read_text()
     assert "tiny zoo LM trained here, not the paper's models" in header and "greedy decoding" in header
+    assert "a long-generation smoke task in place of AIME" in header   # it said "in place of LongBench"
     assert "records per problem: chain_128 4 (score = pass@1" in header
     assert "SnapKV: snapkv_decoding:interval=8,keep=1.0,protocol=one_pass,target_size=64" in header
 
@@ -291,7 +292,7 @@ def test_table_v_smoke_dry_run(tmp_path):
     jobs = planned_jobs(r.stdout)
     assert jobs["eval"] == 4 and jobs["rkv_codec"] == 1 and jobs["train"] == 1 and jobs["table"] == 1
     assert "kvbench train --model tiny-qwen2-lm-chain " in r.stdout and '"chain_pairs_64": 0.5' in r.stdout
-    assert "--feeds 'ResidualKV Table V (when it is residualkv.long_generation.model)'" in r.stdout
+    assert "--feeds 'the targets that name it (ResidualKV Table V when it is residualkv.long_generation.model)'" in r.stdout
     assert re.search(r"--out codecs/smoke/tiny-qwen2-lm-chain/main-[0-9a-f]{8} .*--data chain ", r.stdout)
     assert not re.search(r"zoo/smoke/tiny-qwen2-lm-[0-9a-f]{8}", r.stdout)   # Table V never touches the main zoo LM
     assert r.stdout.count("--split data/smoke/chain_pairs_64-") == 4 and "--limit 50" in r.stdout
@@ -317,3 +318,54 @@ def test_table_v_paper_dry_run(tmp_path):
                                    for e in evals)   # every run samples (method params)
     assert re.search(r"--out codecs/paper/qwen3-4b-thinking/main-[0-9a-f]{8} ", r.stdout)
     assert "snapkv_decoding:interval=10,keep=1.0,kernel=7,pooling=max,protocol=one_pass,target_size=2048" in r.stdout
+
+
+def test_table_v_backbone_imports_its_own_compressor(tmp_path):
+    """`long_generation.codec.import` (the chain backbone's own authors' compressor) planned a run reading
+    codecs/.../main-import-<hash> that no rule made (MissingInputException); rkv_codec_import now serves it."""
+    from test_rkv_deltakv_format import write_theirs
+    from test_workflow import CONFIG, load, planned_jobs, snakemake, write_config
+
+    cfg = load(CONFIG)
+    codec = cfg["residualkv"]["codec"]
+    shape = {"num_hidden_layers": 8, "hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "head_dim": 32}
+    write_theirs(tmp_path / "chain compressor", shape, bias=False, d_c=codec["d_c"], d_ff=codec["d_ff"])
+    cfg["residualkv"]["long_generation"]["codec"] = {"import": str(tmp_path / "chain compressor")}
+    (tmp_path / "work").mkdir()
+    r = snakemake(tmp_path / "work", "-n", "-p", "results/residualkv/tableV.csv", "--configfile",
+                  str(write_config(tmp_path / "c.yaml", cfg)))
+    assert r.returncode == 0, r.stdout[-3000:]
+    jobs = planned_jobs(r.stdout)
+    assert jobs["rkv_codec_import"] == 1 and "rkv_codec" not in jobs
+    assert re.search(r"kvbench codec-import --from-deltakv '[^']*chain compressor' --out "
+                     r"codecs/smoke/tiny-qwen2-lm-chain/main-import-[0-9a-f]{8}/codec --model zoo/smoke/tiny-qwen2-lm-chain-",
+                     r.stdout), r.stdout[-3000:]
+
+
+@pytest.mark.parametrize("change, match", [
+    # both passed the dry run and failed only when the runs started, after the chain model's hour of training
+    ({"long_generation": {"tasks": ["docpages"]}}, r"long_generation\.tasks: 'docpages' is a `vlm` dataset"),
+    ({"tableV": [{"label": "FastV", "method": "fastv"}]}, r"row 'FastV': 'fastv' answers vlm records only"),
+    ({"long_generation": {"train": {"data": "chian"}}}, r"chian"),
+    ({"long_generation": {"train": {"stpes": 10}}}, r"stpes"),
+    # an on-demand model in the matrix was still trained by the default target, its curve left out of the figure
+    ({"eval_matrix": "tiny-qwen2-lm-chain"}, r"eval\.matrix: model 'tiny-qwen2-lm-chain' is `zoo\.on_demand`"),
+])
+def test_bad_table_v_config_is_refused_in_the_dry_run(tmp_path, change, match):
+    from test_workflow import CONFIG, load, write_config
+    from test_workflow_config_keys import _chain, _dry_run
+
+    cfg = load(CONFIG)
+    for key, value in change.items():
+        if key == "eval_matrix":
+            cfg["eval"]["matrix"][value] = ["niah_1k"]
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                cfg["residualkv"][key][k] = {**cfg["residualkv"][key].get(k, {}), **v} if isinstance(v, dict) else v
+        else:
+            cfg["residualkv"][key] = value
+    (tmp_path / "work").mkdir()
+    with pytest.raises(Exception) as e:
+        _dry_run(write_config(tmp_path / "c.yaml", cfg), ["results/residualkv/tableV.csv"], tmp_path / "work")
+    assert re.search(match, _chain(e.value)), _chain(e.value)

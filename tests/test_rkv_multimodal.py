@@ -150,9 +150,9 @@ def test_paper_target_resolves_on_local_checkpoints(tmp_path):
     assert "(local checkpoints)" not in r.stdout  # the header is the writer's, not the plan's
 
 
-def test_codec_threads_are_configurable_and_in_the_recipe(tmp_path):
-    """rkv_mm_codec always trained on 1 thread; `tableII.codec.train.threads` now sets it, and, since thread counts
-    round differently, it names another codec directory (absent, the directory is the one it was)."""
+def test_codec_threads_are_configurable_and_outside_the_recipe(tmp_path):
+    """rkv_mm_codec always trained on 1 thread; `tableII.codec.train.threads` now sets it, outside the recipe hash as
+    the LM codecs' threads (Snakemake may cap the count at --cores, so a directory naming it could be false)."""
     from test_workflow import load, write_config
 
     cfg = load(CONFIG)
@@ -163,4 +163,19 @@ def test_codec_threads_are_configurable_and_in_the_recipe(tmp_path):
     assert plain.returncode == 0 and two.returncode == 0, two.stdout[-3000:]
     dirs = [re.search(r"codec-train .*--out (codecs/smoke/tiny-qwen2\.5-vl/mm-[0-9a-f]{8}) .*--threads (\d) ", r.stdout)
             .groups() for r in (plain, two)]
-    assert dirs[0][1] == "1" and dirs[1][1] == "2" and dirs[0][0] != dirs[1][0]
+    assert dirs[0][1] == "1" and dirs[1][1] == "2" and dirs[0][0] == dirs[1][0]
+
+
+def test_full_layers_beyond_the_zoo_vlm_are_refused_in_the_dry_run(tmp_path):
+    """`full_layers=0+1+30` on the 24-layer zoo VLM passed the dry run and failed in every run's first record."""
+    from test_workflow import load, write_config
+    from test_workflow_config_keys import _chain, _dry_run
+
+    cfg = load(CONFIG)
+    rows = cfg["residualkv"]["tableII"]["rows"]
+    row = next(r for r in rows if r["label"] == "ResidualKV")
+    row["method"] = row["method"].replace("full_layers=0+1", "full_layers=0+1+30")
+    (tmp_path / "work").mkdir()
+    with pytest.raises(Exception) as e:
+        _dry_run(write_config(tmp_path / "c.yaml", cfg), ["results/residualkv/tableII.csv"], tmp_path / "work")
+    assert "row 'ResidualKV': full_layers [30] outside 'tiny-qwen2.5-vl''s 24 layers" in _chain(e.value), _chain(e.value)

@@ -82,8 +82,6 @@ NOT_DEFAULTED = {
     # Table II (multimodal): asked for by name without its section it fails naming it; its ResidualKV rows need the codec
     "residualkv.tableII": ("smoke", ["results/residualkv/tableII.csv"], "residualkv.tableII"),
     "residualkv.tableII.codec": ("smoke", ["results/residualkv/tableII.csv"], "residualkv.tableII.codec"),
-    # absent: 1 thread (codec directories named before the key existed stay)
-    "residualkv.tableII.codec.train.threads": ("smoke", ["results/residualkv/tableII.csv"], None),
     # codec-training recipe keys without defaults, so that older recipes keep their hashes (issue #16 item 1)
     **{f"residualkv.train.{k}": ("smoke", ["residualkv"], None) for k in ("dtype", "batch", "data_files", "text_field")},
     # absent: the main codec is trained (tests/test_rkv_deltakv_format.py dry-runs a config that imports it)

@@ -29,6 +29,9 @@ def _check_matrix():
     for model, tasks in config["eval"]["matrix"].items():
         if model not in MODELS:
             raise ValueError(f"config eval.matrix: model {model!r} is not defined under `models`")
+        if MODELS[model].get("zoo", {}).get("on_demand"):   # the matrix is the default target's zoo report
+            raise ValueError(f"config eval.matrix: model {model!r} is `zoo.on_demand` (trained only by the targets that "
+                             "read it, not by the default target); remove it from the matrix or drop on_demand")
         for task in tasks:
             if task not in DATASETS:
                 raise ValueError(f"config eval.matrix.{model}: dataset {task!r} is not defined under `datasets`")
@@ -190,8 +193,9 @@ def model_feeds(model):
     From the model's own entry only (its kind, `zoo.on_demand`): a param that followed the conduit/residualkv sections
     would rerun (and first delete) a finished model whenever those sections change.
     """
-    if MODELS[model]["zoo"].get("on_demand"):   # not in the zoo report; Table V's chain model is the one such model
-        return "ResidualKV Table V (when it is residualkv.long_generation.model)"
+    if MODELS[model]["zoo"].get("on_demand"):   # not in the zoo report; Table V's chain model is the configured one
+        return ("the targets that name it (ResidualKV Table V when it is residualkv.long_generation.model)"
+                if MODELS[model]["kind"] == "lm" else "the targets that name it")
     kind = {"lm": "ResidualKV Tables III, VI-VIII and Figs. 5, 10-12 (when it is residualkv.model)",
             "vlm": "CONDUIT Tables 1, 2, 4, 5, the staleness gap and Fig. 3 (when it is in conduit.models)"}
     return f"results/{PROFILE}/zoo.csv and {kind[MODELS[model]['kind']]}"
@@ -427,6 +431,9 @@ def _rkv_gen_plan():
     for task in gen.get("tasks", []):
         if task not in DATASETS:
             raise ValueError(f"config residualkv.long_generation.tasks: {task!r} is not defined under `datasets`")
+        if DATASETS[task].get("kind") == "vlm":   # the backbone is an LM (checked above)
+            raise ValueError(f"config residualkv.long_generation.tasks: {task!r} is a `vlm` dataset; Table V's LM "
+                             f"backbone {model!r} needs `text` tasks")
     try:
         shape = known_model_shape(model, MODELS[model], None if is_zoo(model) else model_dir(model))
         return generation_plan(_rkv_section(), PROFILE, shape, zoo=is_zoo(model), seed=SEED,
@@ -444,13 +451,16 @@ RKV_GEN = _rkv_gen_plan()
 RKV_GEN_CODECS = RKV_GEN.codec_names("trained") if RKV_GEN else {}  # Table V backbone's codecs
 # "<variant>-<recipe hash>" -> variant (codecs/ directory names), both plans'
 RKV_CODECS = {**(RKV.codec_names("trained") if RKV else {}), **RKV_GEN_CODECS}
-RKV_IMPORTS = RKV.codec_names("imported") if RKV else {}  # "main-import-<hash>" -> variant (rkv_codec_import)
+# "main-import-<hash>" -> variant (rkv_codec_import), both plans'
+RKV_GEN_IMPORTS = RKV_GEN.codec_names("imported") if RKV_GEN else {}  # Table V backbone's own imported codec
+RKV_IMPORTS = {**(RKV.codec_names("imported") if RKV else {}), **RKV_GEN_IMPORTS}
 
 
 def _mm_plan():
     """ResidualKV Table II's plan (:class:`kvbench.report.rkv_multimodal.MMPlan`), None without `residualkv.tableII`."""
     from kvbench.data.smoke import TASKS
     from kvbench.report.rkv_multimodal import MMPlan
+    from kvbench.report.rkv_plan import known_model_shape, press_spec
 
     section = config.get("residualkv", {}).get("tableII")
     if not section:
@@ -462,7 +472,17 @@ def _mm_plan():
         # a dataset's kind: its `kind:` or, for a smoke dataset without one, its generator's
         if t not in DATASETS or (DATASETS[t].get("kind") or (TASKS[t].kind if t in TASKS else None)) != "vlm":
             raise ValueError(f"config residualkv.tableII.tasks: {t!r} must be a `vlm` dataset defined under `datasets`")
-    return MMPlan(section, PROFILE, {m: is_zoo(m) for m in section["models"]})
+    plan = MMPlan(section, PROFILE, {m: is_zoo(m) for m in section["models"]})
+    for m in plan.models:
+        if not is_zoo(m):   # a checkpoint's depth is checked when its job loads it (a dry run's root may be a stand-in)
+            continue
+        n_layers = known_model_shape(m, MODELS[m])[0]
+        for row in plan.rows_of(m):
+            bad = [i for i in press_spec(row.spec).params.get("full_layers") or () if not 0 <= i < n_layers]
+            if bad:
+                raise ValueError(f"config residualkv.tableII.rows, row {row.label!r}: full_layers {bad} outside "
+                                 f"{m!r}'s {n_layers} layers (0..{n_layers - 1})")
+    return plan
 
 
 MM = _mm_plan()
@@ -570,6 +590,14 @@ def rkv_target_plan(target):
     from kvbench.report.rkv_plan import GENERATION_TARGETS
 
     if target in GENERATION_TARGETS and RKV_GEN is not None:
+        return RKV_GEN
+    return rkv_plan()
+
+
+def rkv_import_plan(wc):
+    """The plan whose codec `wc.codec` imports for backbone `wc.model`: Table V's when it is that plan's backbone and
+    import (`residualkv.long_generation.codec.import`), else the main one."""
+    if RKV_GEN is not None and wc.model == RKV_GEN.model and wc.codec in RKV_GEN_IMPORTS:
         return RKV_GEN
     return rkv_plan()
 

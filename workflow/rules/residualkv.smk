@@ -57,13 +57,14 @@ rule rkv_codec:
 
 
 rule rkv_codec_import:
-    """The main codec imported from the authors' compressor checkpoint named by `residualkv.codec.import`
+    """The main codec imported from the authors' compressor checkpoint named by `residualkv.codec.import` (or, for
+    Table V's backbone, `residualkv.long_generation.codec.import`)
     (kvbench.compress.residualkv.deltakv_format): the same codec/codec.json output as rkv_codec, so runs and tables
     read it alike. The checkpoint was checked while the DAG was built (config.json, tensor names and shapes
     against the backbone); the job checks it again, copies the weights and records their sha256."""
     input:
         model=lambda wc: os.path.join(model_dir(wc.model), "config.json"),
-        checkpoint=lambda wc: rkv_plan().import_files(RKV_IMPORTS[wc.codec]),
+        checkpoint=lambda wc: rkv_import_plan(wc).import_files(RKV_IMPORTS[wc.codec]),
     output:
         codec="codecs/{profile}/{model}/{codec}/codec/codec.json",
         provenance="codecs/{profile}/{model}/{codec}/codec/provenance.json",
@@ -71,9 +72,9 @@ rule rkv_codec_import:
         codec=alternation(RKV_IMPORTS),
     params:
         model=lambda wc: model_dir(wc.model),
-        src=lambda wc: rkv_plan().codec_import(RKV_IMPORTS[wc.codec]),
+        src=lambda wc: rkv_import_plan(wc).codec_import(RKV_IMPORTS[wc.codec]),
         out=lambda wc, output: os.path.dirname(output.codec),
-        overrides=lambda wc: json.dumps(rkv_plan().codec_overrides(RKV_IMPORTS[wc.codec]), sort_keys=True),
+        overrides=lambda wc: json.dumps(rkv_import_plan(wc).codec_overrides(RKV_IMPORTS[wc.codec]), sort_keys=True),
     log:
         "logs/residualkv/codec/{profile}/{model}/{codec}.log",
     benchmark:

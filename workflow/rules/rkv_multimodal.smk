@@ -28,7 +28,7 @@ rule rkv_mm_codec:
         "logs/residualkv/codec/{profile}/{model}/{mmcodec}.log",
     benchmark:
         "benchmarks/residualkv/codec/{profile}/{model}/{mmcodec}.tsv"
-    # 1 unless `tableII.codec.train.threads` says more (then in the recipe hash: 2 threads round differently)
+    # `tableII.codec.train.threads` (default 1: the same bytes every run; outside the recipe hash, as the LM codecs')
     threads: lambda wc: MM.section["codec"]["train"].get("threads", 1)
     resources:
         mem_mb=model_resource("mem_mb", 8000, 64000),

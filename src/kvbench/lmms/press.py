@@ -70,7 +70,8 @@ class KVBenchPress(lmms):
             as :class:`kvbench.lmms.model.KVBenchReuse`.
 
     Raises:
-        ValueError: unknown press or parameter, batch size other than 1, all before the model is loaded.
+        ValueError: unknown press or parameter, batch size other than 1, all before the model is loaded; a checkpoint
+            without a vision tower (a text LM), once loaded.
     """
 
     is_simple = True
@@ -96,6 +97,10 @@ class KVBenchPress(lmms):
 
         self.model, self.processor = load_model(pretrained, device=device,
                                                 dtype=dtype if dtype == "auto" else getattr(torch, dtype))
+        if getattr(self.model.config, "vision_config", None) is None:
+            # a text LM would read the image placeholders as text and answer without the images
+            raise ValueError(f"{type(self).__name__}: pretrained={pretrained!r} is a {type(self.model).__name__} with no "
+                             "vision tower; lmms-eval's requests carry images, so this model needs a VLM checkpoint")
         self._n = 0
 
     def answer(self, record: dict, until: list[str]) -> str:

@@ -90,13 +90,19 @@ def loglikelihood(model: Any, requests: Any, tokenizer: Any) -> list[tuple[float
     every model in that version; call this method directly.
 
     Raises:
-        ValueError: an empty continuation (naming the request).
+        ValueError: an empty or non-string continuation (naming the request), request args of another shape.
     """
     out = []
     for req in requests:
+        if len(req.args) != 6:   # e.g. lmms-eval's 2-tuple (context, continuation) of a text-only task
+            raise ValueError(f"loglikelihood request args must be (context, continuation or doc_to_target, "
+                             f"doc_to_visual, doc_id, task, split), got {len(req.args)} values")
         context, target, doc_to_visual, doc_id, task, split = req.args
         doc = model.task_dict[task][split][doc_id]
         continuation = target if isinstance(target, str) else target(doc)
+        if not isinstance(continuation, str):
+            raise ValueError(f"{task}/{split}/{doc_id}: the continuation must be a string, got "
+                             f"{type(continuation).__name__} {continuation!r}")
         visuals = doc_to_visual(doc)
         record = to_record(context, visuals if isinstance(visuals, list) else [visuals], doc,
                            rid=f"{task}/{split}/{doc_id}", max_new_tokens=1, **model.opts)

@@ -123,8 +123,9 @@ class MMPlan:
         """Everything that determines ``model``'s codec weights (``tableII.codec``: CodecConfig fields and training
         keys; the seed, backbone directory and training files): its directory is ``codecs/<profile>/<model>/mm-<hash>``."""
         codec = self.section["codec"]
-        # where it trains is not what it learns (the LM codecs' PLACEMENT_KEYS); the dtype is
-        train = {k: v for k, v in codec.get("train", {}).items() if k not in ("device", "checkpointing")}
+        # where it trains is not what it learns (the LM codecs' PLACEMENT_KEYS); the dtype is. Threads stay outside
+        # the hash as the LM codecs' do (a directory that names a thread count Snakemake may cap would mislead)
+        train = {k: v for k, v in codec.get("train", {}).items() if k not in ("device", "checkpointing", "threads")}
         return {"codec": codec.get("config", {}), "train": train, "seed": seed,
                 "model": str(model_dir), "data_files": sorted(data_files)}
 

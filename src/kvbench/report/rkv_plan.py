@@ -517,9 +517,14 @@ class RKVPlan:
         """The canonical press spec of one configured row (with :meth:`with_protocol`); errors name the table
         and the row's label."""
         try:
-            return press_spec(self.with_protocol(row["method"])).canonical
+            parsed = press_spec(self.with_protocol(row["method"]))
         except ValueError as e:
             raise ValueError(f"{target}, row {row['label']!r}: {e}") from None
+        if "text" not in parsed.cls.serves:   # the plan's backbone is an LM: its records are text
+            raise ValueError(f"{target}, row {row['label']!r}: {parsed.name!r} answers {' and '.join(parsed.cls.serves)} "
+                             f"records only, and this table runs the LM {self.model!r} on text tasks (Table II runs "
+                             "the visual-token presses on VLMs)")
+        return parsed.canonical
 
     def run(self, task: str, spec: str) -> Run:
         """The :class:`~kvbench.report.plan.Run` of press ``spec`` on the plan's model x ``task``."""
@@ -558,8 +563,11 @@ class RKVPlan:
         """The CSV header lines of a table or figure: what was run, and that it is not the paper's numbers;
         with ``target``, the protocol its rows ran under (:meth:`protocols`)."""
         tasks = ", ".join(self.target_tasks(target))
+        # the smoke stand-ins: Table V's chain task stands for AIME (long generation), the others for LongBench
+        stand_in = ("a long-generation smoke task in place of AIME" if target in GENERATION_TARGETS else
+                    "RULER/SCBench/LongBench-style smoke tasks in place of LongBench")
         what = (f"model {self.model} (tiny zoo LM trained here, not the paper's models); tasks {tasks} "
-                "(RULER/SCBench/LongBench-style smoke tasks in place of LongBench)" if self.zoo else
+                f"({stand_in})" if self.zoo else
                 f"model {self.model} (local checkpoint); tasks {tasks} (local benchmark files)")
         return [f"# kvbench ResidualKV {title}, profile {self.profile!r}: {what}; "
                 + ("not the paper's numbers" if self.zoo else "computed by this pipeline, not copied from the paper"),
