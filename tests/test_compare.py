@@ -215,6 +215,24 @@ paired difference,ResidualKV − KVzip,rkv − kvzip,10.0,,,,10.0,4.0,16.0,True,
     assert "paper: ResidualKV (CR = 20, KR = 19) > KVzip by 4" in order["reason"]
 
 
+def test_table_v_avg_answers_the_papers_aime_column(tmp_path):
+    """Table V's published column is AIME, its only benchmark; ours is the long-generation smoke task. No cell had a
+    neighbour (0 of 16) and no ordering was compared; the table's avg now stands for the paper's single column."""
+    table = """\
+# kvbench ResidualKV Table V (long generation: compression during decoding), profile 'smoke': model tiny-lm (tiny zoo LM trained here, not the paper's models); tasks chain; not the paper's numbers
+kind,method,spec,chain,avg,KR_packed %,CR %,diff,ci95_lo,ci95_hi,told_apart,n,notes
+score,Full cache,fullkv,96.0,96.0,100.0,100.0,,,,,,
+score,SnapKV,snapkv_decoding,12.0,12.0,31.0,44.0,,,,,,
+paired difference,Full cache − SnapKV,x − y,84.0,,,,84.0,74.0,94.0,True,50,
+"""
+    _, df = _compare(tmp_path, table, PUBLISHED / "residualkv.yaml", name="residualkv/tableV")
+    cells = df[(df["part"] == "cell") & (df["column"] == "avg")]
+    assert dict(zip(cells["method"], cells["published"])) == {"Full cache": 80.0, "SnapKV": 60.0}
+    order = df[(df["part"] == "ordering") & (df["method"] == "Full cache − SnapKV")].iloc[0]
+    assert order["verdict"] == "agrees" and (order["ours"], order["ci95_lo"]) == (84.0, 74.0)
+    assert df[(df["part"] == "cell") & (df["column"] == "chain")]["published"].isna().all()
+
+
 TABLE4_PAPER = """\
 # CONDUIT Table 4 (λ ablation of the image coefficient). kvbench paper profile: models qwen2.5-vl-3b, qwen2.5-vl-7b computed by this pipeline.
 backbone,regime,r,method,spec,LongDocURL,LongDocURL %full,avg,avg %full,notes
