@@ -71,6 +71,10 @@ NOT_DEFAULTED = {
     **{f"residualkv.long_generation.{k}": ("paper", ["results/residualkv/tableV.csv"], None)
        for k in ("codec", "n_test", "protocol", "threads", "train", "sampling", "sampling.temperature",
                  "sampling.top_k", "sampling.top_p")},
+    # absent: the key of residualkv.train (merged under long_generation.train)
+    **{f"residualkv.long_generation.train.{k}": ("smoke", ["results/residualkv/tableV.csv"], None)
+       for k in ("threads", "objective", "steps", "seq_len", "slice_s", "lr", "data", "dtype", "batch", "data_files",
+                 "text_field", "device", "gpus", "checkpointing")},
     "residualkv.stride_sweep.stride": ("smoke", ["residualkv"], None),
     # Fig. 3 (observations): model and tasks default to residualkv.model / tasks
     **{k: ("smoke", ["figures/residualkv/fig3.pdf"], None)
