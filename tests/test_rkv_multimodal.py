@@ -178,4 +178,13 @@ def test_full_layers_beyond_the_zoo_vlm_are_refused_in_the_dry_run(tmp_path):
     (tmp_path / "work").mkdir()
     with pytest.raises(Exception) as e:
         _dry_run(write_config(tmp_path / "c.yaml", cfg), ["results/residualkv/tableII.csv"], tmp_path / "work")
-    assert "row 'ResidualKV': full_layers [30] outside 'tiny-qwen2.5-vl''s 24 layers" in _chain(e.value), _chain(e.value)
+    assert "row 'ResidualKV' on 'tiny-qwen2.5-vl'" in _chain(e.value) and "[30]" in _chain(e.value), _chain(e.value)
+    assert "24" in _chain(e.value)
+
+
+def test_plan_checks_every_press_layer_by_the_press():
+    """The same check for any press that names a layer (FastV's pruning layer here), not only full_layers."""
+    plan = MMPlan({**SECTION, "rows": [{"label": "FastV", "method": "fastv:layer=30"}]}, "smoke", {})
+    with pytest.raises(ValueError, match=r"row 'FastV' on 'tiny-qwen2.5-vl': fastv layer=30 is outside the model's 24"):
+        plan.check_layers({"tiny-qwen2.5-vl": 24})
+    plan.check_layers({"tiny-qwen2.5-vl": 31})

@@ -460,7 +460,7 @@ def _mm_plan():
     """ResidualKV Table II's plan (:class:`kvbench.report.rkv_multimodal.MMPlan`), None without `residualkv.tableII`."""
     from kvbench.data.smoke import TASKS
     from kvbench.report.rkv_multimodal import MMPlan
-    from kvbench.report.rkv_plan import known_model_shape, press_spec
+    from kvbench.report.rkv_plan import known_model_shape
 
     section = config.get("residualkv", {}).get("tableII")
     if not section:
@@ -473,15 +473,8 @@ def _mm_plan():
         if t not in DATASETS or (DATASETS[t].get("kind") or (TASKS[t].kind if t in TASKS else None)) != "vlm":
             raise ValueError(f"config residualkv.tableII.tasks: {t!r} must be a `vlm` dataset defined under `datasets`")
     plan = MMPlan(section, PROFILE, {m: is_zoo(m) for m in section["models"]})
-    for m in plan.models:
-        if not is_zoo(m):   # a checkpoint's depth is checked when its job loads it (a dry run's root may be a stand-in)
-            continue
-        n_layers = known_model_shape(m, MODELS[m])[0]
-        for row in plan.rows_of(m):
-            bad = [i for i in press_spec(row.spec).params.get("full_layers") or () if not 0 <= i < n_layers]
-            if bad:
-                raise ValueError(f"config residualkv.tableII.rows, row {row.label!r}: full_layers {bad} outside "
-                                 f"{m!r}'s {n_layers} layers (0..{n_layers - 1})")
+    # a zoo VLM's depth is known now; a checkpoint's is checked when its job loads it (a dry run's root may be a stand-in)
+    plan.check_layers({m: known_model_shape(m, MODELS[m])[0] for m in plan.models if is_zoo(m)})
     return plan
 
 

@@ -167,7 +167,6 @@ def _vision_tower(model: Any) -> Any:
 
 
 @torch.inference_mode()
-@torch.no_grad()
 def greedy_generate_vlm(model: Any, press: Press, inputs: dict, split: int, max_new_tokens: int,
                         eos: set[int]) -> tuple[list[int], PressCache]:
     """Prefill ``inputs`` (:func:`encode_vlm`) in chunks ``[:split]`` and ``[split:]`` through ``press``'s cache
@@ -191,7 +190,7 @@ def greedy_generate_vlm(model: Any, press: Press, inputs: dict, split: int, max_
     return out, cache
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def continuation_logprob_vlm(model: Any, press: Press, inputs: dict, split: int,
                              continuation: list[int]) -> tuple[float, bool, PressCache]:
     """Log-likelihood of ``continuation`` after the prompt, read through ``press``'s compressed cache (lmms-eval's

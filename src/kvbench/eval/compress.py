@@ -167,9 +167,8 @@ class CompressMethod(EvalMethod):
         if is_multi(record):
             return self._predict_queries(model, proc, tok, record)
         if record.get("kind") == "vlm":
-            inputs = encode_vlm(model, proc, record, base_dir)
+            inputs, split = self._vlm_prompt(model, proc, record, base_dir)
             ids = inputs["input_ids"]
-            split = self.press().first_chunk(ids.shape[1], question_start(proc, record, ids))
             new, cache = greedy_generate_vlm(model, self.press(), inputs, split, int(record["max_new_tokens"]),
                                              eos_ids(model, proc))
         else:
@@ -177,8 +176,7 @@ class CompressMethod(EvalMethod):
             split = self.press().first_chunk(ids.shape[1], split)
             new, cache = greedy_generate(model, self.press(), ids, split, int(record["max_new_tokens"]),
                                          eos_ids(model, proc), self._sampling, then=final_question_ids(tok, record))
-        self._audit = self._audit_row(model, cache, ids.shape[1], question_chunk=0 < split < ids.shape[1],
-                                      n_context=split if 0 < split else ids.shape[1])
+        self._audit = self._request_audit(model, cache, ids.shape[1], split)
         self._audit["n_generated"] = len(new)   # Table V's mean generated tokens
         self._n += 1
         return self.decode(proc, record, torch.tensor(new))
@@ -199,14 +197,22 @@ class CompressMethod(EvalMethod):
             raise ValueError(f"{record.get('id')}: continuation scoring takes single-query VLM records (lmms-eval's "
                              f"requests), got kind {record.get('kind')!r}")
         self.predict_checks(model)
-        inputs = encode_vlm(model, proc, record, base_dir)
-        ids = inputs["input_ids"]
-        split = self.press().first_chunk(ids.shape[1], question_start(proc, record, ids))
+        inputs, split = self._vlm_prompt(model, proc, record, base_dir)
         total, greedy, cache = continuation_logprob_vlm(model, self.press(), inputs, split, continuation)
-        self._audit = self._audit_row(model, cache, ids.shape[1], question_chunk=0 < split < ids.shape[1],
-                                      n_context=split if 0 < split else ids.shape[1])
+        self._audit = self._request_audit(model, cache, inputs["input_ids"].shape[1], split)
         self._n += 1
         return total, greedy
+
+    def _vlm_prompt(self, model: Any, proc: Any, record: dict, base_dir: str | Path | None) -> tuple[dict, int]:
+        """A VLM record's encoded prompt and its split into the press's chunks (:meth:`Press.first_chunk`)."""
+        inputs = encode_vlm(model, proc, record, base_dir)
+        ids = inputs["input_ids"]
+        return inputs, self.press().first_chunk(ids.shape[1], question_start(proc, record, ids))
+
+    def _request_audit(self, model: Any, cache: Any, n_prompt: int, split: int) -> dict:
+        """The audit row of one single-query request whose prompt of ``n_prompt`` tokens was split at ``split``."""
+        return self._audit_row(model, cache, n_prompt, question_chunk=0 < split < n_prompt,
+                               n_context=split if 0 < split else n_prompt)
 
     def _predict_queries(self, model: Any, proc: Any, tok: Any, record: dict) -> list[str]:
         """A multi-query record (:mod:`kvbench.eval.multiquery`): the context prefilled once as its own chunk

@@ -114,6 +114,19 @@ class MMPlan:
         """The rows that run on backbone ``model``, in config order."""
         return [row for row, ms in zip(self.rows, self.row_models) if model in ms]
 
+    def check_layers(self, n_layers: dict[str, int]) -> None:
+        """Every row's press fits its backbone's depth (``n_layers``: backbone -> decoder layers, where known), by the
+        press's own :meth:`check_layers` (full layers, filter layers, a pruning layer), as Tables III-VIII's plan does.
+
+        Raises:
+            ValueError: a press naming a layer outside the backbone, naming the row."""
+        for model, n in n_layers.items():
+            for row in self.rows_of(model):
+                try:
+                    press_spec(row.spec).build().check_layers(n)
+                except ValueError as e:
+                    raise ValueError(f"config residualkv.tableII.rows, row {row.label!r} on {model!r}: {e}") from None
+
     @staticmethod
     def takes_codec(spec: str) -> bool:
         """Whether the press of ``spec`` reads a trained codec (ResidualKV)."""
