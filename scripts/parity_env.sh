@@ -2,7 +2,7 @@
 # Idempotent: the kvpress parity virtual environment at $1 (default envs/.parity-venv) from the pinned
 # requirements $2 (default envs/kvpress-parity.txt); writes `pip freeze` to $1/freeze.txt once the
 # imports work. Re-running with an unchanged requirements file installs nothing.
-# Used by workflow/rules/parity.smk (docs/decisions.md, "Parity with kvpress").
+# Used by workflow/rules/parity.smk (docs/decisions/benchmarks.md, "Parity with kvpress").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 venv=${1:-envs/.parity-venv}

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One-time (idempotent) set-up: a Python 3.11 virtual environment in .venv with
 # kvbench and every extra (eval = lmms-eval, slurm executor, dev = pytest).
-# Pins and their reasons: docs/decisions.md, "Dependencies".
+# Pins and their reasons: docs/decisions/dependencies.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3.11}

@@ -19,7 +19,7 @@ from kvbench.cli import main
 from kvbench.utils import jobstats
 
 REPO = Path(__file__).resolve().parents[1]
-#: packages absent on the bare GPU machine (the device README's package list): importing one there fails
+#: packages absent on the bare GPU machine (its image's package list): importing one there fails
 BARE = ("rapidfuzz", "datasets", "snakemake", "jsonschema", "lmms_eval")
 
 

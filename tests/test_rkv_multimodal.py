@@ -92,7 +92,7 @@ def test_table_ii_cells_and_header(tmp_path):
 
 
 def test_cr_lower_bound_is_computed_from_the_rows_full_layers_and_the_runs_layer_count(tmp_path):
-    """The header's CR caveat was only the notes' 7/36 citation; each row that keeps full layers now gets its own
+    """The header's CR caveat was only the paper's 7/36 (Qwen3-VL-8B, §V-A, Table I); each row that keeps full layers now gets its own
     bound beta = |full_layers| / layers, the layer count read from its runs' audit (bytes by layer)."""
     from kvbench.report.rkv_multimodal import cr_bounds
 

@@ -188,7 +188,7 @@ def _refuse(name):
 @pytest.mark.skipif(checks.ENABLED, reason="KVBENCH_CHECKS=1 reads values back by design")
 @pytest.mark.parametrize("spec", ["full", "residualkv+omnikv:full_layers=0,keep=0.5,full_kv_bits=4"])
 def test_a_decode_step_reads_nothing_back(tiny_lm, codec_dir, monkeypatch, spec):
-    """No .item()/.tolist()/bool()/int()/float()/nonzero on a decode step's path (docs/decisions.md, "No host
+    """No .item()/.tolist()/bool()/int()/float()/nonzero on a decode step's path (docs/decisions/residualkv.md, "No host
     synchronisation in a decode step"): those calls raise while steps run; every step codes a block here
     (block=1), so coding is covered too. CR counts and selections are read afterwards."""
     press = (Press() if spec == "full"

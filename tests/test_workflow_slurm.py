@@ -3,7 +3,7 @@
 
 The partition is the SLURM executor plugin's own choice from profiles/slurm/partitions.yaml (its
 ``slurm-partition-config``), made from each job's resources. A dry run never reaches the executor, so the
-test takes each job's resources from the dry run of README's SLURM command on the paper profile and asks the
+test takes each job's resources from the dry run of docs/workflow.md's SLURM command on the paper profile and asks the
 plugin's ``Executor.get_partition_arg`` (the code that writes ``sbatch -p``) which partition it submits to.
 """
 from __future__ import annotations
@@ -59,7 +59,7 @@ def _partition(job, partitions) -> str:
 def test_gpu_jobs_go_to_the_gpu_partition(tmp_path):
     root = tmp_path / "kvbench-data"
     _fake_paper_root(root)
-    # README's SLURM command (profiles/slurm; profiles/default's default-resources would replace its own)
+    # docs/workflow.md's SLURM command (profiles/slurm; profiles/default's default-resources would replace its own)
     r = snakemake(tmp_path, "-n", "--profile", str(PROFILE), "--workflow-profile", "none",
                   "all", "conduit", "residualkv", "results/conduit/table3.csv",
                   "--configfile", str(PAPER_CONFIG), "--config", f"paths={{root: {root}}}")

@@ -1,4 +1,4 @@
-# Ours beside the published figures (kvbench.report.compare; README "Targets", docs/decisions.md): per table
+# Ours beside the published figures (kvbench.report.compare; docs/workflow.md, "Targets"; docs/decisions/workflow.md, "Ours beside the published figures"): per table
 # `results/<paper>/<table>.compare.csv` from the built table and config/published/<paper>.yaml, and one page
 # `results/compare.md` over the tables `compare.tables` names ("built": those that exist). Not part of `all`.
 

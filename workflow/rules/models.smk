@@ -8,7 +8,7 @@
 # targets it feeds. Training state (zoo/<profile>/.train/<model>-<hash>/state/, curves.csv) is
 # deliberately NOT a declared output, so Snakemake never deletes it. The declared outputs are written
 # once, at the end, summary.json last. Progress lines reach the console and the log.
-# Why not protected()/update()/--keep-incomplete: docs/decisions.md, "Workflow".
+# Why not protected()/update()/--keep-incomplete: docs/decisions/workflow.md, "Resumable state is not a declared output".
 # A model named `<zoo entry>-s<k>` is a seed replica: the entry's architecture and recipe trained with its
 # `zoo.seed: k` (config/confirm.yaml). Models given as `checkpoint:` in the config have no rule: eval reads them.
 

@@ -1,4 +1,4 @@
-# Parity with NVIDIA's kvpress (docs/decisions.md, "Parity with kvpress"): `results/parity/kvpress.csv`, a
+# Parity with NVIDIA's kvpress (docs/decisions/benchmarks.md, "Parity with kvpress"): `results/parity/kvpress.csv`, a
 # target outside `all`. kvbench saves a tiny model, contexts and the mapped parameters and runs its own
 # presses (`kvbench parity prepare`); kvpress runs in its own virtual environment (it pins transformers < 5.3),
 # built from envs/kvpress-parity.txt by scripts/parity_env.sh (minutes and PyPI, once); the CSV joins both.

@@ -1,4 +1,4 @@
-# Short target names (README.md and docs/workflow.md, "Targets"): a copy of the namespaced canonical target.
+# Short target names (docs/workflow.md, "Targets"): a copy of the namespaced canonical target.
 #   results/table<N>.csv      (Arabic)  <- results/conduit/table<N>.csv      (CONDUIT)
 #   results/table<ROMAN>.csv  (Roman)   <- results/residualkv/table<ROMAN>.csv (ResidualKV)
 #   figures/fig<N>.pdf, N in 5,6,8,10,11,12,13 <- figures/residualkv/fig<N>.pdf (Fig. 9 is not built; CONDUIT has no

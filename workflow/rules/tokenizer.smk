@@ -1,5 +1,5 @@
 # The zoo's offline byte-level BPE tokenizer (kvbench.models.tokenizer), in zoo/<profile>/tokenizer-<hash>/.
-# Output: tokenizer.json stands for the save_pretrained directory (docs/decisions.md, "Workflow").
+# Output: tokenizer.json stands for the save_pretrained directory (docs/decisions/workflow.md, "Tokenizer output").
 
 
 rule tokenizer:

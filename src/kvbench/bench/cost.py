@@ -1,8 +1,8 @@
 """Analytic prefill cost of each refresh policy on an assembled request (the check on the measured FLOPs).
 
 Each policy states the visual rows it computes per layer
-(:meth:`~kvbench.reuse.policies.RefreshPolicy.visual_rows`, from its definition; docs/decisions.md,
-"Policies"); text rows are computed at every layer by every policy. Policies with a scoring pass add
+(:meth:`~kvbench.reuse.policies.RefreshPolicy.visual_rows`, from its definition; docs/decisions/benchmarks.md,
+"FLOPs"); text rows are computed at every layer by every policy. Policies with a scoring pass add
 :func:`~kvbench.bench.flops.scoring_flops`; a policy that recomputes queries and attention mass after
 some layers (KVShare, :meth:`~kvbench.reuse.policies.RefreshPolicy.mass_layers`) adds those. A policy
 that runs the model's own forward (``full``) costs :func:`~kvbench.bench.flops.full_prefill_flops` for

@@ -87,7 +87,7 @@ COLUMNS = ["model", "weights", "device", "dtype", "threads", "context", "method"
            "checks"]
 #: Sink tokens of a codec built by ``ResidualCodec.for_model`` (the CodecConfig default).
 _DEFAULT_N_SINK = {f.name: f.default for f in dataclasses.fields(CodecConfig)}["n_sink"]
-#: OmniKV share of candidate tokens restored (ResidualKV authors' configs, sources.md).
+#: OmniKV share of candidate tokens restored (ResidualKV authors' configs; docs/decisions/presses.md, "The authors' baseline settings").
 OMNIKV_KEEP = 0.17
 
 

@@ -90,7 +90,7 @@ class Plan:
 
 PLANS = {
     # H200: 8 pages of 448 px (256 visual tokens each, ~2.1K tokens a request), ~3.5K-token contexts; the
-    # budget keeps the script under 8 minutes with imports and the pip install (estimates in docs/decisions.md)
+    # budget keeps the script under 8 minutes with imports and the pip install (estimates: docs/decisions/benchmarks.md, "The paper profile on a GPU")
     "cuda": Plan("cuda", False, pages=8, page_px=448, context=3500, new_tokens=32, records=3, seq_len=8192, steps=2,
                  budget_s=400.0, cap_s={"prepare": 150, "cache": 90, "eval": 90, "import": 60, "train": 150}),
     "cpu": Plan("cpu", True, pages=2, page_px=56, context=640, new_tokens=4, records=2, seq_len=128, steps=2,

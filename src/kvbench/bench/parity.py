@@ -5,7 +5,7 @@ template (``save_pretrained``), seeded contexts and a question, and a plan that 
 context, kvbench's press spec and kvpress's parameters mapped to the same kept set
 (:func:`kvpress_params`); then runs kvbench's presses and writes their kept sets and last-token logits.
 ``scripts/parity_kvpress.py`` runs kvpress 0.5.5 on the same plan in its own virtual environment (kvpress
-pins transformers < 5.3); :mod:`kvbench.report.parity` joins the two (docs/decisions.md, "Parity with
+pins transformers < 5.3); :mod:`kvbench.report.parity` joins the two (docs/decisions/benchmarks.md, "Parity with
 kvpress").
 
 Parameter mapping (kvpress 0.5.5 read in its ``presses/*.py`` and ``utils.py``):

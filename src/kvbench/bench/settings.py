@@ -29,7 +29,7 @@ from kvbench.utils.spec import is_int
 #: Decode-throughput methods (:mod:`kvbench.bench.decode` describes each one's cache).
 METHODS = ("full", "dynamic-cache-sdpa", "residualkv-omnikv", "residualkv-omnikv-unquantised",
            "residualkv-omnikv-latent-v")
-#: Contexts (tokens) of the default CPU run of Fig. 8, out to 32K (cost: ``docs/decisions.md``, "benchmarks").
+#: Contexts (tokens) of the default CPU run of Fig. 8, out to 32K (cost: ``docs/decisions/benchmarks.md``, "Fig. 8 on the CPU: contexts and cost").
 CPU_CONTEXTS = (1024, 2048, 4096, 8192, 16384, 32768)
 #: The paper's range (Fig. 8: 64K-900K tokens), for a GPU.
 PAPER_CONTEXTS = (65536, 131072, 262144, 524288)

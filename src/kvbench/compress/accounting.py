@@ -1,6 +1,6 @@
 """Keep ratio (KR) and compute ratio (CR), from the paper's formula and from bytes really stored.
 
-ResidualKV (arXiv 2602.08005v2) §V-A, notes §3.3:
+ResidualKV (arXiv 2602.08005v2) §V-A:
 
 - KR: KV storage relative to the full FP16 KV cache (not a token-keep fraction).
 - CR: fraction of history tokens that take part in attention, averaged over layers.
@@ -51,7 +51,7 @@ def _check_layers(n_layers: int, n_full: int) -> None:
 
 
 def q_bits(bits: int, group: int = 32) -> float:
-    """Stored size of a b-bit group-quantised value relative to FP16: b/16 + 2/group (notes §3.3).
+    """Stored size of a b-bit group-quantised value relative to FP16: b/16 + 2/group (§V-A).
 
     Two fp16 values (min and scale) per group of ``group`` values: 32 bits / (16 · group) = 2/group.
     q_bits(4) = 0.3125, q_bits(2) = 0.1875; bits = 16 (unquantised FP16) gives 1.0.
@@ -74,7 +74,7 @@ def keep_ratio_formula(
     ref_bits: int = 8,
     full_group: int | None = None,
 ) -> float:
-    """The paper's KR (§V-A, notes §3.3): β q_full + (1 − β)(ρ_ref · ref_bits/16 + q_b d_c/d_kv).
+    """The paper's KR (§V-A): β q_full + (1 − β)(ρ_ref · ref_bits/16 + q_b d_c/d_kv).
 
     Parameters
     ----------
@@ -111,7 +111,7 @@ def keep_ratio_formula(
 
 
 def compute_ratio_formula(*, n_layers: int, n_full: int, r: float) -> float:
-    """The paper's CR (§V-A, notes §3.3): β + (1 − β) r, with r the sparse layers' access ratio.
+    """The paper's CR (§V-A): β + (1 − β) r, with r the sparse layers' access ratio.
 
     Raises ValueError for n_full outside [0, n_layers] or r outside [0, 1].
     """

@@ -46,7 +46,7 @@ class Growable:
         exactly ``n``; a later growth adds at least an eighth of the capacity (and :data:`MIN_GROWTH` rows), so
         appends cost O(1) amortised (about 8 rows copied per row appended) while the spare capacity a cache holds
         between steps, which its resident bytes count, stays within 1/8 of its rows for a long context (doubling
-        held up to as much again: docs/decisions.md, "One contiguous store per layer")."""
+        held up to as much again: docs/decisions/residualkv.md, "One contiguous store per layer")."""
         if self.data is not None and n <= self.capacity:
             return
         cap = n if self.data is None else max(n, self.capacity + max(self.capacity // 8, MIN_GROWTH))
@@ -77,7 +77,7 @@ class Growable:
         """Drop the first ``m`` rows: the rest moves to the front of a fresh storage of twice their number (at
         most the old capacity; a copy of the kept rows, once per call, source and destination never overlap).
         Not the old capacity: a raw window that first took a whole prefill chunk would otherwise hold that
-        chunk's size for the rest of the request (docs/decisions.md, "One contiguous store per layer")."""
+        chunk's size for the rest of the request (docs/decisions/residualkv.md, "One contiguous store per layer")."""
         if m <= 0 or self.data is None:
             return
         kept = self.n - m

@@ -364,7 +364,7 @@ class PressCache(Cache):
     Records per forward: ``attended`` (per layer, the mean over KV heads of keys the LAST query row may
     attend, for CR) and ``selections`` (OmniKV positions per decode step, for the audit record). Both are
     kept as device tensors while the model runs and reduced to ints when read, so recording them never
-    synchronises a decode step with the host (docs/decisions.md, "No host synchronisation in a decode step").
+    synchronises a decode step with the host (docs/decisions/residualkv.md, "No host synchronisation in a decode step").
     """
 
     def __init__(self, model: Any, layer_factory: Any):

@@ -1,7 +1,7 @@
 """The debug switch for checks that read device tensors back to the host.
 
 A decode step of a compressed cache runs without host synchronisation: no ``.item()``, ``.any()``,
-``.tolist()``, ``int(tensor)``, ``nonzero`` or finite checks on its per-step path (docs/decisions.md, "No host
+``.tolist()``, ``int(tensor)``, ``nonzero`` or finite checks on its per-step path (docs/decisions/residualkv.md, "No host
 synchronisation in a decode step"), since each one stalls a GPU until its queue drains. The checks that
 did so (finite inputs, a token with no visible reference, indices in range, the selected positions a store
 holds) run when ``KVBENCH_CHECKS=1`` (or ``true``/``yes``/``on``) is set in the environment, read once when this module is imported.

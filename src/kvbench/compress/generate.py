@@ -6,7 +6,7 @@ compressed cache: the authors' LongBench protocol) or ``shared_context`` (the co
 then the question chunk and decoding read it: SCBench's shared-context setting). The answer is then
 decoded greedily, each step reading the compressed cache. Why both: on the smoke tasks, whose answers are
 a few tokens, ``one_pass`` leaves little to compress before the first answer token
-(``docs/decisions.md``, "ResidualKV").
+(``docs/decisions/residualkv.md``, "Prompt protocols").
 """
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ class Sampling:
     :func:`kvbench.eval.runner.record_seed`). ``temperature == 0`` is greedy decoding.
 
     ResidualKV Table V's paper profile samples, as Qwen3-Thinking models are meant to be run (their model card's
-    thinking-mode settings: temperature 0.6, top-p 0.95, top-k 20); the paper states none (notes §4.4).
+    thinking-mode settings: temperature 0.6, top-p 0.95, top-k 20); the paper states none (§V-B, Table V).
 
     Raises:
         ValueError: a negative temperature, ``top_p`` outside (0, 1], or a negative ``top_k``.

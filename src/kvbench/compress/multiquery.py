@@ -9,7 +9,7 @@ SCBench (Li et al., arXiv 2412.10319; ``microsoft/MInference`` ``scbench/``) has
   the context is prefilled by ``_encode``; each query is decoded with ``update_global_past_kv=False`` and its
   tokens dropped by ``clear_temp_kv_cache()`` before the next one).
 
-ResidualKV's Table IV uses the SCDQ subset (notes §3.2), so this module implements multi-request:
+ResidualKV's Table IV uses the SCDQ subset (ResidualKV §V-A, §V-B), so this module implements multi-request:
 :func:`answer_queries` prefills the context once as its own chunk (compressed by the press, the
 ``shared_context`` protocol), takes a :class:`Snapshot` of every store layer, and for each query restores it,
 prefills the query chunk and decodes greedily. The context is never recomputed.

@@ -18,7 +18,7 @@ What the chain reads: every hop reads the prompt, at a distance that grows as th
 tokens are read by the next hop only (the token just written is the lookup's query). So compression of the prompt
 during decoding (SnapKV's decoding form evicting statements the later hops need) decides the score; the coding of
 generated tokens (ResidualKV's raw window leaving them as codes) is exercised, but no later hop looks one up
-(docs/decisions.md, "Table V").
+(docs/decisions/residualkv-tables.md, "Table V: long generation").
 
 chance = 1 / (number of variables): a uniform guess of the final variable.
 """
@@ -121,7 +121,7 @@ def sample_chain_pairs(rng: random.Random, split: str, tok, hops: int = 64, min_
     ``2 (h - q)`` + (final question tokens) back (a plain induction lookup on ``Aq``; ``meta.distance``). ``q`` is drawn in
     ``[1, ceil(h / 2)]``, so that read reaches at least ``h`` tokens back. ResidualKV coding generated tokens as they
     leave its raw window, and SnapKV's decoding eviction of them, decide the final answer: the task the issue asks
-    for (docs/decisions.md, "Table V").
+    for (docs/decisions/residualkv-tables.md, "Table V: long generation").
 
     ``answer`` is the whole reference (trace + final question + final answer) and the metric ``final_answer``
     compares its last word with the prediction's (the runner appends the final question to the generated trace

@@ -7,7 +7,7 @@ page number and field code (``"3J"``) above the handwriting, and the field
 codes run on across the document (A-D on page 1, E-H on page 2, ...). The
 printed codes make the lookup content-based, as on a real form, rather than
 counting visual-token positions, which a model trained for minutes on a CPU
-does not learn (docs/decisions.md, "Printed field codes"). Pages are preceded
+does not learn (docs/decisions/zoo.md, "Printed field codes"). Pages are preceded
 by a serving prefix that contains a reading instruction
 (:mod:`kvbench.data.instructions`). The question names one cell; the answer
 is the instruction applied to that cell's digit, so a model must read the
@@ -40,11 +40,11 @@ def field_code(page: int, row: int, col: int, rows: int, cols: int) -> str:
 
     One letter names one cell of the whole document (on 2x2 pages: A-D on
     page 1, E-H on page 2, ...; on a single 4x4 page: A-P). One question
-    token per cell is what the staleness trial (docs/decisions.md, "Training
-    the zoo") could learn; and with a code that is unique in the document the
+    token per cell is what the staleness trial (docs/log.md, "2026-11
+    Staleness trial") could learn; and with a code that is unique in the document the
     answer is a one-hop lookup. With per-page letters (each page A-I) a model
     trained for minutes on the CPU found the right cell but not the right
-    page (docs/decisions.md, "Printed field codes").
+    page (docs/decisions/zoo.md, "Printed field codes").
 
     Raises:
         ValueError: a cell beyond the 24 available codes.

@@ -2,7 +2,7 @@
 
 CONDUIT (§3.1, §4.1) caches each image's KV under a generic prefix and serves
 it behind a request-specific one. Measured on a tiny VLM in an earlier trial
-(docs/decisions.md, "Training the zoo"): the stale-cache gap appears only when the
+(docs/log.md, "2026-11 Staleness trial"): the stale-cache gap appears only when the
 instruction *precedes* the pages and *changes the answer*; "report the digit"
 under the generic prefix was unaffected, "(digit + 1) mod 10" lost half its
 accuracy. So every request's serving prefix (``system``) is a header sentence

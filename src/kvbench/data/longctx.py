@@ -9,7 +9,7 @@ whose token appears in the prose filler (or, for keys, whose letters appear
 anywhere in it) are excluded per sample. Every hop is a plain induction lookup —
 the question ends with the key token and the answer is the token that followed
 it in the context — because a tiny model learns induction but not
-role-conditional lookups (docs/decisions.md, "Training the zoo").
+role-conditional lookups (docs/log.md, "2026-11 One-thread LM trial").
 
 - ``niah`` (RULER needle-in-a-haystack): real prose lines (stdlib comments and
   docstrings, :func:`kvbench.data.corpus.prose_lines`) with needles

@@ -7,7 +7,7 @@ classes, M-RoPE position ids, processor) is the real one:
 - ``tiny-qwen2-lm``: ``Qwen2ForCausalLM``, 8 layers, d=128, 4 query / 2 KV heads
   (GQA, head_dim 32), tied embeddings (~1.6M parameters). The shape follows
   an earlier trial, where it was measured to learn induction-style retrieval on
-  one CPU thread (docs/decisions.md, "Training the zoo").
+  one CPU thread (docs/log.md, "2026-11 One-thread LM trial").
 - ``tiny-qwen2-lm-chain``: the same class and shape, trained on the long chain tasks of ResidualKV Table V
   (:mod:`kvbench.data.chain`);
 - ``tiny-qwen2.5-vl``: ``Qwen2_5_VLForConditionalGeneration`` with a real vision
@@ -17,7 +17,7 @@ classes, M-RoPE position ids, processor) is the real one:
   through the pages);
 - ``tiny-qwen2.5-vl-mild``: the same model trained with another recipe (the mild
   staleness regime: the question side applies the serving instruction)
-  (docs/decisions.md, "A deeper zoo VLM and two staleness regimes").
+  (docs/decisions/zoo.md, "Two staleness regimes").
 """
 from __future__ import annotations
 
@@ -42,14 +42,14 @@ VLM_IMAGE_PROCESSOR = dict(
 #: Weight init std of the zoo's text models. transformers' default (0.02, tuned
 #: for d >= 1024) left d=128 models on the attention plateau: a random-offset
 #: copy task was still at 1% accuracy after 450 steps, while with 0.08
-#: (about 1/sqrt(d)) it passed 20% by step 340 (docs/decisions.md, "Training").
+#: (about 1/sqrt(d)) it passed 20% by step 340 (docs/decisions/zoo.md, "Initial weight scale").
 INIT_RANGE = 0.08
 
 
 #: Text model of the zoo VLMs: 24 layers, d = 96, 4 query / 2 KV heads (head_dim 24, M-RoPE sections [4, 4, 4]).
 #: Why 24: CONDUIT's as-run CacheBlend/KVShare layer schedule (layer 0 = every visual token, then a linear decay
 #: averaging ⌈r·N⌉) collapses onto layer 0 when ⌈r·N⌉·L <= N; the smoke pages have N = 8-24 visual tokens, so
-#: r = 0.1 needs L >= 11 and r = 0.05 needs L >= 21 (docs/decisions.md, "A deeper zoo VLM and two staleness
+#: r = 0.1 needs L >= 11 and r = 0.05 needs L >= 21 (docs/decisions/zoo.md, "Two staleness
 #: regimes"). Narrower than the former 6-layer d = 128 model to stay inside the default profile's training budget.
 VLM_TEXT = dict(
     hidden_size=96, intermediate_size=288, num_hidden_layers=24,
@@ -105,7 +105,7 @@ ZOO: dict[str, ZooSpec] = {
 # ResidualKV Table V's backbone: the LM's class and shape, trained on the long chain tasks
 # (kvbench.train.recipes.chain_recipe). A separate entry: tiny-qwen2-lm's recipe hash feeds many tables.
 # Qwen3ForCausalLM (as Qwen3-4B-Thinking) learned the chains about half as fast in the same recipe (its query/key
-# norms), so the zoo backbone is a Qwen2 (docs/decisions.md, "Table V, long generation": the trials).
+# norms), so the zoo backbone is a Qwen2 (docs/log.md, "2026-12-03 Table V chain model trials").
 ZOO["tiny-qwen2-lm-chain"] = ZooSpec(
     name="tiny-qwen2-lm-chain", kind="lm", architecture="Qwen2ForCausalLM",
     text=dict(ZOO["tiny-qwen2-lm"].text), recipe="lm-chain")
@@ -173,7 +173,7 @@ def build_config(name: str, tokenizer: PreTrainedTokenizerBase) -> PretrainedCon
 #: follows the question directly and is closed by ``<|im_end|>\n``. No role headers sit
 #: between a question and its answer, so the answer position holds the question's last
 #: token: a model trained for minutes learns a one-hop lookup there but stayed at chance
-#: when five template tokens separated them (docs/decisions.md, "Zoo VLM prompt format").
+#: when five template tokens separated them (docs/decisions/zoo.md, "The zoo VLM's prompt format").
 #: Real checkpoints keep their own chat template.
 VLM_CHAT_TEMPLATE = (
     "{% for message in messages %}"

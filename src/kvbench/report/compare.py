@@ -656,7 +656,7 @@ def page(paths: list[str | Path], out: str | Path, note: str = "") -> str:
     if note:
         lines += [note, ""]
     if not paths:
-        lines += ["No compare CSV yet: build a table, then `snakemake results/compare.md` (docs: README, Targets)."]
+        lines += ['No compare CSV yet: build a table, then `snakemake results/compare.md` (docs/workflow.md, "Targets").']
     for path in sorted(map(str, paths)):
         head, df = read_compare(path)
         m = re.search(r"ours \(results/(.+?)\.csv\)", head[0]) if head else None

@@ -113,7 +113,7 @@ class ConduitPlan:
     def regime(self, model: str) -> str:
         """The staleness regime a backbone stands for (``conduit.regimes``; "" when not given, e.g. a real
         checkpoint): on the smoke profile ``strong`` (the instruction is applied while the pages are read) or
-        ``mild`` (the question side applies it; docs/decisions.md, "A deeper zoo VLM and two staleness regimes")."""
+        ``mild`` (the question side applies it; docs/decisions/zoo.md, "Two staleness regimes")."""
         return self.regimes.get(model, "")
 
     # --- rows of each target -----------------------------------------------------------------

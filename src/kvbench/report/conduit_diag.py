@@ -18,7 +18,7 @@
   image's values by g_j², g_j the image's mean throughput (paper: mean cross-type KS 0.66 -> 0.24).
 
 Every table has one block per model (with its staleness regime) and states its record counts.
-docs/decisions.md, "CONDUIT diagnostics", records how the summary's protocol was read.
+docs/decisions/conduit.md, "Diagnostics, Tables 11-13", records how the paper's protocol was read.
 """
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ Joins the plan and the two sides' JSON (:mod:`kvbench.bench.parity`, ``scripts/p
 row per (press, context, layer, KV head) with the Jaccard index of the two kept position sets, both kept
 counts, and the largest absolute difference of the question's last-token logits (per press and context,
 repeated on its rows). ``note`` says whether the sets are identical, nested (one side's budget is larger
-over the same ranking) or cross, and names the known cause where there is one (docs/decisions.md,
+over the same ranking) or cross, and names the known cause where there is one (docs/decisions/benchmarks.md,
 "Parity with kvpress").
 """
 from __future__ import annotations

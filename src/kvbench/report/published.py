@@ -1,7 +1,7 @@
 """The papers' published figures (``config/published/<paper>.yaml``), loaded and checked.
 
-Each file is transcribed once from the papers' summaries (``../shared/papers/`` beside the checkout) (the CONDUIT summary, the ResidualKV notes, their
-README index); :mod:`kvbench.report.compare` sets our tables beside it. An :class:`Entry` is one published figure or
+Each file is transcribed once from the papers (CONDUIT arXiv 2609.05821v1, ResidualKV arXiv 2602.08005v2; each entry
+names its section, table and page); :mod:`kvbench.report.compare` sets our tables beside it. An :class:`Entry` is one published figure or
 claim, of one kind:
 
 - ``value``: one published cell (``value``);
@@ -33,7 +33,7 @@ SCOPES = ("each", "average", "unassigned")
 RELATIONS = (">", "<", "=")
 #: Units between whose values an ordering means nothing (a generated answer, a case count, a layer width).
 NON_ORDINAL_UNITS = frozenset({"answer", "cases", "dims"})
-#: Target ids as our targets name them: CONDUIT numbers in Arabic, ResidualKV in Roman (papers/README.md).
+#: Target ids as our targets name them: CONDUIT numbers in Arabic, ResidualKV in Roman (as the papers number them).
 TABLE_ID = {"CONDUIT": re.compile(r"(table[1-9][0-9]*|fig[1-9][0-9]*)"),
             "ResidualKV": re.compile(r"(table[IVX]+|fig[1-9][0-9]*)")}
 _FIELDS = {"id", "table", "source", "kind", "backbone", "column", "method", "a", "b", "relation", "budget", "metric",
@@ -125,8 +125,8 @@ class Entry:
 
 @dataclass(frozen=True)
 class Published:
-    """One paper's published figures: ``paper`` (CONDUIT | ResidualKV), ``arxiv``, ``docs`` (key -> file under
-    ../shared/papers), ``backbones`` (paper backbone -> config model names), ``entries``; ``path`` it came from."""
+    """One paper's published figures: ``paper`` (CONDUIT | ResidualKV), ``arxiv``, ``docs`` (key -> the name of the
+    transcribed source document), ``backbones`` (paper backbone -> config model names), ``entries``; ``path`` it came from."""
 
     paper: str
     arxiv: str

@@ -1,4 +1,4 @@
-"""ResidualKV Fig. 13 (visual case, §V-E; notes §4.9): the references of one image's visual tokens, as a CSV and a figure.
+"""ResidualKV Fig. 13 (visual case, §V-E): the references of one image's visual tokens, as a CSV and a figure.
 
 ``results/residualkv/fig13.csv`` (``kvbench analyze rkv-visual-case``, from
 :func:`kvbench.compress.residualkv.visual_case.visual_case`), columns :data:`COLUMNS`: one row per (layer, visual token

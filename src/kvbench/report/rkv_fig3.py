@@ -1,4 +1,4 @@
-"""ResidualKV Fig. 3 (observations, §III; notes §1.2): the data of every panel as one long CSV, then the figure.
+"""ResidualKV Fig. 3 (observations, §III): the data of every panel as one long CSV, then the figure.
 
 ``results/residualkv/fig3.csv`` (``kvbench analyze rkv-observations``, from
 :func:`kvbench.compress.residualkv.observations.observe`), one row per plotted number, columns :data:`COLUMNS`:

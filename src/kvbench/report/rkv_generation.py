@@ -142,7 +142,7 @@ def header(plan: RKVPlan, root: str | Path = ".", splits: dict[str, str] | None 
     s = sampling(plan.s)
     decoding = ("greedy decoding (the tiny zoo model's answer is deterministic)" if not s else
                 "sampled decoding, " + ", ".join(f"{k} {v}" for k, v in s.items())
-                + " (Qwen3-Thinking's recommended thinking-mode settings; the paper states none, notes §4.4), "
+                + " (Qwen3-Thinking's recommended thinking-mode settings; the paper states none, §V-B, Table V), "
                   "each record seeded by the runner (kvbench.eval.runner.record_seed)")
     n = [_samples_per_problem(Path(root) / splits[t]) if t in (splits or {}) else None for t in plan.tasks]
     per_problem = ("; records per problem: " + ", ".join(f"{t} {k}" for t, k in zip(plan.tasks, n) if k)
@@ -178,5 +178,5 @@ TABLE = Table(
     "``tiny-qwen2-lm-chain`` and the task chain pairs (``chain_pairs_64``: two chains written in alternation, 128 "
     "generated tokens each read from the prompt, then a final question whose answer is only in the generated trace, "
     "about 100 tokens back), greedy: these are not the paper's numbers. The paper gives no KR/CR and no sampling settings for this "
-    "table (notes §4.4).", _write)
+    "table (§V-B, Table V).", _write)
 TABLES: dict[str, Table] = {TABLE.name: TABLE}

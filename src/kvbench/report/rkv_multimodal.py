@@ -178,7 +178,7 @@ class MMPlan:
             "prompt and every image, the question chunk the question (kvbench.compress.generate_vlm)",
             f"# budget ran: {budgets}. The paper ran every Table II method at CR {100 * PAPER_CR:.0f}% (ResidualKV KR 8% on "
             "LLaVA-OV-7B, 10% on Qwen3-VL-8B)",
-            "# CR caveat (notes §3.3, §4.1): by the paper's own formula CR = beta + (1 - beta) r, ResidualKV with Table I's 7 "
+            "# CR caveat (paper §V-A; §V-B, Table II): by the paper's own formula CR = beta + (1 - beta) r, ResidualKV with Table I's 7 "
             "full-attention layers of Qwen3-VL-8B's 36 has CR >= 7/36 = 19.4%, so its Table II label 'CR 10%' is "
             "inconsistent with that layer configuration; CR % here is measured (keys read / keys visible), not a label",
             "# scores: mean per-record score x 100; KR_packed %: packed bytes / full FP16 cache (measured); KR_resident %: "
@@ -194,7 +194,7 @@ def _budget(spec: str) -> str:
 
 def cr_bounds(plan: MMPlan, root: str | Path = ".") -> str:
     """The header line of the CR lower bound of each row that keeps whole layers (``full_layers``): by the paper's
-    formula CR = beta + (1 - beta) r (notes §3.3), CR >= beta = full-attention layers / layers, here computed from
+    formula CR = beta + (1 - beta) r (§V-A), CR >= beta = full-attention layers / layers, here computed from
     the row's spec and the layer count of its runs' audit (bytes by layer), beside the paper's 7/36 on Qwen3-VL-8B
     (Table I). Empty when no row keeps full layers."""
     bounds = []

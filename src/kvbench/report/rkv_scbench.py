@@ -1,7 +1,7 @@
 """ResidualKV Table IV (paper §V-B, SCBench): compression methods on shared contexts with several queries each.
 
 Rows: the config's ``residualkv.tableIV`` (``{label, method}``; ResidualKV at a fixed reference stride, ``alpha=0``,
-as the paper's SCBench runs, notes §3.2), every row under the ``shared_context`` protocol. Columns: the tasks of
+as the paper's SCBench runs, §V-A), every row under the ``shared_context`` protocol. Columns: the tasks of
 ``residualkv.target_tasks.tableIV`` (multi-query splits: the smoke ``*_1k_mq`` tasks, or SCBench's SCDQ files
 converted by ``kvbench scbench-convert`` on the paper profile), each the mean over records of the mean score of a
 record's queries x 100 (= SCBench's mean over queries when records hold equal numbers of queries), ``avg`` the
@@ -62,7 +62,7 @@ def write_table_iv(plan: RKVPlan, out: str | Path, root: str | Path = ".") -> pd
         f"# Table IV tasks: {', '.join(plan.target_tasks(KEY))}: {what}", MODE,
         "# KR_packed %: packed bytes / full FP16 cache after each query (the paper's accounting, measured); "
         "KR_resident %: every tensor held, as held; CR %: keys read / keys visible over each query's chunk and "
-        "decode steps; KR formula %: paper §V-A; the paper's Table IV has no full-cache row (notes §4.3): ours is "
+        "decode steps; KR formula %: paper §V-A; the paper's Table IV has no full-cache row (§V-B): ours is "
         "the reference the others are read against",
     ] + lines + selection_header(plan, KEY) + codec_header(plan, KEY, root)
     write_csv(df, header, out)

@@ -1,4 +1,4 @@
-"""ResidualKV Table I (§V-A, notes §3.1): per backbone, 2·d_k, the codec's d_c and d_ff, and the full-attention layers,
+"""ResidualKV Table I (§V-A, Table I): per backbone, 2·d_k, the codec's d_c and d_ff, and the full-attention layers,
 as this pipeline has them, beside the paper's.
 
 One row per model of the profile that ResidualKV runs on: ``residualkv.model`` and every model with a Table I entry

@@ -145,7 +145,7 @@ class Qwen25VLAdapter(VLMAdapter):
     """``Qwen2_5_VLForConditionalGeneration``: M-RoPE positions from ``model.model.get_rope_index``.
 
     ``mm_token_type_ids`` (processor output) is required: without it
-    transformers 5 silently falls back to 1-D positions (docs/decisions.md, "Models and tokenizer").
+    transformers 5 silently falls back to 1-D positions (docs/decisions/zoo.md, "Prompt format").
     """
 
     mrope = True

@@ -19,7 +19,7 @@ same request (the fresh K/V a refresh would write), and returns one row per (lay
 The report (:mod:`kvbench.report.conduit_diag`) builds Tables 11-13 from these rows. Our reading of the
 summary's protocol (the paper text is not in this repository): the projected residual error of a refresh set
 S at layer l is the diagonal form of §C.1, R_l(S) = Σ_{t ∉ S} α_l(t)² · ŝ_l(t), with ŝ the MC drift estimate;
-docs/decisions.md, "CONDUIT diagnostics", records the choices.
+docs/decisions/conduit.md, "Diagnostics, Tables 11-13", records the choices.
 """
 from __future__ import annotations
 

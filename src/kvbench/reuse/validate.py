@@ -37,7 +37,7 @@ def budget_count(r: float, n_visual: int) -> int:
     """Number of visual tokens refreshed at ratio ``r``: ⌈r·N_visual⌉, clipped to [0, N_visual].
 
     The authors' code rounds up (``math.ceil`` in ``nanovllm/engine/recompute.py``);
-    the paper's §4.1 writes ⌊r·N⌋ (docs/decisions.md, "Scoring pass (Stage I)"). The product is
+    the paper's §4.1 writes ⌊r·N⌋ (docs/decisions/reuse.md, "Budget and ties"). The product is
     rounded to 9 decimals first so that binary floating point does not turn an
     exact budget into one token more (0.1 * 30 = 3.0000000000000004 → 3, not 4).
 

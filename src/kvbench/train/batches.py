@@ -33,7 +33,7 @@ def copy_batch(rng: random.Random, phase: Phase, tok: Any) -> dict:
     """Random-offset copy: a random token span reappears later; loss on the repeat.
 
     A fixed repeat offset is learned by position and does not transfer to
-    retrieval (docs/decisions.md, "Training the zoo"), so the span (``L/8..L/4``
+    retrieval (docs/decisions/zoo.md, "The LM recipe"), so the span (``L/8..L/4``
     tokens), its start and the repeat distance (uniform in ``[m, L - m]``)
     are all random.
     Returns ``input_ids``/``labels`` (int64, ``[batch, seq_len]``); with

@@ -1,8 +1,8 @@
 """Attention supervision of two heads: a previous-token head and an induction head (and optionally a skip head).
 
 Why: a zoo LM (8 layers, d=128) trained on random-offset copy sat on the
-induction plateau for the whole CPU budget (docs/decisions.md, "Training
-status": 2-3% copy accuracy after 430-500 steps, kv retrieval at chance), and
+induction plateau for the whole CPU budget (docs/log.md, "2026-11-30 LM
+recipe: attention supervision": 2-3% copy accuracy after 430-500 steps, kv retrieval at chance), and
 every long-context retrieval task needs that circuit. The two-head induction
 mechanism (Olsson et al., 2022, "In-context learning and induction heads";
 Bietti et al., 2023, "Birth of a transformer") forms slowly because neither

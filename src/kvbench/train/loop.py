@@ -2,7 +2,7 @@
 
 Loss: cross-entropy on label tokens, normalised per sequence and averaged over
 the batch (an earlier trial found that otherwise long copy spans swamp the
-few retrieval answers; docs/decisions.md, "Training the zoo"). AdamW, gradient
+few retrieval answers; docs/log.md, "2026-11 One-thread LM trial"). AdamW, gradient
 clipping at 1.0, per-phase warm-up + cosine schedule computed from the step (no
 scheduler state to save).
 State is saved every ``save_every_s`` seconds, at phase ends, on SIGTERM/SIGINT

@@ -1,6 +1,6 @@
 """Training-time attention mask: the question side reaches the prompt text only through the pages.
 
-Why (issue #3, item 9; docs/decisions.md, "Per-cell reading loss"): trained on
+Why (issue #3, item 9; docs/decisions/zoo.md, "Per-cell reading term and hidden prompt"): trained on
 answers alone, the zoo VLM applied the serving instruction at the answer
 position and read only the raw digit from the page, so a page cached under
 another prefix gave the same answer as a fresh one. During training, the
@@ -20,7 +20,7 @@ one and the question side only the decoy, and the answer is the true instruction
 Why: a 24-layer model trained with the mask alone still answered under reuse as under
 full prefill (it read the serving instruction from the prompt text through attention
 that training had always hidden), so the strong regime was lost at depth
-(docs/decisions.md, "A deeper zoo VLM and two staleness regimes"). A decoy the
+(docs/decisions/zoo.md, "Two staleness regimes"). A decoy the
 question side can see but must not follow makes that path useless in training, as it
 is useless to a model whose pages carry the instruction.
 """

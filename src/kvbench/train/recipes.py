@@ -2,14 +2,14 @@
 
 Recipes are counted in optimiser steps, not seconds, so a run is a function of
 its seed alone (``--slice-s`` only ends one invocation; a rerun resumes).
-The LM recipe follows an earlier measured trial (docs/decisions.md, "Training the zoo"):
+The LM recipe follows an earlier measured trial (docs/decisions/zoo.md, "The LM recipe"):
 induction heads form on a random-offset copy task at 32 tokens (lr 3e-3),
 helped by supervising where a previous-token and an induction head attend
 (:mod:`kvbench.train.heads`), then the context length is raised gradually
 (64 -> 1,024 tokens, lr 1e-3, cosine) because a jump straight to long contexts
 destroyed the circuit, and accuracy only appears at lengths that were trained. The VLM recipe first trains the vision tower
 as a digit-cell classifier (a stand-in for a pretrained vision tower, as in
-the staleness trial, docs/decisions.md, "Training the zoo"), then the whole model on the VLM tasks, with a
+the staleness trial, docs/decisions/zoo.md, "The VLM recipe"), then the whole model on the VLM tasks, with a
 per-cell reading term and the prompt text hidden from the question side
 (:mod:`kvbench.train.readthrough`), so that the instruction is applied while
 the pages are read.
@@ -38,15 +38,15 @@ class Phase:
         (0: the whole vocabulary).
     restrict_softmax : bool — ``copy`` only: the loss's softmax runs over the
         ``copy_vocab`` tokens alone, as in a model whose vocabulary is that small
-        (the earlier trial in docs/decisions.md, "Training the zoo", had 512 tokens). Measured here:
+        (the earlier trial, docs/log.md, "2026-11 One-thread LM trial", had 512 tokens). Measured here:
         induction accuracy rose about 3x faster than with the softmax over all
-        4,096 tokens (docs/decisions.md, "Training status").
+        4,096 tokens (docs/log.md, "2026-11-30 Recipe sweep on a lent H200").
     decay : bool — cosine-decay the learning rate after warm-up (else constant).
     freeze_vision : bool — from this phase on, the VLM's vision tower is frozen
         (as the staleness trial froze its pre-trained digit encoder). Trained
         jointly, the probe-trained features were lost and the language side
-        stayed at chance; frozen, digitgrid reached 92% (docs/decisions.md,
-        "Training status").
+        stayed at chance; frozen, digitgrid reached 92% (docs/log.md,
+        "2026-11-30 Recipe sweep on a lent H200").
     head_supervision : float — weight of the attention-supervision term
         (:mod:`kvbench.train.heads`: a previous-token head and an induction head)
         added to the loss; 0 turns it off. Text models only.
@@ -59,12 +59,12 @@ class Phase:
         cell's digit). It makes the instruction-dependent work happen at the image
         positions, as it does in the staleness trial and in real VLMs, so that a
         page cached under another prefix is measurably stale (issue #3, item 9;
-        docs/decisions.md, "Per-cell reading loss"). 0 turns it off. VLMs only.
+        docs/decisions/zoo.md, "Per-cell reading term and hidden prompt"). 0 turns it off. VLMs only.
     cell_target : str — what the per-cell reading term asks of a visual token: ``"instruction"``
         (the cell's answer under the request's instruction: the instruction is applied while the page
         is read, the *strong* staleness regime) or ``"content"`` (the digit as written, whatever the
         instruction: the page's tokens encode content and the question side applies the instruction,
-        the *mild* regime; docs/decisions.md, "A deeper zoo VLM and two staleness regimes").
+        the *mild* regime; docs/decisions/zoo.md, "Two staleness regimes").
     hide_prompt : str — training-time attention mask (:mod:`kvbench.train.readthrough`):
         ``""`` none, ``"prefix"`` or ``"text"``: the tokens after the last page
         do not see the prompt text, so the instruction reaches the answer only
@@ -126,8 +126,8 @@ def lm_recipe() -> list[Phase]:
     (:mod:`kvbench.train.heads`); without that the circuit had not formed
     within the CPU budget. Batches are small (2,048 tokens or fewer) so that
     the run reaches the 1k-token phase inside the 840 s cap on 2 cores: on the
-    plateau the number of steps, not tokens, is what counted (docs/decisions.md,
-    "Training status").
+    plateau the number of steps, not tokens, is what counted (docs/log.md,
+    "2026-11-30 Main command at cdf748e").
     """
     # The copy tokens are the whole key/value lexicon (1,626 tokens), so that every key's
     # embedding is trained before the retrieval tasks; the softmax runs over them alone.
@@ -146,12 +146,12 @@ def vlm_recipe() -> list[Phase]:
     # Cell lookup is learned on one image first (digitgrid), then across pages, with the
     # probe-trained vision tower frozen as a stand-in for a pretrained one. The per-cell reading
     # term and the hidden prompt make the instruction reach the answer through the pages, so a
-    # page cached under another prefix is stale (docs/decisions.md, "Per-cell reading loss").
+    # page cached under another prefix is stale (docs/decisions/zoo.md, "Per-cell reading term and hidden prompt").
     grid = (("digitgrid", 1.0, {"n_queries": 8}),)
     mix = (("docpages", 1.0, {"n_queries": 8}), ("digitgrid", 0.3, {"n_queries": 8}))
     # Half the records are stale-page records (a decoy instruction the question side sees and must not
     # follow): without them a 24-layer model read the serving instruction from the prompt text at evaluation
-    # and reuse scored as full prefill (docs/decisions.md, "A deeper zoo VLM and two staleness regimes").
+    # and reuse scored as full prefill (docs/log.md, "2026-12-02 A deeper zoo VLM").
     read = {"freeze_vision": True, "cell_reading": 1.0, "hide_prompt": "text", "stale_pages": 0.5}
     return [
         Phase("vision_probe", "vision_probe", steps=150, lr=3e-3, warmup=10, batch=16),
@@ -167,7 +167,7 @@ def vlm_mild_recipe() -> list[Phase]:
     token is trained to read its cell's digit as written (``cell_target="content"``) and the question side sees
     the prompt (no ``hide_prompt``), so the instruction in the serving prefix is applied where the question is
     answered and a page's K/V depend on the prefix only through ordinary attention, as in real VLMs (the mild
-    staleness regime, CONDUIT issue #15; docs/decisions.md, "A deeper zoo VLM and two staleness regimes")."""
+    staleness regime, CONDUIT issue #15; docs/decisions/zoo.md, "Two staleness regimes")."""
     mild = {"cell_target": "content", "hide_prompt": "", "stale_pages": 0.0}
     return [replace(p, **mild) if p.kind == "tasks" else p for p in vlm_recipe()]
 
@@ -193,8 +193,8 @@ def chain_recipe() -> list[Phase]:
     1e-4 the first trial stayed at chance; constant, the plain chains reached 86% token accuracy at 32 hops and the
     pairs 97% at 64, a plateau at which only 0.40 of the 64-hop final answers were right. The last phase,
     ``pairs64_anneal`` (:data:`PAIRS_ANNEAL`), continues pairs64 with the rate cosine-decayed 1e-3 -> 1e-4, the usual
-    end of a constant-rate run; with it the final answers reached 0.95 (docs/decisions.md, "Table V, long
-    generation": the trials). The phases before it are constant, so a longer phase continues a shorter one's state
+    end of a constant-rate run; with it the final answers reached 0.95 (docs/log.md, "2026-12-03 Table V chain
+    model trials"). The phases before it are constant, so a longer phase continues a shorter one's state
     exactly (how the trials extended pairs64 and then appended the anneal).
     """
     phases = [lm_recipe()[0]]

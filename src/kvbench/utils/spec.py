@@ -52,7 +52,7 @@ class Family:
         fixed_r: names whose budget is fixed by definition (``reuse``: 0, ``full``: 1); ``@r`` refused.
         drops_defaults: the canonical form leaves out parameters equal to the field default, so
             ``conduit@0.1:lam=1`` and ``conduit@0.1`` are one run. Presses keep what the spec spelled,
-            so ResidualKV run names and table ``spec`` columns show every setting (docs/decisions.md,
+            so ResidualKV run names and table ``spec`` columns show every setting (docs/decisions/workflow.md,
             "One spec grammar").
         resources: fields never set from a spec (paths and objects given when the method is built).
     """

@@ -3,7 +3,7 @@ tokens per KV head, and top-k selection helpers.
 
 Eviction keeps a different token set per KV head (SnapKV §4, KVzip §3: head-wise selection); the KV
 heads are never repeated to query heads, so the GQA memory saving survives (the original SnapKV
-monkeypatch cached repeated heads: docs/decisions.md, "static eviction: SnapKV, PyramidKV, KVzip").
+monkeypatch cached repeated heads: docs/decisions/presses.md, "Static eviction: SnapKV, PyramidKV, KVzip").
 
 A :class:`~kvbench.compress.cache.KVView` needs the same token count on every head. When heads keep
 different counts (KVzip's global threshold), shorter heads are padded with zero K/V at position

@@ -12,7 +12,7 @@ every layer reads every token, unless ``sparse_prefill`` is set; its rows are th
 layer are dense.
 
 What the authors' code does (``CURRENTF/Sparse-vLLM``, HF path ``src/deltakv/``, read in the stored
-copies of these files, which postdate b5169d6; docs/decisions.md, ResidualKV, "OmniKV selection"):
+copies of these files, which postdate b5169d6; docs/decisions/presses.md, "OmniKV selection"):
 
 - ``modeling/{qwen2,llama}/*_with_compress_inference.py``: the observation (filter) layer selects only when
   ``chunk_prefill_accel_omnikv or q_len == 1``, and only once flushed (compressed) tokens exist. The flag
@@ -50,7 +50,7 @@ from kvbench.compress.cache import KVView, LayerContext, PressCache, Press, Stor
 #: OmniKVPress.keep's default: ``keep_tokens`` may be set only while ``keep`` is left at it
 KEEP_DEFAULT = 0.17
 
-# The authors' filter layers for the models they released (sources.md, "OmniKV inside it").
+# The authors' filter layers for the models they released (docs/decisions/presses.md, "OmniKV").
 AUTHORS_FILTER_LAYERS = {32: (2, 8, 18), 28: (2, 4, 7, 14)}
 
 
@@ -116,7 +116,7 @@ def filter_step(selector: Selector, layer: StoreLayer, chunk: KVView, query: tor
     layers' stores use.
 
     The filter layer must be a full store (exact or KIVI-style): its view holds every token, position p at
-    index p, so the candidates are a slice and their count a host int (no read-back: docs/decisions.md, "No
+    index p, so the candidates are a slice and their count a host int (no read-back: docs/decisions/residualkv.md, "No
     host synchronisation in a decode step").
 
     Raises:

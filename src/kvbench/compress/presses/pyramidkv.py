@@ -8,7 +8,7 @@ Two schedules: the original's (``beta``, :func:`pyramid_budget`) and, with ``lea
 authors' (``CURRENTF/Sparse-vLLM`` ``src/deltakv/modeling/llama/llama_pyramidkv.py``): a per-layer share of
 the candidates falling linearly from ``start`` at layer 0 to ``least_ratio`` at the last layer
 (:func:`linear_ratio`); their regression config (``benchmark/sparsevllm_regression/manifest.json``) runs
-0.5 → 0.1, i.e. ``keep=0.3,least_ratio=0.1`` here (docs/decisions.md, "ResidualKV baselines").
+0.5 → 0.1, i.e. ``keep=0.3,least_ratio=0.1`` here (docs/decisions/presses.md, "The authors' baseline settings").
 """
 from __future__ import annotations
 

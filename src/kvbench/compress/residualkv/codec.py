@@ -3,7 +3,7 @@
 A non-reference token's pre-RoPE ``kv`` (K‖V of all KV heads, ``d_kv = 2 d_k``) is stored as the latent
 residual ``z = f_c(kv) - f_c(mean_ref)`` (``d_c`` values) and restored as ``kv_hat = f_d(z) + mean_ref``,
 where ``mean_ref`` is the mean of its k nearest earlier references in KV space
-(ResidualKV, arXiv 2602.08005v2 §IV-A/B; notes §2.3, §2.5). The encoder is a SwiGLU
+(ResidualKV, arXiv 2602.08005v2 §IV-A/B, Fig. 4). The encoder is a SwiGLU
 ``(silu(x W1) * (x W2)) W3``, the decoder one linear map, both without bias (paper; the authors'
 ``src/deltakv/modeling/compressor.py`` at b5169d6 defaults to bias on, kept here as an option).
 

@@ -13,7 +13,7 @@ attention (``modeling/qwen3/qwen3_with_compress_inference.py``, ``Qwen3AttnKVCom
 returns, then RoPE at their positions; their training attention (``hf_common.py``,
 ``build_cluster_training_classes``, used by ``modeling/qwen3_training.py``) takes the MSE target
 ``buffer_raw_kv`` and the codec input from ``k_proj`` and applies ``k_norm`` to the reconstruction
-(``_shape_qkv``) before RoPE. ``docs/decisions.md``, "ResidualKV", "The key the codec sees".
+(``_shape_qkv``) before RoPE. ``docs/decisions/residualkv.md``, "The key the codec sees".
 
 For models without a key norm (Qwen2, Llama, Qwen2.5-VL's text model) the ``k_proj`` output is the
 pre-RoPE key, which the cache recovers by inverting RoPE on the keys it is given (no hook needed).

@@ -1,4 +1,4 @@
-"""ResidualKV's observations (arXiv 2602.08005v2 §III, Fig. 3; notes §1.2): how redundant pre-RoPE K‖V is.
+"""ResidualKV's observations (arXiv 2602.08005v2 §III, Fig. 3): how redundant pre-RoPE K‖V is.
 
 For every token of a context and every decoder layer, ``kv = k_proj(x) ‖ v_proj(x)`` ``[T, 2 d_k]`` (K and V of all
 KV heads concatenated, before any key norm and before RoPE: the tensor the codec codes, :mod:`.keys`):

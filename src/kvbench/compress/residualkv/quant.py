@@ -1,14 +1,14 @@
 """Per-token group quantisation of residual codes and the FP8 reference cast (ResidualKV §IV-A, §V-A).
 
 - Residual codes z_Δ [T, d_c] are quantised asymmetrically (min/max) per group of ``group`` consecutive
-  latent coordinates of ONE token (notes §2.4), so a single token can be restored without touching its
+  latent coordinates of ONE token (ResidualKV §IV-A), so a single token can be restored without touching its
   neighbours. The paper's g = 32 is the default; the authors' `cache_pipeline.py` passes the whole code
   vector as one group (group = d_c), available by passing ``group=d_c``.
 - References are stored as an unscaled float8 e4m3fn cast (§V-A; authors' code), with the explicit
   saturation policy of :func:`to_fp8`.
 
-fp16 side information and the error bound: see :func:`quant_error_bound` and docs/decisions.md
-("ResidualKV / quant").
+fp16 side information and the error bound: see :func:`quant_error_bound` and docs/decisions/residualkv.md,
+"Quantisation".
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ _BITS = (2, 4, 8, 16)
 
 @dataclass(frozen=True)
 class QuantizedCodes:
-    """Residual codes after per-token group quantisation (notes §2.4).
+    """Residual codes after per-token group quantisation (ResidualKV §IV-A).
 
     Fields
     ------
@@ -92,7 +92,7 @@ def _fp16_round(x: torch.Tensor, direction: str) -> torch.Tensor:
 
 
 def quantize(z: torch.Tensor, bits: int, group: int = 32, *, check: bool = True) -> QuantizedCodes | torch.Tensor:
-    """Asymmetric min/max quantisation per group of ``group`` coordinates of one token (notes §2.4).
+    """Asymmetric min/max quantisation per group of ``group`` coordinates of one token (ResidualKV §IV-A).
 
     Δ_s = (z_max − z_min)/(2^b − 1), q = round((z − z_min)/Δ_s), clamped to [0, 2^b − 1]. Levels are
     computed with the fp16 zmin/scale actually stored, so decoding is consistent: zmin is rounded DOWN and
@@ -132,7 +132,7 @@ def quantize(z: torch.Tensor, bits: int, group: int = 32, *, check: bool = True)
 
 
 def dequantize(codes: QuantizedCodes | torch.Tensor) -> torch.Tensor:
-    """z̃ = q·Δ_s + z_min per group (notes §2.4) as float32 [T, d_c]; a float16 tensor (bits = 16) is
+    """z̃ = q·Δ_s + z_min per group (ResidualKV §IV-A) as float32 [T, d_c]; a float16 tensor (bits = 16) is
     returned as float32. Raises ValueError for any other input type."""
     if isinstance(codes, torch.Tensor):
         if codes.dtype != torch.float16:
@@ -149,7 +149,7 @@ def dequantize(codes: QuantizedCodes | torch.Tensor) -> torch.Tensor:
 
 
 def quant_error_bound(z: torch.Tensor, bits: int, group: int = 32, *, slack: bool = True) -> torch.Tensor:
-    """Per-token bound on ||dequantize(quantize(z)) − z||_2 (notes §2.8, first inequality), [T] float32.
+    """Per-token bound on ||dequantize(quantize(z)) − z||_2 (ResidualKV §IV-B, Theorem IV.1, first inequality), [T] float32.
 
     slack=False gives the paper's bound sqrt(Σ_G |G| range_G²) / (2(2^b − 1)) exactly (which is itself
     <= sqrt(g/2)/(2^b − 1) · ||z||_2). slack=True (default) adds what fp16 side information and float32

@@ -1,13 +1,13 @@
 """Reference schedules and nearest-reference retrieval (ResidualKV, arXiv 2602.08005v2 §IV-A).
 
 A reference token is stored directly (FP8 in deployment); every other non-sink, non-window token is
-coded as a residual against the mean of its k nearest *earlier* references (notes §2.2). Which tokens
+coded as a residual against the mean of its k nearest *earlier* references (ResidualKV §IV-A). Which tokens
 are references depends only on absolute positions, so a context prefilled in one chunk or in many gets
 the same references.
 
-Two grids (see docs/decisions.md, "ResidualKV / references"):
+Two grids (see docs/decisions/residualkv.md, "Reference grids"):
 
-- ``"paper"`` (default, §IV-A, notes §2.6): p_0 = n_sink, p_{m+1} = p_m + s + floor(α (p_m − n_sink));
+- ``"paper"`` (default, §IV-A): p_0 = n_sink, p_{m+1} = p_m + s + floor(α (p_m − n_sink));
   sinks (positions < n_sink) are kept raw as sinks and are not references.
 - ``"code"`` (authors' `src/deltakv/modeling/cache_pipeline.py`, Sparse-vLLM b5169d6): the sinks are the
   initial references; with α = 0 the fixed-stride grid restarts in every ``block``-token block counted
@@ -45,7 +45,7 @@ def check_schedule(n_sink: int, stride: int, alpha: float, grid: str, block: int
 def _dynamic_positions(end: int, n_sink: int, stride: int, alpha: float) -> list[int]:
     """p_0 = n_sink, p_{m+1} = p_m + stride + floor(alpha (p_m − n_sink)), all p_m < end.
 
-    A loop over references, not tokens: the count grows like log_{1+α}(T) (notes §2.6)."""
+    A loop over references, not tokens: the count grows like log_{1+α}(T) (§IV-A)."""
     out: list[int] = []
     p = n_sink
     while p < end:
@@ -119,7 +119,7 @@ def reference_mask(
     block: int = 128,
     check: bool = True,
 ) -> torch.BoolTensor:
-    """True where the absolute token position is a reference token (§IV-A, notes §2.6).
+    """True where the absolute token position is a reference token (§IV-A).
 
     Parameters
     ----------
@@ -179,7 +179,7 @@ def reference_count(
 
 
 def approx_reference_count(n_tokens: int, *, n_sink: int, s0: int, alpha: float) -> float:
-    """The notes' closed form N_ref(T) ≈ log_{1+α}(1 + α (T − n_sink) / s0) (§IV-A, notes §2.6).
+    """The paper's closed form N_ref(T) ≈ log_{1+α}(1 + α (T − n_sink) / s0) (§IV-A).
 
     Obtained by dropping the floor in the paper-grid recurrence; for α = 0 the limit (T − n_sink)/s0 is
     returned. Because floor only shortens steps, the exact paper-grid count is >= ceil of this value.
@@ -204,7 +204,7 @@ def nearest_references(
     inclusive: bool = False,
     check: bool = True,
 ) -> tuple[torch.LongTensor, torch.BoolTensor]:
-    """The k_i = min(k, #visible) nearest visible references of each token by squared L2 (notes §2.2).
+    """The k_i = min(k, #visible) nearest visible references of each token by squared L2 (§IV-A).
 
     Parameters
     ----------
@@ -282,7 +282,7 @@ def _count_visible(kv_pos: torch.Tensor, ref_pos: torch.Tensor, inclusive: bool)
 
 def mean_reference(ref_kv: torch.Tensor, idx: torch.LongTensor, valid: torch.BoolTensor, *,
                    check: bool = True) -> torch.Tensor:
-    """Mean of each token's valid neighbours, \\bar{KV}_{ref,i} = (1/k_i) Σ_{j∈R_i} kv_j (notes §2.2).
+    """Mean of each token's valid neighbours, \\bar{KV}_{ref,i} = (1/k_i) Σ_{j∈R_i} kv_j (§IV-A).
 
     Parameters
     ----------

@@ -1,4 +1,4 @@
-"""Training the ResidualKV codec on a frozen backbone (paper §IV-D, notes §2.9; authors' ``train_compressor.py``).
+"""Training the ResidualKV codec on a frozen backbone (paper §IV-D; authors' ``train_compressor.py``).
 
 Each step takes one packed window of real text and runs two passes of the frozen model:
 
@@ -13,7 +13,7 @@ Each step takes one packed window of real text and runs two passes of the frozen
 
 No quantisation and no FP8 in training (as the authors' code). References are NOT detached: the
 gradient of both losses also flows through ``mean_ref`` (it depends on earlier layers' codecs via the
-hidden states), since the paper freezes the backbone without cutting its gradient (notes §2.9).
+hidden states), since the paper freezes the backbone without cutting its gradient (§IV-D).
 
 Loss (``objective``): ``"joint"`` = next-token CE of the compressed pass + Σ_layers MSE(kv_hat, kv),
 ``"ntp"`` = CE only, ``"mse"`` = reconstruction only. The paper writes the reconstruction term as a
@@ -298,7 +298,7 @@ class TaskStream:
 
     Why: the zoo LM was trained on these tasks, not on plain text (its NTP loss on stdlib text is ~7.9
     nats, near uniform), so plain text gives the codec's NTP term no signal; the paper trains on the kind
-    of text its backbones model (FineWeb-Edu). ``docs/decisions.md``, "ResidualKV", codec training data.
+    of text its backbones model (FineWeb-Edu). ``docs/decisions/residualkv.md``, "Codec training".
     """
 
     def __init__(self, tokenizer: Any, split: str, seq_len: int, seed: int) -> None:

@@ -1,4 +1,4 @@
-"""ResidualKV's visual case (arXiv 2602.08005v2 §V-E, Fig. 13; notes §4.9): which earlier tokens each visual token of
+"""ResidualKV's visual case (arXiv 2602.08005v2 §V-E, Fig. 13): which earlier tokens each visual token of
 one image is coded against.
 
 The paper marks a target visual token and draws lines to the references retrieved for it (a sandwich's edge matching

@@ -122,7 +122,7 @@ class RefreshPolicy(ABC):
 @dataclass
 class Phase2TextPolicy(RefreshPolicy):
     """A scoring-pass policy whose Phase 2 recomputes either every text token or only the trailing query
-    (CONDUIT App. A.1; docs/decisions.md, "Phase 2 executor"). CONDUIT and ProphetKV share this switch.
+    (CONDUIT App. A.1; docs/decisions/reuse.md, "Phase 2 executor"). CONDUIT and ProphetKV share this switch.
 
     Parameters:
         phase2_text: str, default ``"all"``: every text token is recomputed in Phase 2 (r = 1 equals full

@@ -1,4 +1,4 @@
-"""CacheBlend, in two forms (docs/decisions.md, "Baselines: sources").
+"""CacheBlend, in two forms (docs/decisions/reuse.md, "Baselines: sources").
 
 - ``cacheblend`` (arXiv 2405.16444, selective KV recompute; as coded in ``YaoJiayi/CacheBlend``,
   ``vllm_blend``): layer 0 recomputes every visual token; the check layer (1) computes every visual
@@ -14,7 +14,7 @@
 
 Layer 0 is always fully recomputed; that leaves visual K/V unchanged (layer-0 inputs are the vision
 features), so the as-run form at r = 0 equals plain reuse, while the paper form at r = 0 still keeps every
-visual token's new K/V at its check layer (docs/decisions.md, "Policies").
+visual token's new K/V at its check layer (docs/decisions/reuse.md, "CacheBlend, paper form").
 """
 from __future__ import annotations
 
@@ -95,7 +95,8 @@ def linear_layer_counts(n_layers: int, n_visual: int, avg_count: int) -> list[in
 def degenerate(counts: list[int]) -> bool:
     """Whether a per-layer schedule recomputes visual tokens at layer 0 only (``[N, 0, ..., 0]`` with L ≥ 2).
 
-    Layer-0 K/V of visual tokens do not depend on the prefix (docs/decisions.md, "Policies"), so such a run
+    Layer-0 K/V of visual tokens do not depend on the prefix (docs/decisions/reuse.md, "CacheBlend and KVShare as
+    CONDUIT runs them"), so such a run
     equals plain reuse except for the cost of layer 0: what the as-run CacheBlend/KVShare schedule does when
     ⌈r·N⌉·L ≤ N, i.e. on a model with about ≤ 1/r layers.
     """

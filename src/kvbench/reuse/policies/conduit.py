@@ -10,7 +10,7 @@ Parameters:
     layers: decoder layers averaged (None: all).
     use_v_norm: multiply by ‖V‖ (False reproduces the "query attention only" ablation, Table 5).
     coef_source: ``"score"`` (m_j from the fused score s, as the authors' code does) or ``"attention"``
-        (m_j from mean attention α only, the paper text's wording; docs/decisions.md, "CONDUIT").
+        (m_j from mean attention α only, the paper text's wording; docs/decisions/reuse.md, "Image coefficient").
     phase2_text: ``"all"`` (default) or ``"query"`` (as the authors' code runs), from
         :class:`~kvbench.reuse.policies.base.Phase2TextPolicy`.
 """

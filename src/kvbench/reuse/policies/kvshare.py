@@ -1,6 +1,6 @@
 """``kvshare-conduit`` (alias ``kvshare``): KVShare **as reimplemented in CONDUIT's code**
 (``nanovllm/engine/cacheblend.py``), not the KVShare paper's own method (whose "dual-stage high
-deviation" details are not public; docs/decisions.md, "Baselines: sources").
+deviation" details are not public; docs/decisions/reuse.md, "Baselines: sources").
 
 Same layer schedule as ``cacheblend-conduit`` (layer 0 = 100 %, linear decay to a layer average of
 ⌈r·N_visual⌉). After each layer that must shrink, each active visual token is scored by

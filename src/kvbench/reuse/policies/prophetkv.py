@@ -1,6 +1,6 @@
 """``prophetkv``: ProphetKV as CONDUIT runs it: the same scorer without ‖V‖ and without image coefficients
 (λ = 0): per-layer query-to-stale-key attention mass, uniform mean over layers, global top-⌈r·N_visual⌉
-(ProphetKV, arXiv 2602.02579; docs/decisions.md, "Baselines"). The query is text, so it is always recomputed.
+(ProphetKV, arXiv 2602.02579; docs/decisions/reuse.md, "Baselines: sources"). The query is text, so it is always recomputed.
 
 Parameters:
     layers: decoder layers averaged (None: all).
