@@ -281,10 +281,33 @@ def _visual_case(a: argparse.Namespace, splits: dict, loaded: tuple) -> None:
                                                   for k, v in s.iterrows()}}, indent=2))
 
 
+#: Figure targets of ``kvbench report`` (each writes a PDF); the help text and the ``--out`` check read this list.
+REPORT_FIGURES = ("zoo-figure", "conduit-fig3", "conduit-fig4",
+                  *(f"residualkv-fig{n}" for n in (3, 5, 6, 8, 10, 11, 12, 13)))
+
+
+class _ReportHelp(argparse.HelpFormatter):
+    """``kvbench report -h``: ``{tables}`` in a help text becomes the names of the table registry
+    (:data:`kvbench.report.tables.TABLES`), imported only when the help is shown (it loads torch)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if "{tables}" not in (action.help or ""):
+            return action.help
+        from kvbench.report.tables import TABLES
+
+        papers = list(dict.fromkeys(name.split("/")[0] for name in TABLES))  # registry order: CONDUIT first
+
+        def key(name: str) -> tuple:
+            paper, _, rest = name.partition("/")
+            return papers.index(paper), [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", rest)]
+
+        return action.help.replace("{tables}", ", ".join(sorted(TABLES, key=key)))
+
+
 def _report(a: argparse.Namespace) -> None:
     from kvbench.report import zoo
 
-    figures = {"zoo-figure", "conduit-fig3", "conduit-fig4", *(f"residualkv-fig{n}" for n in (3, 5, 6, 8, 10, 11, 12, 13))}
+    figures = set(REPORT_FIGURES)
     if a.what in figures and not str(a.out).endswith(".pdf"):
         raise ValueError(f"--out of {a.what} must end in .pdf, got {a.out!r}")
     if a.what in ("compare", "compare-page"):  # ours beside the published figures (kvbench.report.compare)
@@ -620,11 +643,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--cache-dir", default=None, help="image cache root when the run's is gone (default: rebuild)")
     s.set_defaults(func=_replay)
 
-    s = sub.add_parser("report", help="tables and figures from finished runs")
-    s.add_argument("what", help="a table target (conduit/table1 ... conduit/table5, conduit/table11 ... "
-                   "conduit/table15, conduit/staleness_gap, residualkv/tableI, residualkv/tableIII, residualkv/tableVI, "
-                   "residualkv/tableVII, residualkv/tableVIII: see kvbench.report.tables), zoo, zoo-figure, "
-                   "conduit-fig3, conduit-fig4, residualkv-fig{3,5,6,8,10,11,12,13}, compare (a table beside the "
+    s = sub.add_parser("report", help="tables and figures from finished runs", formatter_class=_ReportHelp)
+    s.add_argument("what", help="a table target ({tables}: kvbench.report.tables), zoo, a figure "
+                   f"({', '.join(REPORT_FIGURES)}), compare (a table beside the "
                    "published figures: --table, [--published], --out <table>.compare.csv) or compare-page (--compare "
                    "CSVs, --out results/compare.md)")
     s.add_argument("--runs", nargs="*", default=[], help="run directories (eval outputs)")
