@@ -179,3 +179,14 @@ def test_report_help_lists_the_table_registry(capsys, monkeypatch):
     text = capsys.readouterr().out
     missing = [n for n in [*TABLES, *REPORT_FIGURES] if not re.search(rf"(?<![\w/]){re.escape(n)}(?![\w/])", text)]
     assert not missing, missing
+
+
+def test_cli_lists_follow_their_registries():
+    """The bench verbs are BENCH_FLAGS' keys and the model dtypes the ones residualkv.train maps (one list each)."""
+    from kvbench.bench.settings import BY_VERB
+    from kvbench.cli import BENCH_FLAGS, FLOAT_DTYPES, build_parser
+    from kvbench.compress.residualkv.train import DTYPES
+
+    assert set(FLOAT_DTYPES) == set(DTYPES) and set(BENCH_FLAGS) == {"conduit-latency", *BY_VERB}
+    bench = build_parser()._subparsers._group_actions[0].choices["bench"]
+    assert next(a for a in bench._actions if a.dest == "what").choices == list(BENCH_FLAGS)

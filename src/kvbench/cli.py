@@ -38,6 +38,10 @@ def _device(text: str) -> str:
     return text
 
 
+#: ``--dtype`` of the verbs that load a model or write a codec (torch dtype names; ``residualkv.train.DTYPES`` maps them).
+FLOAT_DTYPES = ("float32", "bfloat16", "float16")
+
+
 def _words(values) -> str:
     """``values`` space-separated, as a list flag takes them (help texts)."""
     return " ".join(map(str, values))
@@ -553,7 +557,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--device", type=_device, default="cpu",
                    help="torch device of the backbone and codec: cpu, cuda, cuda:1, auto (under torchrun: each "
                         "process takes the GPU of its LOCAL_RANK)")
-    s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+    s.add_argument("--dtype", default="float32", choices=FLOAT_DTYPES,
                    help="backbone dtype; bfloat16/float16 run both passes under autocast, the codec keeps float32 "
                         "weights (the authors: bf16)")
     s.add_argument("--grad-accum", type=_positive_int, default=1,
@@ -582,7 +586,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--model", required=True, help="the backbone (checkpoint directory or zoo name): its config.json "
                                                   "is the base of the written one")
     s.add_argument("--out", required=True, help="directory to write")
-    s.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+    s.add_argument("--dtype", default=None, choices=FLOAT_DTYPES,
                    help="dtype of the written tensors (default: the one codec.safetensors stores)")
     s.set_defaults(func=_codec_export)
 
@@ -700,7 +704,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--grid", choices=["paper", "code"], default="paper", help="reference grid (main codec's grid)")
     s.add_argument("--block", type=_positive_int, default=128, help="the code grid's block (main codec's window)")
     s.add_argument("--device", type=_device, default="auto", help="auto (CUDA if available), cpu or cuda[:i]")
-    s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="model dtype")
+    s.add_argument("--dtype", default="float32", choices=FLOAT_DTYPES, help="model dtype")
     s.add_argument("--threads", type=_positive_int, default=1)
     s.add_argument("--record", type=_nonneg_int, default=0, help="rkv-visual-case: the record (0-based index in --split)")
     s.add_argument("--image", type=_nonneg_int, default=0, help="rkv-visual-case: which of its images is drawn (0-based)")
@@ -731,7 +735,7 @@ def build_parser() -> argparse.ArgumentParser:
                                       "`kvbench report conduit/table3`), "
                                       "rkv-throughput (ResidualKV Fig. 8), rkv-variants (Fig. 11's throughput), "
                                       "codec-cost (ResidualKV Fig. 6)")
-    s.add_argument("what", choices=["conduit-latency", "rkv-throughput", "rkv-variants", "codec-cost"])
+    s.add_argument("what", choices=list(BENCH_FLAGS))
     s.add_argument("--out", required=True, help="raw measurements CSV")
     s.add_argument("--model", default=None, help=f"timing model name (random weights) or checkpoint dir "
                    f"(default: {d['model']}; rkv-throughput: {fig8.model})")
