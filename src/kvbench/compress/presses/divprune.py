@@ -77,8 +77,9 @@ def divprune_select(embeds: torch.Tensor, k: int) -> torch.Tensor:
 
 @dataclass
 class DivPrunePress(VisualPress):
-    """DivPrune (Alvar et al., CVPR 2025): keep ``keep`` of the visual tokens, the most diverse by greedy max-min
-    cosine distance of their input embeddings; the others are invisible from layer 0 on (module docstring).
+    """DivPrune (Alvar et al., CVPR 2025, arXiv 2503.02175): keep ``keep`` of the visual tokens, the most
+    diverse by greedy max-min cosine distance of their input embeddings; the others are invisible from
+    layer 0 on (module docstring).
 
     Parameters
     ----------

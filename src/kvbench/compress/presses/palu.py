@@ -182,7 +182,7 @@ class PaluLayer(StoreLayer):
 
 @dataclass
 class PaluPress(Press):
-    """Palu (Chang et al., ICLR 2025): G-LRD low-rank keys and values, bases from the model's weights.
+    """Palu (Chang et al., ICLR 2025, arXiv 2407.21118): G-LRD low-rank keys and values, bases from the weights.
 
     Parameters
     ----------
