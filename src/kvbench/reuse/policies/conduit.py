@@ -3,16 +3,7 @@
 Score s(t) = mean over layers of α_l(t)·‖V_l(t)‖ (all layers unless
 ``layers`` is given, e.g. the single-image subsets 14,16,18,20,22 of
 Qwen2.5-VL-3B), times the image coefficient c_j = 1 + λ(m_j/mean m − 1)
-(λ = 1 default; c = 1 when K = 1), then one global top-⌈r·N_visual⌉.
-
-Parameters:
-    lam: λ in [0, 1].
-    layers: decoder layers averaged (None: all).
-    use_v_norm: multiply by ‖V‖ (False reproduces the "query attention only" ablation, Table 5).
-    coef_source: ``"score"`` (m_j from the fused score s, as the authors' code does) or ``"attention"``
-        (m_j from mean attention α only, the paper text's wording; docs/decisions.md, "CONDUIT").
-    phase2_text: ``"all"`` (default) or ``"query"`` (as the authors' code runs), from
-        :class:`~kvbench.reuse.policies.base.Phase2TextPolicy`.
+(λ = 1 default; c = 1 when K = 1), then one global top-⌈r·N_visual⌉. Parameters: :class:`Conduit`.
 """
 from __future__ import annotations
 

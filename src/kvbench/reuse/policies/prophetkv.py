@@ -1,11 +1,7 @@
 """``prophetkv``: ProphetKV as CONDUIT runs it: the same scorer without ‖V‖ and without image coefficients
 (λ = 0): per-layer query-to-stale-key attention mass, uniform mean over layers, global top-⌈r·N_visual⌉
 (ProphetKV, arXiv 2602.02579; docs/decisions.md, "Baselines"). The query is text, so it is always recomputed.
-
-Parameters:
-    layers: decoder layers averaged (None: all).
-    phase2_text: ``"all"`` (default) or ``"query"`` (as the authors' code runs it, through the same Phase 2 as
-        CONDUIT), from :class:`~kvbench.reuse.policies.base.Phase2TextPolicy`.
+Parameters: :class:`ProphetKV`.
 """
 from __future__ import annotations
 
