@@ -53,13 +53,10 @@ def divprune_select(embeds: torch.Tensor, k: int) -> torch.Tensor:
     Returns:
         int64 ``[k]``: picked row indices in pick order (first: the row whose nearest other row is farthest; then
         the row maximising its minimum cosine distance to the rows picked; ties to the lowest index).
-
-    Raises:
-        ValueError: ``k`` outside ``[1, n]``.
+        ``k`` must be in ``[1, n]`` (asserted: the press's budget is).
     """
     n = embeds.shape[0]
-    if not 1 <= k <= n:
-        raise ValueError(f"k must be in [1, {n}], got {k}")
+    assert 1 <= k <= n, f"k must be in [1, {n}], got {k}"
     dist = cosine_distances(embeds)
     if n == 1:
         return torch.zeros(1, dtype=torch.long, device=embeds.device)
