@@ -1,12 +1,14 @@
 """The Table 3 job as the workflow builds it (no Snakemake run): inputs and arguments from each config."""
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 
 import pytest
 import yaml
 
-from kvbench.bench.workflow import latency_job
+from kvbench.bench import TABLE3_METHODS
+from kvbench.bench.workflow import TIMED_METHODS, latency_job
 from kvbench.cli import build_parser
 
 REPO = Path(__file__).resolve().parents[1]
@@ -28,6 +30,20 @@ def test_smoke_job_uses_the_timing_model_and_tokenizer():
 def test_paper_job_reads_the_checkpoint():
     job = latency_job(_config("paper"), lambda m: f"/data/{m}", "zoo/tokenizer")
     assert job.input == "/data/qwen2.5-vl-3b/config.json" and "--model /data/qwen2.5-vl-3b" in job.args
+
+
+def test_table3_methods_are_listed_once():
+    """Table 3's methods are kvbench.bench.TABLE3_METHODS alone: the schema gives no default and no config repeats
+    them (a config names methods only to time others); a section without ``methods`` times every one but full."""
+    schema = yaml.safe_load((REPO / "workflow" / "schemas" / "config.schema.yaml").read_text())
+    assert "default" not in schema["properties"]["conduit_latency"]["properties"]["methods"]
+    every = set(TABLE3_METHODS) - {"full"}
+    for path in sorted((REPO / "config").glob("*.yaml")):
+        methods = (yaml.safe_load(path.read_text()).get("conduit_latency") or {}).get("methods")
+        assert methods is None or set(methods) - {"full"} != every, f"{path.name} repeats TABLE3_METHODS"
+    argv = shlex.split(latency_job(_config("config"), str, "zoo/tokenizer").args)
+    assert argv[argv.index("--methods") + 1:argv.index("--repeats")] == TIMED_METHODS
+    assert TIMED_METHODS == [m for m in TABLE3_METHODS if m != "full"]
 
 
 def test_bad_sections_fail_naming_the_problem():

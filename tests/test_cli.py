@@ -1,6 +1,8 @@
 """The `kvbench` CLI: bad input ends in one clear line and exit status 2, not a traceback."""
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from kvbench.cli import main
@@ -160,3 +162,31 @@ def test_codec_train_slice_fails_then_a_rerun_finishes(lm_dir, tmp_path, capsys)
     err = capsys.readouterr().err
     assert "[codec c] step 2/2 (100%)" in err  # StepProgress lines on stderr, no tqdm bar
     assert (out / "summary.json").is_file() and (out / "codec" / "codec.json").is_file()
+
+
+def test_report_help_lists_the_table_registry(capsys, monkeypatch):
+    """`kvbench report -h` names every table of kvbench.report.tables and every figure, from the registry and
+    REPORT_FIGURES: the help text itself spells no table name (a hand-written list went stale before)."""
+    from kvbench.cli import REPORT_FIGURES, build_parser
+    from kvbench.report.tables import TABLES
+
+    report = build_parser()._subparsers._group_actions[0].choices["report"]
+    what = next(a for a in report._actions if a.dest == "what")
+    assert not any(name in what.help for name in TABLES)
+    monkeypatch.setenv("COLUMNS", "10000")  # one line per help text: no name broken at a hyphen
+    with pytest.raises(SystemExit):
+        main(["report", "-h"])
+    text = capsys.readouterr().out
+    missing = [n for n in [*TABLES, *REPORT_FIGURES] if not re.search(rf"(?<![\w/]){re.escape(n)}(?![\w/])", text)]
+    assert not missing, missing
+
+
+def test_cli_lists_follow_their_registries():
+    """The bench verbs are BENCH_FLAGS' keys and the model dtypes the ones residualkv.train maps (one list each)."""
+    from kvbench.bench.settings import BY_VERB
+    from kvbench.cli import BENCH_FLAGS, FLOAT_DTYPES, build_parser
+    from kvbench.compress.residualkv.train import DTYPES
+
+    assert set(FLOAT_DTYPES) == set(DTYPES) and set(BENCH_FLAGS) == {"conduit-latency", *BY_VERB}
+    bench = build_parser()._subparsers._group_actions[0].choices["bench"]
+    assert next(a for a in bench._actions if a.dest == "what").choices == list(BENCH_FLAGS)

@@ -11,6 +11,7 @@ import dataclasses
 
 import pytest
 import torch
+from _docstrings import parameters_section
 
 from kvbench.compress.cache import Press, VisualTokens
 from kvbench.compress.generate import greedy_generate
@@ -87,6 +88,12 @@ def test_keep_everything_equals_the_full_cache(tiny_lm, identity_codec, name, n_
     cls = PRESSES[name]
     press = cls(**cls.exact, **resources(cls, identity_codec))
     assert _generate(tiny_lm, press, n_prompt, split) == _generate(tiny_lm, Press(), n_prompt, split), name
+
+
+@pytest.mark.parametrize("name", sorted(PRESSES))
+def test_every_press_documents_its_source_and_parameters(name):
+    """Each registered press's class docstring names the paper (or code) it implements and has a Parameters section."""
+    parameters_section(PRESSES[name])
 
 
 @pytest.mark.parametrize("name", sorted(PRESSES))

@@ -9,6 +9,7 @@ import math
 
 import pytest
 import torch
+from _docstrings import parameters_section
 from _reuse_fixtures import record, tiny_vlm
 
 from kvbench.reuse import (
@@ -431,3 +432,13 @@ def test_bad_input_fails_before_any_work(vlm, tmp_path):
     with pytest.raises(ValueError, match="has no image part"):
         run_record(vlm, store, no_img, "conduit", 0.1)
     assert [p.name for p in tmp_path.iterdir()] == ["manifest.json"]
+
+
+@pytest.mark.parametrize("name", sorted({cls.name for cls in REGISTRY.values()}))
+def test_every_policy_documents_its_source_and_parameters(name):
+    """Each registered policy's class docstring names the paper it implements and has a Parameters section that
+    names every field (a parameter a spec can set)."""
+    cls = REGISTRY[name]
+    params = parameters_section(cls)
+    missing = [f.name for f in dataclasses.fields(cls) if f.name not in params]
+    assert not missing, f"{cls.__name__}'s Parameters section does not name {missing}"

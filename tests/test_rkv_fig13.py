@@ -244,6 +244,22 @@ def test_smoke_targets_plan_the_case_on_table_ii_codec(tmp_path):
     assert "--zoo" in r.stdout and "kvbench report residualkv-fig13" in r.stdout
 
 
+def test_fig13_defaults_live_in_the_schema_only():
+    """record, image, queries, device and dtype default in the schema (validation fills them in); the rule files
+    spell none of them again as a dict entry or a setdefault (they did, a second copy of the same values)."""
+    import yaml
+    from test_workflow import REPO
+
+    schema = yaml.safe_load((REPO / "workflow" / "schemas" / "config.schema.yaml").read_text())
+    props = schema["properties"]["residualkv"]["properties"]["fig13"]["properties"]
+    defaulted = sorted(k for k, v in props.items() if "default" in v)
+    assert defaulted == ["device", "dtype", "image", "queries", "record"]
+    for path in sorted((REPO / "workflow" / "rules").glob("rkv_fig13*.smk")):
+        text = path.read_text()
+        again = [k for k in defaulted if re.search(rf"""["']{k}["']\s*[:,]""", text)]
+        assert not again, f"{path.name} repeats the schema's defaults of {again}"
+
+
 @pytest.mark.parametrize("change, match", [
     ({"layers": [0, 5]}, r"residualkv\.fig13\.layers: layers \[0\] are full-attention layers"),
     ({"layers": [30]}, r"residualkv\.fig13\.layers: layers \[30\] outside the model's 24"),

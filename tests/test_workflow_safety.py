@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from kvbench.bench.workflow import latency_job
+from kvbench.bench.workflow import TIMED_METHODS, latency_job
 from test_rkv_deltakv_format import write_theirs
 from test_workflow import CONFIG, REPO, load, snakemake, write_config
 
@@ -152,7 +152,7 @@ def test_latency_args_are_quoted():
     job = latency_job(cfg, lambda m: f"/data/kv data;x/{m}", "zoo/tokenizer")
     argv = shlex.split(job.args)
     assert argv[argv.index("--model") + 1] == "/data/kv data;x/qwen2.5-vl-3b"
-    assert argv[argv.index("--methods") + 1:argv.index("--repeats")] == cfg["conduit_latency"]["methods"]
+    assert argv[argv.index("--methods") + 1:argv.index("--repeats")] == TIMED_METHODS  # the section's default
 
 
 def test_every_shell_field_is_quoted():

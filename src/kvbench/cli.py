@@ -38,6 +38,10 @@ def _device(text: str) -> str:
     return text
 
 
+#: ``--dtype`` of the verbs that load a model or write a codec (torch dtype names; ``residualkv.train.DTYPES`` maps them).
+FLOAT_DTYPES = ("float32", "bfloat16", "float16")
+
+
 def _words(values) -> str:
     """``values`` space-separated, as a list flag takes them (help texts)."""
     return " ".join(map(str, values))
@@ -281,10 +285,33 @@ def _visual_case(a: argparse.Namespace, splits: dict, loaded: tuple) -> None:
                                                   for k, v in s.iterrows()}}, indent=2))
 
 
+#: Figure targets of ``kvbench report`` (each writes a PDF); the help text and the ``--out`` check read this list.
+REPORT_FIGURES = ("zoo-figure", "conduit-fig3", "conduit-fig4",
+                  *(f"residualkv-fig{n}" for n in (3, 5, 6, 8, 10, 11, 12, 13)))
+
+
+class _ReportHelp(argparse.HelpFormatter):
+    """``kvbench report -h``: ``{tables}`` in a help text becomes the names of the table registry
+    (:data:`kvbench.report.tables.TABLES`), imported only when the help is shown (it loads torch)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if "{tables}" not in (action.help or ""):
+            return action.help
+        from kvbench.report.tables import TABLES
+
+        papers = list(dict.fromkeys(name.split("/")[0] for name in TABLES))  # registry order: CONDUIT first
+
+        def key(name: str) -> tuple:
+            paper, _, rest = name.partition("/")
+            return papers.index(paper), [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", rest)]
+
+        return action.help.replace("{tables}", ", ".join(sorted(TABLES, key=key)))
+
+
 def _report(a: argparse.Namespace) -> None:
     from kvbench.report import zoo
 
-    figures = {"zoo-figure", "conduit-fig3", "conduit-fig4", *(f"residualkv-fig{n}" for n in (3, 5, 6, 8, 10, 11, 12, 13))}
+    figures = set(REPORT_FIGURES)
     if a.what in figures and not str(a.out).endswith(".pdf"):
         raise ValueError(f"--out of {a.what} must end in .pdf, got {a.out!r}")
     if a.what in ("compare", "compare-page"):  # ours beside the published figures (kvbench.report.compare)
@@ -530,7 +557,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--device", type=_device, default="cpu",
                    help="torch device of the backbone and codec: cpu, cuda, cuda:1, auto (under torchrun: each "
                         "process takes the GPU of its LOCAL_RANK)")
-    s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+    s.add_argument("--dtype", default="float32", choices=FLOAT_DTYPES,
                    help="backbone dtype; bfloat16/float16 run both passes under autocast, the codec keeps float32 "
                         "weights (the authors: bf16)")
     s.add_argument("--grad-accum", type=_positive_int, default=1,
@@ -559,7 +586,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--model", required=True, help="the backbone (checkpoint directory or zoo name): its config.json "
                                                   "is the base of the written one")
     s.add_argument("--out", required=True, help="directory to write")
-    s.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+    s.add_argument("--dtype", default=None, choices=FLOAT_DTYPES,
                    help="dtype of the written tensors (default: the one codec.safetensors stores)")
     s.set_defaults(func=_codec_export)
 
@@ -620,11 +647,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--cache-dir", default=None, help="image cache root when the run's is gone (default: rebuild)")
     s.set_defaults(func=_replay)
 
-    s = sub.add_parser("report", help="tables and figures from finished runs")
-    s.add_argument("what", help="a table target (conduit/table1 ... conduit/table5, conduit/table11 ... "
-                   "conduit/table15, conduit/staleness_gap, residualkv/tableI, residualkv/tableIII, residualkv/tableVI, "
-                   "residualkv/tableVII, residualkv/tableVIII: see kvbench.report.tables), zoo, zoo-figure, "
-                   "conduit-fig3, conduit-fig4, residualkv-fig{3,5,6,8,10,11,12,13}, compare (a table beside the "
+    s = sub.add_parser("report", help="tables and figures from finished runs", formatter_class=_ReportHelp)
+    s.add_argument("what", help="a table target ({tables}: kvbench.report.tables), zoo, a figure "
+                   f"({', '.join(REPORT_FIGURES)}), compare (a table beside the "
                    "published figures: --table, [--published], --out <table>.compare.csv) or compare-page (--compare "
                    "CSVs, --out results/compare.md)")
     s.add_argument("--runs", nargs="*", default=[], help="run directories (eval outputs)")
@@ -679,7 +704,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--grid", choices=["paper", "code"], default="paper", help="reference grid (main codec's grid)")
     s.add_argument("--block", type=_positive_int, default=128, help="the code grid's block (main codec's window)")
     s.add_argument("--device", type=_device, default="auto", help="auto (CUDA if available), cpu or cuda[:i]")
-    s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="model dtype")
+    s.add_argument("--dtype", default="float32", choices=FLOAT_DTYPES, help="model dtype")
     s.add_argument("--threads", type=_positive_int, default=1)
     s.add_argument("--record", type=_nonneg_int, default=0, help="rkv-visual-case: the record (0-based index in --split)")
     s.add_argument("--image", type=_nonneg_int, default=0, help="rkv-visual-case: which of its images is drawn (0-based)")
@@ -710,7 +735,7 @@ def build_parser() -> argparse.ArgumentParser:
                                       "`kvbench report conduit/table3`), "
                                       "rkv-throughput (ResidualKV Fig. 8), rkv-variants (Fig. 11's throughput), "
                                       "codec-cost (ResidualKV Fig. 6)")
-    s.add_argument("what", choices=["conduit-latency", "rkv-throughput", "rkv-variants", "codec-cost"])
+    s.add_argument("what", choices=list(BENCH_FLAGS))
     s.add_argument("--out", required=True, help="raw measurements CSV")
     s.add_argument("--model", default=None, help=f"timing model name (random weights) or checkpoint dir "
                    f"(default: {d['model']}; rkv-throughput: {fig8.model})")

@@ -1,14 +1,11 @@
 # Helpers of ResidualKV Fig. 13 (workflow/rules/rkv_fig13.smk): functions only, as Snakemake's lint wants them apart
 # from rules. Table II's plan (MM), its codec directory (mm_codec_dir) and rows come from common.smk.
 
-#: `residualkv.fig13` defaults besides model, task and layers (workflow/schemas/config.schema.yaml describes them).
-RKV_FIG13_DEFAULTS = {"record": 0, "image": 0, "queries": 4, "device": "cpu", "dtype": "float32"}
-
-
 def _rkv_fig13():
     """The `residualkv.fig13` settings, checked while the DAG is built, with the defaults filled in (model: the first of
-    `residualkv.tableII.models`, task: the first of its tasks) and `method`: Table II's ResidualKV row of that model
-    (the press whose storage is drawn). None without `residualkv.fig13`."""
+    `residualkv.tableII.models`, task: the first of its tasks; the other keys' defaults are the schema's, filled in by
+    its validation) and `method`: Table II's ResidualKV row of that model (the press whose storage is drawn). None
+    without `residualkv.fig13`."""
     from kvbench.compress.residualkv.visual_case import StoreSchedule, check_layers
     from kvbench.compress.residualkv.observations import ReferenceSchedule
     from kvbench.data.smoke import TASKS
@@ -22,8 +19,6 @@ def _rkv_fig13():
                          "configure residualkv.tableII (with its codec), config/config.yaml shows one")
     s.setdefault("model", MM.models[0])
     s.setdefault("task", MM.tasks[0])
-    for key, default in RKV_FIG13_DEFAULTS.items():
-        s.setdefault(key, default)
     if s["model"] not in MM.models:
         raise ValueError(f"config residualkv.fig13.model: {s['model']!r} is not one of residualkv.tableII.models "
                          f"{MM.models} (its codec is trained there)")

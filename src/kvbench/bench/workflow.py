@@ -11,7 +11,13 @@ import shlex
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from kvbench.bench import TABLE3_METHODS
 from kvbench.bench.timing_model import TIMING_MODELS
+
+#: ``conduit_latency.methods`` when the config leaves it out: every Table 3 method (``full``, the reference, is
+#: always added by the bench). The one list is :data:`~kvbench.bench.TABLE3_METHODS`; neither the schema nor a
+#: config repeats it.
+TIMED_METHODS = [m for m in TABLE3_METHODS if m != "full"]
 
 
 @dataclass(frozen=True)
@@ -27,7 +33,8 @@ def latency_job(config: dict, model_dir: Callable[[str], str], tokenizer_dir: st
     """The timing job of a validated config.
 
     A timing model (random weights) depends on the zoo tokenizer; a ``models:``
-    entry depends on its checkpoint's ``config.json``.
+    entry depends on its checkpoint's ``config.json``. Without ``methods`` the section times
+    :data:`TIMED_METHODS`.
 
     Raises:
         ValueError: no ``conduit_latency`` section, a model that is neither a timing model nor
@@ -38,7 +45,7 @@ def latency_job(config: dict, model_dir: Callable[[str], str], tokenizer_dir: st
     if "conduit_latency" not in config:
         raise ValueError("this config has no `conduit_latency:` section, so it has no CONDUIT Table 3 target "
                          "(config/config.yaml shows one)")
-    s = config["conduit_latency"]
+    s = {"methods": TIMED_METHODS, **config["conduit_latency"]}
     model = s["model"]
     if model in TIMING_MODELS:
         path, where = f"{tokenizer_dir}/tokenizer.json", ["--model", model, "--tokenizer", tokenizer_dir]

@@ -23,7 +23,20 @@ from kvbench.utils.spec import Family
 
 
 class FullKV(Press):
-    """The full, exact KV cache (every token of every layer, FP16): KR 100%, CR 100%."""
+    """The full, exact KV cache (every token of every layer, FP16): KR 100%, CR 100%.
+
+    Every token's K/V is stored and read at every step through the same press machinery as the methods
+    (:class:`~kvbench.compress.cache.Press`'s base layer), so it is the reference row of the compression
+    tables.
+
+    Source: the full-cache reference of ResidualKV ("ResidualKV: Residual-Based KV Cache Compression for
+    Efficient Long-Context Inference", arXiv 2602.08005v2, §V-B; e.g. Table V's "Full cache" column).
+
+    Parameters
+    ----------
+    protocol : str, default "shared_context" — how a record's prompt meets the cache (every press has it;
+        :class:`~kvbench.compress.cache.Press`).
+    """
 
     name = "fullkv"
 

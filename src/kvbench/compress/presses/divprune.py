@@ -53,13 +53,10 @@ def divprune_select(embeds: torch.Tensor, k: int) -> torch.Tensor:
     Returns:
         int64 ``[k]``: picked row indices in pick order (first: the row whose nearest other row is farthest; then
         the row maximising its minimum cosine distance to the rows picked; ties to the lowest index).
-
-    Raises:
-        ValueError: ``k`` outside ``[1, n]``.
+        ``k`` must be in ``[1, n]`` (asserted: the press's budget is).
     """
     n = embeds.shape[0]
-    if not 1 <= k <= n:
-        raise ValueError(f"k must be in [1, {n}], got {k}")
+    assert 1 <= k <= n, f"k must be in [1, {n}], got {k}"
     dist = cosine_distances(embeds)
     if n == 1:
         return torch.zeros(1, dtype=torch.long, device=embeds.device)
@@ -77,8 +74,9 @@ def divprune_select(embeds: torch.Tensor, k: int) -> torch.Tensor:
 
 @dataclass
 class DivPrunePress(VisualPress):
-    """DivPrune (Alvar et al., CVPR 2025): keep ``keep`` of the visual tokens, the most diverse by greedy max-min
-    cosine distance of their input embeddings; the others are invisible from layer 0 on (module docstring).
+    """DivPrune (Alvar et al., CVPR 2025, arXiv 2503.02175): keep ``keep`` of the visual tokens, the most
+    diverse by greedy max-min cosine distance of their input embeddings; the others are invisible from
+    layer 0 on (module docstring).
 
     Parameters
     ----------

@@ -52,15 +52,12 @@ class EvictingLayer(StoreLayer):
 
     def evict(self, keep: torch.Tensor) -> None:
         """Keep only the stored tokens where ``keep`` (bool ``[1, H_kv, n]``, aligned with :meth:`history`)
-        is True, in their stored order; heads with fewer kept tokens are padded (module docstring).
-
-        Raises ValueError if ``keep`` does not match the stored view's shape or nothing is stored.
+        is True, in their stored order; heads with fewer kept tokens are padded (module docstring). Called by
+        the press's own layer after a commit, with a mask of the stored view's shape (asserted).
         """
         view = self._stored
-        if view is None:
-            raise ValueError("evict called before anything was stored")
-        if keep.shape != view.positions.shape or keep.dtype != torch.bool:
-            raise ValueError(f"keep must be bool {tuple(view.positions.shape)}, got {keep.dtype} {tuple(keep.shape)}")
+        assert view is not None, "evict called before anything was stored"
+        assert keep.dtype == torch.bool and keep.shape == view.positions.shape, f"keep {keep.dtype} {tuple(keep.shape)}"
         counts = keep.sum(-1)                                              # [1, H_kv]
         width = int(counts.max())
         # Stable sort puts kept slots first, in stored order; slots past a head's count become padding.

@@ -49,8 +49,9 @@ from kvbench.compress.presses.visual import (
 
 @dataclass
 class FastVPress(VisualPress):
-    """FastV (Chen et al., ECCV 2024): keep the ``keep`` share of the visual tokens that layer ``layer − 1``'s
-    last query attends most; layers ``>= layer`` neither read nor store the others (module docstring).
+    """FastV (Chen et al., ECCV 2024, arXiv 2403.06764): keep the ``keep`` share of the visual tokens that
+    layer ``layer − 1``'s last query attends most; layers ``>= layer`` neither read nor store the others
+    (module docstring).
 
     Parameters
     ----------

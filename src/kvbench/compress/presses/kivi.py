@@ -274,7 +274,7 @@ def check_config(bits: int, group: int, residual: int) -> None:
 
 @dataclass
 class KIVIPress(Press):
-    """KIVI (Liu et al., ICML 2024): per-channel keys, per-token values, full-precision residual.
+    """KIVI (Liu et al., ICML 2024, arXiv 2402.02750): per-channel keys, per-token values, full-precision residual.
 
     Parameters
     ----------

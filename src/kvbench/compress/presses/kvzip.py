@@ -35,16 +35,12 @@ def reconstruction_scores(query: torch.Tensor, chunk_keys: torch.Tensor, repeat_
         float32 ``[1, H_kv, c]``: max over query positions and the GQA group of the softmax attention
         (scale ``1/sqrt(D)``) over ``[chunk_keys, repeat_keys]``. As the original, the softmax sees only
         the scored chunk and the repeat tokens (no system prompt here, so no sink keys); it runs in float32
-        where the original uses the model dtype.
-
-    Raises:
-        ValueError: batch != 1, ``H_q`` not a multiple of ``H_kv``, or mismatched head dims / repeat length.
+        where the original uses the model dtype. The shapes (from the press's own scoring pass) are asserted.
     """
     _, h_q, r, d = query.shape
     h_kv, c = chunk_keys.shape[1], chunk_keys.shape[2]
-    if query.shape[0] != 1 or h_q % h_kv or chunk_keys.shape[-1] != d or repeat_keys.shape != (1, h_kv, r, d):
-        raise ValueError(f"shapes do not fit: query {tuple(query.shape)}, chunk keys {tuple(chunk_keys.shape)}, "
-                         f"repeat keys {tuple(repeat_keys.shape)}")
+    assert query.shape[0] == 1 and h_q % h_kv == 0, f"query {tuple(query.shape)}, {h_kv} KV heads"
+    assert chunk_keys.shape[-1] == d and repeat_keys.shape == (1, h_kv, r, d), f"repeat keys {tuple(repeat_keys.shape)}"
     keys = torch.cat([chunk_keys, repeat_keys], -2).float()
     # One batched matmul per KV head over its (group x position) query rows: no broadcast copies.
     q = query.float().reshape(1, h_kv, (h_q // h_kv) * r, d)

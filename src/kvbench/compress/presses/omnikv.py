@@ -116,18 +116,21 @@ def filter_step(selector: Selector, layer: StoreLayer, chunk: KVView, query: tor
     layers' stores use.
 
     The filter layer must be a full store (exact or KIVI-style): its view holds every token, position p at
+<<<<<<< HEAD
     index p, so the candidates are a slice and their count a host int (no read-back: docs/decisions/residualkv.md, "No
     host synchronisation in a decode step").
+=======
+    index p, so the candidates are a slice and their count a host int (no read-back: docs/decisions.md, "No
+    host synchronisation in a decode step"); asserted.
+>>>>>>> i31-lists
 
     Raises:
-        RuntimeError: the layer's view does not hold every token written (not a full store).
+        RuntimeError: with ``KVBENCH_CHECKS=1``, a view not in position order.
     """
     if query.shape[-2] > 1 and not selector.sparse_prefill:
         return   # the authors' `chunk_prefill_accel_omnikv or q_len == 1`: None makes sparse layers read all
     view, cache = layer._view, layer.cache
-    if len(view) != layer.seen:
-        raise RuntimeError(f"layer {layer.ctx.layer_idx}: an OmniKV filter layer must hold every token (a full "
-                           f"store), its view holds {len(view)} of {layer.seen}")
+    assert len(view) == layer.seen, f"layer {layer.ctx.layer_idx}: a filter layer holds every token (a full store)"
     if checks.ENABLED and not torch.equal(view.positions[0, 0], torch.arange(layer.seen, device=view.keys.device)):
         raise RuntimeError(f"layer {layer.ctx.layer_idx}: the filter layer's view is not in position order")
     lo, hi = selector.n_sink, candidate_end(selector, layer.seen - len(chunk))

@@ -79,8 +79,8 @@ def low_rank_basis(proj: torch.nn.Linear, n_heads: int, head_dim: int, group_hea
     ``whitening``: None (plain SVD of W_g) or S float64 ``[hidden, hidden]`` with XᵀX = S Sᵀ
     (:func:`whitening_factor`): U_r is then taken from the SVD of W_g S (Palu's whitened decomposition,
     module docstring). Rank per group :func:`group_rank`. SVD in float64. Raises ValueError when
-    ``n_heads`` is not a multiple of ``group_heads``, the weight's rows are not ``n_heads · head_dim``, or
-    S is not ``[hidden, hidden]``.
+    ``n_heads`` is not a multiple of ``group_heads`` or the weight's rows are not ``n_heads · head_dim``; S is
+    asserted ``[hidden, hidden]``.
     """
     w = proj.weight.detach().to(torch.float64)
     if w.shape[0] != n_heads * head_dim:
@@ -88,8 +88,7 @@ def low_rank_basis(proj: torch.nn.Linear, n_heads: int, head_dim: int, group_hea
     if n_heads % group_heads:
         raise ValueError(f"{n_heads} KV heads are not a multiple of group_heads = {group_heads}")
     if whitening is not None:
-        if tuple(whitening.shape) != (w.shape[1], w.shape[1]):
-            raise ValueError(f"whitening factor {tuple(whitening.shape)} does not fit a projection from {w.shape[1]} inputs")
+        assert whitening.shape == (w.shape[1], w.shape[1]), f"whitening {tuple(whitening.shape)}, {w.shape[1]} inputs"
         w = w @ whitening.to(device=w.device, dtype=torch.float64)
     rows = group_heads * head_dim
     rank = group_rank(rank_ratio, rows, w.shape[1])
@@ -182,7 +181,7 @@ class PaluLayer(StoreLayer):
 
 @dataclass
 class PaluPress(Press):
-    """Palu (Chang et al., ICLR 2025): G-LRD low-rank keys and values, bases from the model's weights.
+    """Palu (Chang et al., ICLR 2025, arXiv 2407.21118): G-LRD low-rank keys and values, bases from the weights.
 
     Parameters
     ----------

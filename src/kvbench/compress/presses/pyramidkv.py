@@ -30,12 +30,11 @@ def pyramid_budget(mean: float, n_prefix: int, window: int, layer_idx: int, n_la
     Differences, chosen so the mean over layers equals ``mean`` up to rounding: the step is a float (the
     original floors it, shrinking the mean), and each budget is rounded and clamped to [1, n_prefix].
 
-    Raises ValueError for ``beta < 1`` or ``layer_idx`` outside ``[0, n_layers)``.
+    Raises ValueError for ``beta < 1``; ``layer_idx`` (the engine's) is asserted in ``[0, n_layers)``.
     """
     if beta < 1:
         raise ValueError(f"beta must be >= 1, got {beta}")
-    if not 0 <= layer_idx < n_layers:
-        raise ValueError(f"layer_idx must be in [0, {n_layers}), got {layer_idx}")
+    assert 0 <= layer_idx < n_layers, f"layer_idx must be in [0, {n_layers}), got {layer_idx}"
     if n_layers == 1 or n_prefix + window < 2 * mean:
         return min(n_prefix, max(1, round(mean)))
     top = mean / beta

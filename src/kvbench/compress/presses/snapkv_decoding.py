@@ -65,14 +65,19 @@ class SnapKVDecodingLayer(SnapKVLayer):
 
 @dataclass
 class SnapKVDecodingPress(SnapKVPress):
-    """SnapKV that also compresses during decoding (module docstring; kvpress ``DecodingPress``).
+    """SnapKV that also compresses during decoding (ResidualKV Table V's long generation; module docstring).
 
-    Parameters (besides :class:`SnapKVPress`'s ``keep``, ``window``, ``kernel``, ``pooling``, acting at the prefill):
+    SnapKV (https://arxiv.org/abs/2404.14469) evicts at the prefill as :class:`SnapKVPress`; then, every
+    ``interval`` decode steps, SnapKV's scores over those steps' queries keep ``target_size`` tokens per KV head:
+    the form of kvpress's ``DecodingPress`` (``NVIDIA/kvpress``, ``kvpress/presses/generation/decoding_press.py``).
 
-    - ``target_size`` : int, default 256 — tokens each KV head keeps after a decoding-time compression (kvpress's
-      ``token_buffer_size``; 1,024 there).
-    - ``interval`` : int, default 16 — decode steps between compressions, whose queries score the cache (kvpress's
-      ``compression_steps``; 10 there).
+    Parameters
+    ----------
+    keep, window, kernel, pooling : as :class:`SnapKVPress`, acting at the prefill.
+    target_size : int, default 256 — tokens each KV head keeps after a decoding-time compression (kvpress's
+        ``token_buffer_size``; 1,024 there).
+    interval : int, default 16 — decode steps between compressions, whose queries score the cache (kvpress's
+        ``compression_steps``; 10 there).
 
     With ``keep=1.0`` the prompt is kept whole and only decoding compresses (kvpress's ``DecodingPress`` alone);
     an ``interval`` longer than the decode makes it :class:`SnapKVPress`.

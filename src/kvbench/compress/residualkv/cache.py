@@ -565,9 +565,12 @@ class QuantizedFullLayer(KIVILayer):
 
 @dataclass
 class ResidualKVPress(Press):
-    """ResidualKV as a cache press (paper §IV; defaults from §V-A and the authors' configs), optionally
-    composed with a token selector (module docstring): spec ``residualkv``, ``residualkv+omnikv`` or
-    ``residualkv+snapkv`` (:mod:`kvbench.utils.spec`).
+    """ResidualKV as a cache press, optionally composed with a token selector (module docstring): spec
+    ``residualkv``, ``residualkv+omnikv`` or ``residualkv+snapkv`` (:mod:`kvbench.utils.spec`).
+
+    Source: ResidualKV, "ResidualKV: Residual-Based KV Cache Compression for Efficient Long-Context
+    Inference", arXiv 2602.08005v2, §IV (references, residual codes, restore, the OmniKV composition);
+    defaults from §V-A and the authors' configs.
 
     Parameters:
         codec: name of the codec variant (recorded; the workflow maps it to ``codec_dir``).

@@ -206,8 +206,7 @@ def refresh(adapter: VLMAdapter, req: AssembledRequest, policy: str | RefreshPol
     else:
         base_k = base_v = None
         if plan.base_from_stage1:
-            if sp is None:
-                raise RuntimeError(f"policy {pol.name}: base_from_stage1 needs the scoring pass")
+            assert sp is not None, f"policy {pol.name}: base_from_stage1 needs the scoring pass (uses_scoring)"
             base_k, base_v = sp.stage1.keys, sp.stage1.values
         out = execute(adapter, req, plan.schedule, base_keys=base_k, base_values=base_v, text_rows=plan.text_rows,
                       in_place=in_place)

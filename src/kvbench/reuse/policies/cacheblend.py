@@ -189,6 +189,27 @@ class CheckLayerSchedule(LayerSchedule):
 @register()
 @dataclass
 class CacheBlend(RefreshPolicy):
+    """CacheBlend in its paper form: every visual token through the check layer, then the top ⌈r·N_visual⌉.
+
+    Every visual token is recomputed at layers 0..``check_layer`` and keeps its new K/V there; at the check
+    layer they are ranked by deviation Σ(v_new − v_old)² (or of keys) and the top ⌈r·N_visual⌉ are the only
+    visual rows computed from the next layer on (a fixed set). Text is always computed.
+
+    Source: CacheBlend (arXiv 2405.16444), selective KV recompute, as its paper and original code
+    (``YaoJiayi/CacheBlend``, ``vllm_blend``) run it: the paper form; CONDUIT's as-run form is
+    ``cacheblend-conduit`` (docs/decisions.md, "Policies", "Baselines: sources").
+
+    Parameters
+    ----------
+    check_layer : int, default 1 — decoder layer (0-based, >= 1) where the deviations are measured (the
+        original's check layer 1).
+    deviation : str, default "v" — "v": value deviation Σ(v_new − v_old)² (the original); "k": key deviation
+        (LMCache's production variant).
+
+    The budget ``r`` of :meth:`plan` is the fraction of the request's visual tokens computed after the check
+    layer (⌈r·N_visual⌉ tokens).
+    """
+
     name = "cacheblend"
     label = "CacheBlend"
     form = "CacheBlend as in its paper (check layer 1, top-r by value deviation, fixed set after)"
@@ -218,6 +239,22 @@ class CacheBlend(RefreshPolicy):
 @register()
 @dataclass
 class CacheBlendConduit(RefreshPolicy):
+    """CacheBlend as CONDUIT runs it: decaying per-layer counts, ranked by ‖Δk‖₂ + ‖Δv‖₂ after each layer.
+
+    Layer 0 recomputes every visual token; the counts then decay linearly (never increasing) to a layer
+    average of ⌈r·N_visual⌉ where reachable (:func:`linear_layer_counts`), and after each layer that must
+    shrink the active tokens are ranked by ‖k_new − k_old‖₂ + ‖v_new − v_old‖₂ there. On a model with about
+    ≤ 1/r layers the schedule is degenerate (layer 0 only, :func:`degenerate`).
+
+    Source: CacheBlend (arXiv 2405.16444) as CONDUIT's code runs it (``cpa2001/CONDUIT`` @ 96c71d2,
+    ``nanovllm/engine/cacheblend.py``; counts of ``recompute.py``'s ``build_cacheblend_layer_counts``), the
+    CacheBlend row of CONDUIT (arXiv 2609.05821) §4.2, Table 1; the paper form is ``cacheblend``.
+
+    Parameters
+    ----------
+    None. The budget ``r`` of :meth:`plan` sets the layer average ⌈r·N_visual⌉ of recomputed visual tokens.
+    """
+
     name = "cacheblend-conduit"
     label = "CacheBlend (CONDUIT as-run)"
     form = ("CacheBlend as CONDUIT runs it (layer 0 all visual tokens, counts decaying linearly to a layer average "

@@ -32,6 +32,23 @@ def kvshare_score(state: LayerState) -> torch.Tensor:
 @register("kvshare")
 @dataclass
 class KVShareConduit(RefreshPolicy):
+    """KVShare as reimplemented in CONDUIT's code: CacheBlend's decaying schedule, ranked by attention × ‖Δv‖₁.
+
+    Layer 0 recomputes every visual token; the per-layer counts decay linearly to a layer average of
+    ⌈r·N_visual⌉ (:func:`~kvbench.reuse.policies.cacheblend.linear_layer_counts`), and after each layer that
+    must shrink the active visual tokens are ranked by the attention mass all computed rows put on them
+    times ‖v_new − v_old‖₁ at that layer. Prefill only.
+
+    Source: KVShare (arXiv 2503.16525) as CONDUIT's code reimplements it (``cpa2001/CONDUIT`` @ 96c71d2,
+    ``nanovllm/engine/cacheblend.py``), the KVShare row of CONDUIT (arXiv 2609.05821) §4.2, Table 1.
+    KVShare's own "dual-stage high deviation" method is not implemented (not public in readable form;
+    docs/decisions.md, "Baselines: sources").
+
+    Parameters
+    ----------
+    None. The budget ``r`` of :meth:`plan` sets the layer average ⌈r·N_visual⌉ of recomputed visual tokens.
+    """
+
     name = "kvshare-conduit"
     label = "KVShare (CONDUIT reimpl.)"
     form = "KVShare as reimplemented in CONDUIT's code (CacheBlend schedule, attention x |dv|_1)"

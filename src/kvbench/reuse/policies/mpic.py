@@ -19,6 +19,23 @@ from kvbench.reuse.validate import budget_count
 @register()
 @dataclass
 class MPIC(RefreshPolicy):
+    """MPIC-k: recompute all text plus the leading visual tokens of each image, at every layer; no scoring.
+
+    Image j's first ``k`` visual tokens (or, with ``k=None``, its first ⌈r·n_j⌉) are recomputed at every
+    layer with all text; the rest of each image keeps its stale K/V. Per-image rounding can select more
+    than ⌈r·N_visual⌉ in all.
+
+    Source: MPIC (arXiv 2502.01960), MPIC-k: all text plus the first k image tokens (k = 32 its headline);
+    this is the paper's per-image form (the CONDUIT authors' ``each=first:r%``), not CONDUIT's as-run global
+    form, which is ``mpic-first`` (docs/decisions.md, "Policies", "Baselines: sources").
+
+    Parameters
+    ----------
+    k : int or None, default None — leading visual tokens recomputed per image (tokens, >= 0); None: the
+        first ⌈r·n_j⌉ of each image j, with ``r`` the budget of :meth:`plan` (a fraction of the image's
+        n_j visual tokens).
+    """
+
     name = "mpic"
     label = "MPIC"
     form = "MPIC-k per image (the first ceil(r n_j) tokens of each image)"
@@ -47,6 +64,20 @@ class MPIC(RefreshPolicy):
 @register()
 @dataclass
 class MPICFirst(RefreshPolicy):
+    """MPIC as CONDUIT runs it ("first:r"): recompute the first ⌈r·N_visual⌉ visual tokens of the request.
+
+    The visual tokens of all images are flattened in prompt order and the first ⌈r·N_visual⌉ are
+    recomputed at every layer with all text, so the leading images take the whole budget; no scoring pass.
+
+    Source: MPIC (arXiv 2502.01960) in the form CONDUIT's code runs it (``cpa2001/CONDUIT`` @ 96c71d2,
+    ``nanovllm/engine/recompute.py``, ``parse_recompute_strategy``), the MPIC row of CONDUIT
+    (arXiv 2609.05821) §4.2, Table 1; the paper's per-image form is ``mpic``.
+
+    Parameters
+    ----------
+    None. The budget ``r`` of :meth:`plan` is the fraction of the request's visual tokens recomputed.
+    """
+
     name = "mpic-first"
     label = "MPIC (first:r)"
     form = "MPIC as CONDUIT runs it (the first ceil(r N) visual tokens of the request)"
