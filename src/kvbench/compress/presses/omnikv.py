@@ -116,13 +116,8 @@ def filter_step(selector: Selector, layer: StoreLayer, chunk: KVView, query: tor
     layers' stores use.
 
     The filter layer must be a full store (exact or KIVI-style): its view holds every token, position p at
-<<<<<<< HEAD
     index p, so the candidates are a slice and their count a host int (no read-back: docs/decisions/residualkv.md, "No
-    host synchronisation in a decode step").
-=======
-    index p, so the candidates are a slice and their count a host int (no read-back: docs/decisions.md, "No
     host synchronisation in a decode step"); asserted.
->>>>>>> i31-lists
 
     Raises:
         RuntimeError: with ``KVBENCH_CHECKS=1``, a view not in position order.

@@ -197,7 +197,7 @@ class CacheBlend(RefreshPolicy):
 
     Source: CacheBlend (arXiv 2405.16444), selective KV recompute, as its paper and original code
     (``YaoJiayi/CacheBlend``, ``vllm_blend``) run it: the paper form; CONDUIT's as-run form is
-    ``cacheblend-conduit`` (docs/decisions.md, "Policies", "Baselines: sources").
+    ``cacheblend-conduit`` (docs/decisions/reuse.md, "Policies", "Baselines: sources").
 
     Parameters
     ----------

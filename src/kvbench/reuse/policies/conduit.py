@@ -3,20 +3,7 @@
 Score s(t) = mean over layers of α_l(t)·‖V_l(t)‖ (all layers unless
 ``layers`` is given, e.g. the single-image subsets 14,16,18,20,22 of
 Qwen2.5-VL-3B), times the image coefficient c_j = 1 + λ(m_j/mean m − 1)
-<<<<<<< HEAD
-(λ = 1 default; c = 1 when K = 1), then one global top-⌈r·N_visual⌉.
-
-Parameters:
-    lam: λ in [0, 1].
-    layers: decoder layers averaged (None: all).
-    use_v_norm: multiply by ‖V‖ (False reproduces the "query attention only" ablation, Table 5).
-    coef_source: ``"score"`` (m_j from the fused score s, as the authors' code does) or ``"attention"``
-        (m_j from mean attention α only, the paper text's wording; docs/decisions/reuse.md, "Image coefficient").
-    phase2_text: ``"all"`` (default) or ``"query"`` (as the authors' code runs), from
-        :class:`~kvbench.reuse.policies.base.Phase2TextPolicy`.
-=======
 (λ = 1 default; c = 1 when K = 1), then one global top-⌈r·N_visual⌉. Parameters: :class:`Conduit`.
->>>>>>> i31-lists
 """
 from __future__ import annotations
 
@@ -41,8 +28,8 @@ class Conduit(Phase2TextPolicy):
     Models" (arXiv 2609.05821): §3.3 (token score), §3.4 (image coefficient), §3.5 (global top-k), App.
     A.1-A.2 (refresh mask, scoring pass). The defaults take the image coefficient from the fused score as the
     authors' code does (``coef_source="score"``) and recompute all text in Phase 2 (``phase2_text="all"``, so
-    r = 1 is full prefill); ``phase2_text="query"`` is the authors' as-run Phase 2 (docs/decisions.md,
-    "Image coefficient source", "Phase 2 executor").
+    r = 1 is full prefill); ``phase2_text="query"`` is the authors' as-run Phase 2 (docs/decisions/reuse.md,
+    "Image coefficient", "Phase 2 executor").
 
     Parameters
     ----------

@@ -42,7 +42,7 @@ class KVShareConduit(RefreshPolicy):
     Source: KVShare (arXiv 2503.16525) as CONDUIT's code reimplements it (``cpa2001/CONDUIT`` @ 96c71d2,
     ``nanovllm/engine/cacheblend.py``), the KVShare row of CONDUIT (arXiv 2609.05821) §4.2, Table 1.
     KVShare's own "dual-stage high deviation" method is not implemented (not public in readable form;
-    docs/decisions.md, "Baselines: sources").
+    docs/decisions/reuse.md, "Baselines: sources").
 
     Parameters
     ----------

@@ -27,7 +27,7 @@ class MPIC(RefreshPolicy):
 
     Source: MPIC (arXiv 2502.01960), MPIC-k: all text plus the first k image tokens (k = 32 its headline);
     this is the paper's per-image form (the CONDUIT authors' ``each=first:r%``), not CONDUIT's as-run global
-    form, which is ``mpic-first`` (docs/decisions.md, "Policies", "Baselines: sources").
+    form, which is ``mpic-first`` (docs/decisions/reuse.md, "Policies", "Baselines: sources").
 
     Parameters
     ----------

@@ -24,7 +24,7 @@ class ProphetKV(Phase2TextPolicy):
     Source: ProphetKV (arXiv 2602.02579: per-layer query-to-stale-key attention mass, uniform mean over
     layers, top-p of the context tokens plus the query), in the form CONDUIT's code runs it (``cpa2001/CONDUIT``
     @ 96c71d2, ``model_runner_kv_score.py``), the ProphetKV row of CONDUIT (arXiv 2609.05821) §4.2, Table 1.
-    ProphetKV's own paper form is not implemented (docs/decisions.md, "Baselines: sources").
+    ProphetKV's own paper form is not implemented (docs/decisions/reuse.md, "Baselines: sources").
 
     Parameters
     ----------
