@@ -3,6 +3,8 @@
 Each kernel ships with its reference, and ``tests/test_kernel_*.py`` compare the two on the CPU under
 Triton's interpreter (``TRITON_INTERPRET=1``; ``pytest tests/ -k kernel``). Modules:
 
+- :mod:`.quant`: the torch quantiser (per-token groups, fp16 side information) and the FP8 cast, shared with KIVI,
+  ResidualKV and the accounting;
 - :mod:`.group_quant`: per-token group quantisation of ResidualKV's residual codes with packed 2/4/8-bit
   levels (``group_quant``, ``group_dequant``; ``pack_levels`` / ``unpack_levels`` for the CPU path);
 - :mod:`.restore_attend`: a sparse layer's decode attention over raw tokens, references and coded tokens,

@@ -4,7 +4,7 @@ Liu et al., "KIVI: A Tuning-Free Asymmetric 2bit Quantization for KV Cache", ICM
 `jy-yuan/KIVI`). Keys (post-RoPE, as KIVI's code caches them) are quantised per channel: each channel
 over a group of ``group`` consecutive tokens shares one min/scale. Values are quantised per token in
 groups of ``group`` consecutive channels of one head. Min/max asymmetric quantisation
-(:func:`kvbench.compress.residualkv.quant.quantize`: zmin, scale in fp16).
+(:func:`kvbench.kernels.quant.quantize`: zmin, scale in fp16).
 
 Full-precision residual, as KIVI's code does it:
 
@@ -30,7 +30,7 @@ from kvbench.compress import checks
 from kvbench.compress.accounting import StoredBytes
 from kvbench.compress.buffers import Growable
 from kvbench.compress.cache import KVView, LayerContext, PressCache, Press, StoreLayer
-from kvbench.compress.residualkv import quant
+from kvbench.kernels import quant
 
 BITS = (2, 4, 8, 16)
 FP16_BYTES = 2   # raw tensors are counted as FP16, the full cache's precision (accounting.py)

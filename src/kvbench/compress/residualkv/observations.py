@@ -23,12 +23,8 @@ from typing import Any, Sequence
 
 import torch
 
-from kvbench.compress.residualkv.references import (
-    check_schedule,
-    mean_reference,
-    nearest_references,
-    reference_mask,
-)
+from kvbench.compress.residualkv.references import check_schedule, nearest_references, reference_mask
+from kvbench.kernels.reference_mean import mean_reference
 
 #: Entries of one chunk of the [rows, T] cosine matrix (float32: 16 MiB).
 _CHUNK_ENTRIES = 1 << 22
@@ -102,7 +98,7 @@ def reference_residuals(kv: torch.Tensor, schedule: ReferenceSchedule) -> tuple[
 
     The tokens coded are those neither sinks (position < ``n_sink``) nor references (:func:`.reference_mask`);
     each one's references are the ``k`` nearest (squared L2) references at earlier positions
-    (:func:`.nearest_references`, causal), averaged (:func:`.mean_reference`): as
+    (:func:`.nearest_references`, causal), averaged (:func:`~kvbench.kernels.reference_mean.mean_reference`): as
     :func:`kvbench.compress.residualkv.train.compress_kv` computes the codec's input.
 
     Args:

@@ -46,11 +46,8 @@ from kvbench.compress.cache import decoder_layers
 from kvbench.compress.residualkv.codec import CodecConfig, ResidualCodec, model_kv_shape
 from kvbench.compress.residualkv.keys import codec_keys
 from kvbench.compress.residualkv.vlm_data import VLMRecordStream
-from kvbench.compress.residualkv.references import (
-    mean_reference,
-    nearest_references,
-    reference_mask,
-)
+from kvbench.compress.residualkv.references import nearest_references, reference_mask
+from kvbench.kernels.reference_mean import mean_reference
 from kvbench.train.dist import World
 from kvbench.train.loop import Interrupted, StopOnSignal
 from kvbench.train.state import load_state, save_state

@@ -31,8 +31,9 @@ from typing import Any, Sequence
 
 import torch
 
-from kvbench.compress.residualkv import quant, references
+from kvbench.compress.residualkv import references
 from kvbench.compress.residualkv.observations import ReferenceSchedule, layer_kv
+from kvbench.kernels import quant
 
 
 @dataclass(frozen=True)
@@ -104,7 +105,7 @@ def stored_references(kv: torch.Tensor, schedule: StoreSchedule) -> TokenReferen
     """Each coded token's ``k`` nearest earlier references in one layer, as
     :meth:`kvbench.compress.residualkv.cache.ResidualKVLayer._compress` finds them (module docstring): the pool is the
     reference positions in ``[n_sink, T)`` of :func:`~kvbench.compress.residualkv.references.references_between`
-    (called as the cache calls it), stored with :func:`~kvbench.compress.residualkv.quant.cast_fp8` when ``ref_fp8``
+    (called as the cache calls it), stored with :func:`~kvbench.kernels.quant.cast_fp8` when ``ref_fp8``
     (as :class:`~kvbench.compress.residualkv.store.RefPool` stores it) and read back as float32; the search is
     :func:`~kvbench.compress.residualkv.references.nearest_references` over it (causal, ties to the lower index).
 
