@@ -44,7 +44,7 @@ def _words(values) -> str:
 
 
 def _tokenizer(a: argparse.Namespace) -> None:
-    from kvbench.models.tokenizer import save_tokenizer
+    from kvbench.data.tokenizer import save_tokenizer
 
     print(json.dumps(save_tokenizer(a.out, vocab_size=a.vocab_size), indent=2))
 

@@ -25,7 +25,7 @@ from typing import Any, ClassVar
 import torch
 
 from kvbench.compress.generate import final_question_ids
-from kvbench.eval.multiquery import TURNS
+from kvbench.data.scbench import TURNS
 from kvbench.models.prompting import encode_record
 
 #: Decoding of every method (:meth:`EvalMethod.greedy_kwargs`), as ``config.yaml`` records it.

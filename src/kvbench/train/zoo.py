@@ -16,9 +16,9 @@ import torch
 import transformers
 
 import kvbench
+from kvbench.data.tokenizer import load_tokenizer_dir
 from kvbench.models.loader import save_checkpoint
 from kvbench.models.tiny import build_config, build_processor, zoo_spec
-from kvbench.models.tokenizer import load_tokenizer_dir
 from kvbench.train.batches import PROBE_CLASSES
 from kvbench.train.floors import check_floor_values, check_floors, validation_scores
 from kvbench.train.loop import run_phases
