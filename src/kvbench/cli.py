@@ -74,6 +74,7 @@ def _json_object(text: str, flag: str) -> dict:
 
 
 def _train(a: argparse.Namespace) -> None:
+    from kvbench.eval.methods import full_cache_score
     from kvbench.train.zoo import train_zoo_model
 
     overrides = _json_object(a.overrides, "--overrides")
@@ -81,7 +82,7 @@ def _train(a: argparse.Namespace) -> None:
     summary = train_zoo_model(
         a.model, tokenizer_dir=a.tokenizer, out_dir=a.out, workdir=a.workdir,
         slice_s=a.slice_s or None, seed=a.seed, threads=a.threads, overrides=overrides,
-        floors=floors, val_n=a.val_n, feeds=a.feeds,
+        floors=floors, val_n=a.val_n, feeds=a.feeds, score=full_cache_score,
     )
     print(json.dumps(summary, indent=2, default=str))
 

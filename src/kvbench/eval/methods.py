@@ -26,6 +26,7 @@ import torch
 
 from kvbench.compress.generate import final_question_ids
 from kvbench.data.scbench import TURNS
+from kvbench.eval.metrics import METRICS
 from kvbench.models.prompting import encode_record
 
 #: Decoding of every method (:meth:`EvalMethod.greedy_kwargs`), as ``config.yaml`` records it.
@@ -171,6 +172,12 @@ class FullCache(EvalMethod):
             out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
                                  **self.greedy_kwargs(model, proc, then[1]))
         return self.decode(proc, record, out[0, prompt_len:])
+
+
+def full_cache_score(model: Any, proc: Any, record: dict) -> float:
+    """Score in [0, 1] of :class:`FullCache`'s answer to ``record`` by the record's own metric (images resolved
+    in memory): the zoo's skill floors score their validation slices with it (:mod:`kvbench.train.floors`)."""
+    return float(METRICS[record["metric"]](FullCache().predict(model, proc, record, None), record["answer"]))
 
 
 def single_queries(record: dict) -> list[dict]:
