@@ -8,6 +8,7 @@ import pytest
 import torch
 from _reuse_fixtures import random_image, tiny_vlm
 
+from kvbench.beyond.compressed_store import CacheCodec, CompressedImageKVStore, stored_parts, summarize
 from kvbench.compress.accounting import StoredBytes, full_cache_bytes
 from kvbench.compress.residualkv import references
 from kvbench.compress.residualkv.codec import ResidualCodec
@@ -16,7 +17,6 @@ from kvbench.kernels import quant
 from kvbench.kernels.group_quant import unpack_levels
 from kvbench.kernels.reference_mean import mean_reference
 from kvbench.reuse import CacheMismatchError, ImageKVStore, adapter_for
-from kvbench.reuse.compressed_store import CacheCodec, CompressedImageKVStore, stored_parts, summarize
 
 torch.set_num_threads(1)
 GENERIC = "You are a helpful assistant."
