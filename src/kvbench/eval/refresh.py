@@ -20,6 +20,8 @@ import torch
 from kvbench.beyond.compressed_store import CacheCodec, CompressedImageKVStore, summarize
 from kvbench.eval.audit import ReplayPolicy, plan_audit
 from kvbench.eval.methods import EvalMethod, FatalRunError, eos_ids, until_eos
+from kvbench.eval.runconfig import read_config
+from kvbench.models.loader import load_model
 from kvbench.reuse import (
     ImageKVStore,
     adapter_for,
@@ -29,6 +31,7 @@ from kvbench.reuse import (
 )
 from kvbench.reuse.cache_store import template_hash
 from kvbench.reuse.policies import REFRESH
+from kvbench.utils.io import read_jsonl
 from kvbench.utils.spec import parse
 
 # --- the evaluation method -------------------------------------------------------------------
@@ -239,9 +242,6 @@ def build_caches(model_spec: str | Path, split_path: str | Path, cache_dir: str 
     Raises:
         ValueError: a record is not a VLM record with ``generic_system`` and at least one image.
     """
-    from kvbench.models.loader import load_model
-    from kvbench.utils.io import read_jsonl
-
     split_path = Path(split_path)
     records = read_jsonl(split_path)[: None if limit is None else int(limit)]
     for r in records:
@@ -272,8 +272,6 @@ def build_caches(model_spec: str | Path, split_path: str | Path, cache_dir: str 
 # --- exact replay of a recorded plan (``kvbench replay``) ---------------------------------------
 
 def _find_row(run_dir: Path, record_id: str) -> dict:
-    from kvbench.utils.io import read_jsonl
-
     row = next((r for r in read_jsonl(run_dir / "predictions.jsonl") if r.get("id") == record_id), None)
     if row is not None:
         return row
@@ -297,10 +295,6 @@ def replay(run_dir: str | Path, record_id: str, *, cache_dir: str | None = None,
             with the pre-fix CacheBlend check-layer blend (:class:`~kvbench.eval.audit.ReplayPolicy`), the
             record's request differs from the recorded one, or a bad ``config.yaml``.
     """
-    from kvbench.eval.runconfig import read_config
-    from kvbench.models.loader import load_model
-    from kvbench.utils.io import read_jsonl
-
     run_dir = Path(run_dir)
     config = read_config(run_dir)
     info = config["method"]

@@ -45,6 +45,7 @@ from pathlib import Path
 
 import torch
 
+from kvbench import kernels
 from kvbench.compress import accounting, checks
 from kvbench.compress.accounting import StoredBytes
 from kvbench.compress.buffers import Growable, KVBuffer
@@ -417,7 +418,6 @@ class ResidualKVLayer(StoreLayer):
             return False
         if self.k_norm is not None or self.codec.config.decoder != "linear":
             return False
-        from kvbench import kernels   # kernels import compress.residualkv modules; imported when first needed
         return kernels.use_triton(chunk.keys.device)
 
     def visible(self, view: KVView) -> int:
@@ -431,8 +431,6 @@ class ResidualKVLayer(StoreLayer):
         """One decode step through :func:`kvbench.kernels.restore_attend` over the stores as held (FP8 references,
         packed codes, indices) and the raw tokens, with OmniKV's selection as row indices of each store
         (selected positions split by the position maps: one host read of their count per layer)."""
-        from kvbench import kernels
-
         raw, selected = self._fused
         self._fused = None
         self.ctx.rope.reach(self.seen)

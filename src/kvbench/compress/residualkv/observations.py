@@ -23,8 +23,12 @@ from typing import Any, Sequence
 
 import torch
 
+from kvbench.compress.cache import decoder_layers
+from kvbench.compress.generate import split_prompt
 from kvbench.compress.residualkv.references import check_schedule, nearest_references, reference_mask
+from kvbench.compress.residualkv.train import record_kv
 from kvbench.kernels.reference_mean import mean_reference
+from kvbench.utils.io import read_jsonl
 
 #: Entries of one chunk of the [rows, T] cosine matrix (float32: 16 MiB).
 _CHUNK_ENTRIES = 1 << 22
@@ -208,9 +212,6 @@ def layer_kv(model: Any, inputs: dict, layers: Sequence[int] | None = None) -> l
     Raises:
         ValueError: a batch other than 1, or a layer index outside the model.
     """
-    from kvbench.compress.cache import decoder_layers
-    from kvbench.compress.residualkv.train import record_kv
-
     n_layers = len(decoder_layers(model))
     keep = list(range(n_layers)) if layers is None else list(layers)
     bad = [i for i in keep if not 0 <= i < n_layers]
@@ -245,10 +246,6 @@ def observe(model: Any, proc: Any, splits: dict[str, str | Path], schedule: Refe
     Raises:
         ValueError: no context of at least 2 tokens, a record without text fields, or bad limits.
     """
-    from kvbench.compress.cache import decoder_layers
-    from kvbench.compress.generate import split_prompt
-    from kvbench.utils.io import read_jsonl
-
     if records_per_task < 1 or max_tokens < 2 or (context_tokens is not None and context_tokens < 2):
         raise ValueError(f"records_per_task >= 1, max_tokens >= 2 and context_tokens >= 2 expected, got "
                          f"{records_per_task}, {max_tokens}, {context_tokens}")

@@ -31,7 +31,10 @@ from typing import Any, Sequence
 
 import torch
 
+from kvbench.compress.cache import decoder_layers
+from kvbench.compress.generate_vlm import encode_vlm, merged_grids, visual_positions
 from kvbench.compress.residualkv import references
+from kvbench.compress.residualkv.codec import model_kv_shape
 from kvbench.compress.residualkv.observations import ReferenceSchedule, layer_kv
 from kvbench.kernels import quant
 
@@ -231,10 +234,6 @@ def visual_case(model: Any, proc: Any, record: dict, base_dir: str | Path | None
             tiles), ``image`` outside the record's images, bad ``layers`` (:func:`check_layers`), or a codec trained
             for another ``(n_layers, d_kv)`` than the model's.
     """
-    from kvbench.compress.cache import decoder_layers
-    from kvbench.compress.generate_vlm import encode_vlm, merged_grids, visual_positions
-    from kvbench.compress.residualkv.codec import model_kv_shape
-
     rid = record.get("id")
     if record.get("kind") != "vlm":
         raise ValueError(f"record {rid!r} is kind {record.get('kind')!r}: a visual case needs a VLM record (kind: vlm)")
