@@ -9,7 +9,7 @@ import transformers
 @pytest.fixture(scope="session")
 def tokenizer_dir(tmp_path_factory):
     """Directory of the zoo tokenizer, built offline once per test session (~15 s)."""
-    from kvbench.models.tokenizer import save_tokenizer
+    from kvbench.data.tokenizer import save_tokenizer
 
     out = tmp_path_factory.mktemp("tokenizer")
     save_tokenizer(out)

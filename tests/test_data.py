@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from kvbench.eval.metrics import edit_sim
 from kvbench.data import corpus, digitgrid, digits, docpages, instructions, lcc, lexicon, longctx, smoke
 
 COMMON = {"id": str, "task": str, "split": str, "kind": str, "question": str, "answer": str,
@@ -203,7 +202,7 @@ def test_text_param_errors(tokenizer):
 # ---------------------------------------------------------------- LCC
 
 def test_lcc_chance_is_edit_sim_of_copying_the_last_line():
-    assert lcc.copy_last_line_baseline("a = 1\n\n    b = 2\n    ", "b = 3") == edit_sim("b = 2", "b = 3")
+    assert lcc.copy_last_line_baseline("a = 1\n\n    b = 2\n    ", "b = 3") == lcc.edit_sim("b = 2", "b = 3")
 
 
 def test_lcc_records(tokenizer):

@@ -7,10 +7,11 @@ import math
 import pytest
 from _zoo_fixtures import text_record, vlm_record, write_png, write_split
 
+from kvbench.data.lcc import edit_sim, first_code_line, indel_ratio
 from kvbench.eval import metrics
 from kvbench.eval.methods import EvalMethod, FullCache
 from kvbench.eval.registry import PLAIN, get_method
-from kvbench.eval.metrics import aggregate, edit_sim, exact_match, first_code_line, indel_ratio
+from kvbench.eval.metrics import aggregate, exact_match
 from kvbench.eval.runconfig import read_config
 from kvbench.eval.runner import run_eval
 from kvbench.utils.io import read_jsonl
@@ -56,7 +57,7 @@ def test_edit_sim_skips_comment_lines_like_longbench():
 
 def test_indel_ratio_is_two_lcs_over_total_length():
     # "kitten" vs "sitting": LCS "ittn" = 4 -> 2*4 / 13
-    assert metrics.indel_ratio("kitten", "sitting") == pytest.approx(8 / 13)
+    assert indel_ratio("kitten", "sitting") == pytest.approx(8 / 13)
 
 
 def test_aggregate_binary_uses_wilson():

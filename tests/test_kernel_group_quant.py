@@ -5,7 +5,7 @@ import pytest
 import torch
 from _kernel_fixtures import DEVICE, assert_within, interpreter  # noqa: F401
 
-from kvbench.compress.residualkv import quant
+from kvbench.kernels import quant
 from kvbench.kernels.group_quant import (PackedCodes, check_pack, group_dequant, group_dequant_bytes, group_dequant_ref,
                                          group_quant, group_quant_bytes, group_quant_ref, pack_levels, unpack_levels)
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 from _kernel_fixtures import DEVICE, TOL, assert_within, interpreter  # noqa: F401
 
-from kvbench.compress.residualkv import quant
+from kvbench.kernels import quant
 from kvbench.kernels.flash_decode import sdpa_decode
 from kvbench.kernels.group_quant import pack_levels
 from kvbench.kernels.kivi_attend import KIVILayout, kivi_attend, kivi_attend_bytes, kivi_attend_ref

@@ -10,7 +10,6 @@ from transformers.models.qwen2.modeling_qwen2 import (
     apply_rotary_pos_emb,
 )
 
-from kvbench.compress.residualkv import references
 from kvbench.compress.residualkv.codec import ResidualCodec, codec_config_for_shape
 from kvbench.kernels.flash_decode import sdpa_decode
 from kvbench.kernels.group_quant import PackedCodes, group_quant_ref
@@ -196,7 +195,7 @@ def test_kernel_restore_attend_equals_attention_over_the_caches_history(tiny_lm,
 
     from kvbench.compress.residualkv.cache import ResidualKVPress
     from kvbench.compress.cache import KVView
-    from kvbench.compress.residualkv.quant import QuantizedCodes
+    from kvbench.kernels.quant import QuantizedCodes
     from kvbench.models import rope
 
     codec = ResidualCodec.for_model(tiny_lm, seed=3, d_c=32, d_ff=64, encoder="linear", n_sink=2, window=4, stride=5)

@@ -9,7 +9,7 @@ from kvbench.compress.cache import Press
 from kvbench.compress.generate import greedy_generate
 from kvbench.compress.presses.kivi import KIVIPress
 from kvbench.compress.presses.palu import PaluPress, input_grams, low_rank_basis, whitening_factor
-from kvbench.compress.residualkv import quant
+from kvbench.kernels import quant
 
 
 # -- KIVI ------------------------------------------------------------------------------------------------

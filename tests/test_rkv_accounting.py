@@ -10,7 +10,7 @@ from kvbench.compress.accounting import (
     keep_ratio_measured,
     q_bits,
 )
-from kvbench.compress.residualkv.quant import quantize
+from kvbench.kernels.quant import quantize
 
 
 def test_q_bits():

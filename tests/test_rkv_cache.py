@@ -11,6 +11,7 @@ from kvbench.compress.presses.omnikv import OmniKVPress
 from kvbench.compress.presses.snapkv import SnapKVPress
 from kvbench.compress.residualkv.cache import ResidualKVLayer, ResidualKVPress
 from kvbench.compress.residualkv.codec import ResidualCodec
+from kvbench.kernels.reference_mean import mean_reference
 
 
 def _identity_codec(model, path, **overrides):
@@ -171,7 +172,6 @@ def test_mean_only_stores_a_zero_code_and_restores_the_reference_mean(tiny_lm, t
     """Table VIII "without f_c, f_d" as the authors ran it (REMOVE_COMP): the bytes of ResidualKV's codes are
     held (KR unchanged), and a coded token is read back as the mean of its references."""
     from kvbench.compress.cache import KVView
-    from kvbench.compress.residualkv import references
 
     codec_dir = _identity_codec(tiny_lm, tmp_path / "id", n_sink=2, window=4, stride=5)
     _, coded = _run(tiny_lm, ResidualKVPress(codec_dir=str(codec_dir), bits=4), IDS, [50])
@@ -183,7 +183,7 @@ def test_mean_only_stores_a_zero_code_and_restores_the_reference_mean(tiny_lm, t
     view = layer.history()
     m = torch.isin(view.positions[0, 0], pos)
     got = layer._kv_pre(KVView(view.keys[..., m, :], view.values[..., m, :], view.positions[..., m]))
-    want = references.mean_reference(layer.refs(), nbr, valid)
+    want = mean_reference(layer.refs(), nbr, valid)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     # and ResidualKV itself restores something else (the identity codec gives the exact K/V back)
     cview = coded.layers[-1].history()

@@ -11,7 +11,7 @@ import pytest
 import torch
 from _reuse_fixtures import random_image, record, tiny_vlm
 
-from kvbench.compress.residualkv import quant, references
+from kvbench.compress.residualkv import references
 from kvbench.compress.residualkv.observations import ReferenceSchedule, layer_kv
 from kvbench.compress.residualkv.visual_case import (
     StoreSchedule,
@@ -20,6 +20,7 @@ from kvbench.compress.residualkv.visual_case import (
     stored_references,
     visual_case,
 )
+from kvbench.kernels import quant
 from kvbench.report import rkv_fig13
 
 pytestmark = pytest.mark.usefixtures("one_thread")

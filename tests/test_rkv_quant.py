@@ -1,11 +1,11 @@
-"""Per-token group quantisation and the FP8 cast (kvbench.compress.residualkv.quant)."""
+"""Per-token group quantisation and the FP8 cast (kvbench.kernels.quant)."""
 
 import math
 
 import pytest
 import torch
 
-from kvbench.compress.residualkv.quant import (
+from kvbench.kernels.quant import (
     FP8_MAX,
     QuantizedCodes,
     check_quant_config,

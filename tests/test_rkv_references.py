@@ -9,13 +9,13 @@ import torch
 from kvbench.compress.residualkv.references import (
     GRIDS,
     approx_reference_count,
-    mean_reference,
     nearest_references,
     reference_count,
     reference_mask,
     reference_positions,
     references_between,
 )
+from kvbench.kernels.reference_mean import mean_reference
 
 
 def _refs(T, **kw):

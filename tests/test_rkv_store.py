@@ -10,10 +10,12 @@ from kvbench.compress import checks
 from kvbench.compress.cache import Press, press_attention
 from kvbench.compress.presses.omnikv import OmniKVPress
 from kvbench.compress.registry import PRESS
-from kvbench.compress.residualkv import quant, references
+from kvbench.compress.residualkv import references
 from kvbench.compress.residualkv.cache import ResidualKVLayer, ResidualKVPress
 from kvbench.compress.residualkv.codec import ResidualCodec
 from kvbench.compress.residualkv.store import CodeStore, PositionMap, RefPool, restore_mean
+from kvbench.kernels import quant
+from kvbench.kernels.reference_mean import mean_reference, mean_rows
 from kvbench.utils.spec import parse
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -50,7 +52,7 @@ def _expected_codes(layer: ResidualKVLayer, kv: torch.Tensor, cuts: list[int], n
         refs, rpos = torch.cat(pool).float(), torch.tensor(pool_pos)
         nbr, valid = references.nearest_references(kv[tok], tok, refs, rpos, cfg.k)
         with torch.no_grad():
-            z = codec.residual_code(kv[tok], references.mean_reference(refs, nbr, valid))
+            z = codec.residual_code(kv[tok], mean_reference(refs, nbr, valid))
         codes = quant.quantize(z, 4, cfg.group)
         for key, value in (("q", codes.q), ("zmin", codes.zmin), ("scale", codes.scale), ("nbr", nbr), ("pos", tok)):
             out[key].append(value)
@@ -239,7 +241,7 @@ def test_restore_mean_is_bitwise_mean_rows(fp8):
     extra = torch.tensor([3, 0, 39])
     mean, rows = restore_mean(pool, nbr, valid, extra)
     table = pool.all()
-    want = references.mean_rows(table[nbr], valid)
+    want = mean_rows(table[nbr], valid)
     assert torch.equal(mean, want) and torch.equal(rows, table[extra])
     assert set(valid.sum(1).tolist()) == {1, 2, 3, 4}
 

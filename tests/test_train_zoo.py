@@ -5,6 +5,7 @@ import json
 
 import pytest
 
+from kvbench.eval.methods import full_cache_score
 from kvbench.train.floors import BelowFloor, validation_records
 from kvbench.train.zoo import train_zoo_model
 from kvbench.utils.steps import SliceEnded
@@ -15,7 +16,7 @@ TINY = {"steps_scale": 0.002}
 
 def _train(tokenizer_dir, root, **kw):
     return train_zoo_model("tiny-qwen2-lm", tokenizer_dir=tokenizer_dir, out_dir=root / "model",
-                           workdir=root / "work", seed=0, threads=1, overrides=TINY, **kw)
+                           workdir=root / "work", seed=0, threads=1, overrides=TINY, score=full_cache_score, **kw)
 
 
 def test_sliced_run_gives_the_same_bytes(tokenizer_dir, tmp_path):

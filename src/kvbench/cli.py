@@ -48,7 +48,7 @@ def _words(values) -> str:
 
 
 def _tokenizer(a: argparse.Namespace) -> None:
-    from kvbench.models.tokenizer import save_tokenizer
+    from kvbench.data.tokenizer import save_tokenizer
 
     print(json.dumps(save_tokenizer(a.out, vocab_size=a.vocab_size), indent=2))
 
@@ -78,6 +78,7 @@ def _json_object(text: str, flag: str) -> dict:
 
 
 def _train(a: argparse.Namespace) -> None:
+    from kvbench.eval.methods import full_cache_score
     from kvbench.train.zoo import train_zoo_model
 
     overrides = _json_object(a.overrides, "--overrides")
@@ -85,7 +86,7 @@ def _train(a: argparse.Namespace) -> None:
     summary = train_zoo_model(
         a.model, tokenizer_dir=a.tokenizer, out_dir=a.out, workdir=a.workdir,
         slice_s=a.slice_s or None, seed=a.seed, threads=a.threads, overrides=overrides,
-        floors=floors, val_n=a.val_n, feeds=a.feeds,
+        floors=floors, val_n=a.val_n, feeds=a.feeds, score=full_cache_score,
     )
     print(json.dumps(summary, indent=2, default=str))
 

@@ -1,4 +1,4 @@
-# The zoo's offline byte-level BPE tokenizer (kvbench.models.tokenizer), in zoo/<profile>/tokenizer-<hash>/.
+# The zoo's offline byte-level BPE tokenizer (kvbench.data.tokenizer), in zoo/<profile>/tokenizer-<hash>/.
 # Output: tokenizer.json stands for the save_pretrained directory (docs/decisions/workflow.md, "Tokenizer output").
 
 

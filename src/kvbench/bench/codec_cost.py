@@ -38,6 +38,7 @@ import torch
 
 from kvbench.bench import clock
 from kvbench.bench.decode import last_logits
+from kvbench.bench.latency import resolve_device
 from kvbench.bench.settings import CodecCostConfig
 from kvbench.compress.cache import PressCache, StepState, press_attention
 from kvbench.compress.residualkv.cache import ResidualKVLayer, ResidualKVPress
@@ -151,8 +152,6 @@ def measure_codec_cost(d_kv: int = CodecCostConfig.codec_shape[0], d_c: int = Co
             candidates (the whole blocks of ``window`` tokens the cache codes after its sinks), or a ``d_kv`` :func:`one_layer_lm`
             refuses.
     """
-    from kvbench.bench.latency import resolve_device
-
     restore_tokens = math.ceil(RESTORE_SHARE * tokens) if restore_tokens is None else restore_tokens
     for name, v in (("d_kv", d_kv), ("d_c", d_c), ("d_ff", d_ff), ("tokens", tokens),
                     ("restore_tokens", restore_tokens), ("decode_steps", decode_steps), ("repeats", repeats)):

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from kvbench.bench import bandwidth, clock, decode
+from kvbench.bench.latency import resolve_device
 from kvbench.bench.settings import VariantThroughputConfig
 from kvbench.bench.timing_lm import TIMING_LMS, ZOO_TOKENIZER, full_layers_for, full_layers_of
 from kvbench.compress.residualkv.codec import CodecConfig, ResidualCodec, codec_config_for_shape, model_kv_shape
@@ -95,8 +96,6 @@ def measure_variant_throughput(codec_dirs: Mapping[str, str | Path], default: st
             all before any timing, naming the variant and its trained d_c); see :func:`read_codec_configs`
             and :func:`kvbench.bench.decode.check_inputs`.
     """
-    from kvbench.bench.latency import resolve_device
-
     if default not in codec_dirs:
         raise ValueError(f"default variant {default!r} is not among the codec variants {sorted(codec_dirs)}")
     configs = read_codec_configs(codec_dirs)

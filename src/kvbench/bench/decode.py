@@ -57,7 +57,9 @@ from typing import Any
 
 import torch
 
+from kvbench import kernels
 from kvbench.bench import bandwidth, clock
+from kvbench.bench.latency import resolve_device
 from kvbench.bench.settings import (
     METHODS,
     DecodeThroughputConfig,
@@ -73,11 +75,14 @@ from kvbench.bench.timing_lm import (
     full_layers_of,
     zoo_vocab_size,
 )
+from kvbench.compress import checks
 from kvbench.compress.accounting import compute_ratio_measured, keep_ratio_measured
 from kvbench.compress.cache import Press, press_attention
 from kvbench.compress.presses.omnikv import OmniKVPress
 from kvbench.compress.residualkv.cache import ResidualKVPress
 from kvbench.compress.residualkv.codec import CodecConfig, ResidualCodec, model_kv_shape
+from kvbench.models.loader import load_model
+from kvbench.utils.io import atomic_path
 
 #: Timing columns shared with Fig. 11 (:mod:`kvbench.bench.codec_variants`), then the bandwidth columns.
 TIMING_COLUMNS = ["tokens_per_s", "tps_lo95", "tps_hi95", "ms_per_token", "kr_measured", "cr_measured",
@@ -176,7 +181,6 @@ def load_lm(model_name_or_dir: str, device: torch.device, dtype: torch.dtype, se
     if model_name_or_dir in TIMING_LMS:
         vocab = vocab_size or fixed_vocab_size(model_name_or_dir) or zoo_vocab_size(tokenizer)
         return build_timing_lm(model_name_or_dir, vocab, device=device, dtype=dtype, seed=seed), "random"
-    from kvbench.models.loader import load_model
 
     model, _ = load_model(model_name_or_dir, dtype=dtype, device=str(device))
     return model, "trained"
@@ -334,8 +338,6 @@ def measure_decode_throughput(model_name_or_dir: str, contexts: Sequence[int] = 
             model's, a ``codec.json`` that is not JSON, a bad ``KVBENCH_KERNELS`` (all raised before any timing);
             memory running out at a (context, method), naming them (the rows before are passed to ``on_context``).
     """
-    from kvbench.bench.latency import resolve_device
-
     if prefill_chunk < 1:
         raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
     codec_cfg = read_codec_config(codec_dir) if codec_dir else None
@@ -344,8 +346,6 @@ def measure_decode_throughput(model_name_or_dir: str, contexts: Sequence[int] = 
     if threads is not None:
         torch.set_num_threads(threads)
     dev, dt = resolve_device(device, dtype)
-    from kvbench import kernels
-    from kvbench.compress import checks
 
     kernel_mode = kernels.describe(dev)   # a bad KVBENCH_KERNELS fails here, before any measurement
     model, weights = load_lm(model_name_or_dir, dev, dt, seed, vocab_size, tokenizer)
@@ -420,8 +420,6 @@ def read_codec_config(codec_dir: str | Path) -> CodecConfig:
 def write_csv(rows: list[dict], header: str, columns: Sequence[str], out: str | Path) -> None:
     """Write ``header`` (one ``#`` line) and ``rows`` with ``columns`` to ``out``, atomically."""
     import pandas as pd
-
-    from kvbench.utils.io import atomic_path
 
     with atomic_path(out) as tmp, open(tmp, "w") as f:
         f.write(header + "\n")

@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kvbench.bench import decode
+from kvbench.bench.settings import DEVICE_PATTERN, check_contexts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,8 +83,6 @@ def run(device: str, out_dir: str | Path, budget_s: float, contexts: Sequence[in
     import re
 
     import torch
-
-    from kvbench.bench.settings import DEVICE_PATTERN, check_contexts
 
     if device == "auto" or not re.fullmatch(DEVICE_PATTERN, device):   # `kvbench bench`'s pattern, less `auto`
         raise ValueError(f"device must be cpu, cuda or cuda:<index>, got {device!r}")

@@ -33,6 +33,9 @@ its output are skipped, saying which).
 ``--device cpu`` is the dry run: the same architectures at tiny sizes (the real class, RoPE and layer pattern;
 a 20-layer Llama so Table I's full-attention layers 0, 1, 2, 8, 18 exist), 2 pages of 56 px, 640-token
 contexts (past the codec's sinks and window, so tokens are coded), bfloat16 checkpoints run on the CPU (``kvbench eval`` loads a checkpoint in its own dtype).
+
+The module imports neither torch nor transformers (nor what pulls them): each builder imports what it uses, so
+the orchestrator of the jobs' subprocesses stays light.
 """
 from __future__ import annotations
 
@@ -52,7 +55,10 @@ from typing import Any
 
 import yaml
 
-from kvbench.utils.io import write_json
+from kvbench.bench.timing_lm import LLAMA_3_1_8B_CHECKPOINT, timing_lm_config
+from kvbench.data import longctx
+from kvbench.data.corpus import prose_lines
+from kvbench.utils.io import atomic_path, write_json, write_jsonl
 from kvbench.utils.jobstats import ENV as STATS_ENV, recorded
 
 REPO = Path(__file__).resolve().parents[3]
@@ -138,8 +144,6 @@ def lm_config(tokenizer: Any, tiny: bool) -> Any:
     special-token ids."""
     import transformers
 
-    from kvbench.bench.timing_lm import LLAMA_3_1_8B_CHECKPOINT, timing_lm_config
-
     d = timing_lm_config("timing-llama-3.1-8b").to_dict()
     d.update(LLAMA_3_1_8B_CHECKPOINT, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
              bos_token_id=None)
@@ -195,10 +199,7 @@ def write_data(root: Path, tokenizer_dir: Path, plan: Plan) -> dict:
     import transformers
 
     from kvbench.bench.requests import bench_record
-    from kvbench.data import longctx
-    from kvbench.data.corpus import prose_lines
     from kvbench.data.smoke import _save_image
-    from kvbench.utils.io import write_jsonl
 
     cfg = paper_config()
     tok = transformers.AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
@@ -427,8 +428,6 @@ def _file_name(name: str) -> str:
 def write_csv(rows: list[dict], path: Path, plan: Plan) -> None:
     """The jobs CSV (atomically), its first line a ``#`` header saying what ran and that the weights are random."""
     import pandas as pd
-
-    from kvbench.utils.io import atomic_path
 
     header = (f"# kvbench paper profile jobs (scripts/gpu_paper.sh) on {plan.device}"
               f"{' (tiny dry-run shapes)' if plan.tiny else ''}: {RANDOM_NOTE}. Peak CUDA bytes per job "

@@ -38,6 +38,7 @@ from kvbench.bench.cost import analytic_cost
 from kvbench.bench.requests import MAX_PAGE_PX, bench_record
 from kvbench.data.digits import CELL_PX
 from kvbench.bench.timing_model import TIMING_MODELS, build_timing_vlm, n_params
+from kvbench.models import load_model
 from kvbench.models.prompting import encode_record
 from kvbench.reuse import (
     ImageKV,
@@ -182,8 +183,6 @@ def load_adapter(cfg: LatencyConfig, device: torch.device, dtype: torch.dtype) -
         tok = AutoTokenizer.from_pretrained(cfg.tokenizer, local_files_only=True)
         model, proc = build_timing_vlm(cfg.model, tok, device=device, dtype=dtype, seed=cfg.seed)
     else:
-        from kvbench.models import load_model
-
         model, proc = load_model(cfg.model, dtype=dtype, device=str(device))
     return adapter_for(model, proc)
 

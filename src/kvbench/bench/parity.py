@@ -34,7 +34,9 @@ import torch
 
 from kvbench.compress.cache import press_attention
 from kvbench.compress.presses.eviction import PAD_POSITION, budget
+from kvbench.compress.registry import PRESS
 from kvbench.utils.io import write_json
+from kvbench.utils.spec import parse
 
 #: The tiny model: 4 layers, 4 query / 2 KV heads of 16 (GQA), byte vocabulary, float32.
 MODEL = {"hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
@@ -134,9 +136,6 @@ def prepare(workdir: str | Path, threads: int = 1) -> dict:
     """
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from kvbench.compress.registry import PRESS
-    from kvbench.utils.spec import parse
-
     torch.set_num_threads(threads)
     workdir = Path(workdir)
     model_dir = workdir / "model"
@@ -170,9 +169,6 @@ def run_kvbench(plan: dict, model_dir: str | Path) -> dict:
     the float32 last-token logits of the question read through the compressed cache."""
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from kvbench.compress.registry import PRESS
-    from kvbench.utils.spec import parse
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
     tok = AutoTokenizer.from_pretrained(model_dir)

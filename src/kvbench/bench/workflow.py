@@ -12,6 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvbench.bench import TABLE3_METHODS
+from kvbench.bench.latency import LatencyConfig, table3_policy
+from kvbench.bench.settings import DEVICE_PATTERN
 from kvbench.bench.timing_model import TIMING_MODELS
 
 #: ``conduit_latency.methods`` when the config leaves it out: every Table 3 method (``full``, the reference, is
@@ -77,9 +79,6 @@ def _check_section(section: dict) -> None:
     Raises:
         ValueError: naming the config key, its value and what was expected.
     """
-    from kvbench.bench.latency import LatencyConfig, table3_policy
-    from kvbench.bench.settings import DEVICE_PATTERN
-
     expected = {"sizes": ("page counts >= 1", lambda v: isinstance(v, list) and v and all(_is_int(x, 1) for x in v)),
                 "page_px": ("an integer >= 1", lambda v: _is_int(v, 1)),
                 "repeats": ("an integer >= 1", lambda v: _is_int(v, 1)),

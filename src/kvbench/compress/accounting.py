@@ -35,7 +35,7 @@ from typing import ClassVar
 
 import torch
 
-from kvbench.compress.residualkv.quant import check_quant_config
+from kvbench.kernels.quant import check_quant_config
 
 
 def _check_fraction(name: str, value: float) -> None:

@@ -1,6 +1,6 @@
 """Greedy decoding of one VLM record (images + text) through a compressed cache (ResidualKV Table II).
 
-The prompt is the one the full-model VLM eval builds (:meth:`kvbench.eval.methods.EvalMethod.encode`:
+The prompt is the one the full-model VLM eval builds (:func:`kvbench.models.prompting.model_inputs`:
 :func:`kvbench.models.prompting.encode_record`, the processor's chat template with the generation prompt), so the
 ``fullkv`` press reproduces :class:`~kvbench.eval.methods.FullCache`. As for text records
 (:mod:`kvbench.compress.generate`), the prompt is prefilled in one or two chunks by the press's ``protocol``: the
@@ -32,6 +32,7 @@ import torch
 
 from kvbench.compress.cache import Press, PressCache, RopeTable, VisualTokens, press_attention
 from kvbench.models import rope
+from kvbench.models.prompting import model_inputs, vlm_messages
 
 
 def is_mrope(model: Any) -> bool:
@@ -88,11 +89,9 @@ def new_vlm_cache(press: Press, model: Any, positions: torch.Tensor) -> PressCac
 
 
 def encode_vlm(model: Any, proc: Any, record: dict, base_dir: Any) -> dict:
-    """The full VLM eval's prompt tensors (:meth:`kvbench.eval.methods.EvalMethod.encode`) on the model's device:
+    """The full VLM eval's prompt tensors (:func:`kvbench.models.prompting.model_inputs`) on the model's device:
     ``input_ids`` int64 ``[1, T]``, ``pixel_values`` (model dtype), ``image_grid_thw``, ``mm_token_type_ids``."""
-    from kvbench.eval.methods import EvalMethod
-
-    inputs, _ = EvalMethod.encode(model, proc, record, base_dir)
+    inputs, _ = model_inputs(model, proc, record, base_dir)
     inputs.pop("attention_mask", None)  # the press attention masks by key positions
     return inputs
 
@@ -107,8 +106,6 @@ def question_start(proc: Any, record: dict, input_ids: torch.Tensor) -> int:
     Raises:
         ValueError: the question text is not in the rendered prompt.
     """
-    from kvbench.models.prompting import vlm_messages
-
     text = proc.apply_chat_template(vlm_messages(record), tokenize=False, add_generation_prompt=True)
     at = text.rfind(record["question"])
     if not record["question"] or at < 0:

@@ -4,7 +4,7 @@ RULER and SCBench draw keys from word lists or UUIDs and values from numbers.
 Here keys are upper-case three-consonant codes (``" QZV"``) and values are
 lower-case ones (``" bqz"``); numbers cannot be values because the Qwen2
 pre-tokeniser splits digits one by one. Both are made single BPE tokens by including
-them in the tokenizer's training corpus (:mod:`kvbench.models.tokenizer`),
+them in the tokenizer's training corpus (:mod:`kvbench.data.tokenizer`),
 so a retrieval answer is one token and keys never occur in the prose filler
 (stdlib comments contain no such upper-case codes, and samples re-check it).
 """

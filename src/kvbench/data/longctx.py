@@ -63,7 +63,7 @@ def lexicon_tokens(tok) -> tuple[list[str], list[str], dict[str, int]]:
 
     Raises:
         ValueError: the tokenizer splits some lexicon entries (it was not built
-            by :func:`kvbench.models.tokenizer.build_tokenizer`); names a few.
+            by :func:`kvbench.data.tokenizer.build_tokenizer`); names a few.
     """
     keys, values = lexicon.key_codes(), lexicon.value_codes()
     words = keys + values

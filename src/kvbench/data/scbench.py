@@ -22,8 +22,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvbench.eval.multiquery import TURNS
 from kvbench.utils import io
+
+#: The field of a multi-query record that holds its queries (SCBench's name; :mod:`kvbench.eval.multiquery`).
+TURNS = "multi_turns"
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import random
 
 from kvbench.data import longctx
-from kvbench.eval.multiquery import TURNS
+from kvbench.data.scbench import TURNS
 
 
 def _shared(rec: dict, n_queries: int) -> dict:

@@ -150,7 +150,8 @@ def materialise(task: str, out_dir: str | Path, tokenizer_dir: str | Path | None
     if spec.kind == "text":
         if tokenizer_dir is None:
             raise ValueError(f"task {task!r} needs tokenizer_dir (lengths are measured in tokens)")
-        from kvbench.models.tokenizer import load_tokenizer_dir
+        # here, not with the module: it imports transformers, and the workflow reads TASKS at DAG time
+        from kvbench.data.tokenizer import load_tokenizer_dir
 
         tok = load_tokenizer_dir(tokenizer_dir)
     out = Path(out_dir)

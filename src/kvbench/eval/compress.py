@@ -33,8 +33,9 @@ from kvbench.compress.generate_vlm import continuation_logprob_vlm, encode_vlm, 
 from kvbench.compress.multiquery import answer_queries
 from kvbench.compress.registry import PRESS
 from kvbench.compress.residualkv.codec import CODEC_FILE, CONFIG_FILE
+from kvbench.data.scbench import TURNS
 from kvbench.eval.methods import EvalMethod, FatalRunError, eos_ids
-from kvbench.eval.multiquery import TURNS, is_multi, turn_budgets
+from kvbench.eval.multiquery import is_multi, turn_budgets
 from kvbench.utils.spec import parse
 
 

@@ -12,6 +12,10 @@ from pathlib import Path
 import pandas as pd
 import torch
 
+from kvbench.eval.refresh import RefreshMethod
+from kvbench.models.loader import load_model
+from kvbench.reuse import prepare
+from kvbench.reuse.diagnostics import capture
 from kvbench.utils.io import atomic_path, read_jsonl
 
 
@@ -37,11 +41,6 @@ def diagnose_split(model_spec: str | Path, split_path: str | Path, cache_dir: st
             ``generic_system`` (all before the model is loaded).
         kvbench.eval.refresh.MissingCacheEntry: the cache lacks an image of a record.
     """
-    from kvbench.eval.refresh import RefreshMethod
-    from kvbench.models.loader import load_model
-    from kvbench.reuse import prepare
-    from kvbench.reuse.diagnostics import capture
-
     if not isinstance(n, int) or n < 1:
         raise ValueError(f"n (records to capture) must be an integer >= 1, got {n!r}")
     records = read_jsonl(split_path)[:n]

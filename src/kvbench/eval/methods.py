@@ -1,7 +1,7 @@
 """Evaluation methods: how a model answers one record (the KV-cache policy under test).
 
 An evaluation method is a small dataclass with one :meth:`EvalMethod.predict`. The shared machinery
-(encoding through :func:`kvbench.models.prompting.encode_record`, greedy ``generate`` settings, decoding
+(encoding through :func:`kvbench.models.prompting.model_inputs`, greedy ``generate`` settings, decoding
 of the continuation, EOS handling) lives here; :mod:`kvbench.eval.registry` maps a method spec to one
 of three evaluation methods:
 
@@ -25,8 +25,9 @@ from typing import Any, ClassVar
 import torch
 
 from kvbench.compress.generate import final_question_ids
-from kvbench.eval.multiquery import TURNS
-from kvbench.models.prompting import encode_record
+from kvbench.data.scbench import TURNS
+from kvbench.eval.metrics import METRICS
+from kvbench.models.prompting import model_inputs
 
 #: Decoding of every method (:meth:`EvalMethod.greedy_kwargs`), as ``config.yaml`` records it.
 DECODING = "greedy (do_sample=False, num_beams=1, repetition_penalty=1.0), stop at EOS or max_new_tokens"
@@ -95,27 +96,6 @@ class EvalMethod(abc.ABC):
 
     # -- shared machinery ------------------------------------------------------
     @staticmethod
-    def encode(model: Any, proc: Any, record: dict, base_dir: str | Path | None) -> tuple[dict, int]:
-        """Prompt tensors on the model's device and the prompt length in tokens.
-
-        Returns ``(inputs, prompt_len)``: ``inputs`` holds ``input_ids`` and
-        ``attention_mask`` (int64 ``[1, T]``) and, for VLM records,
-        ``pixel_values`` (``[n_patches, C*t*p*p]``, cast to the model's dtype),
-        ``image_grid_thw`` and ``mm_token_type_ids``.
-        """
-        enc = encode_record(record, proc, base_dir, with_answer=False)
-        prompt_len = int(enc.pop("prompt_len"))
-        dtype = getattr(model, "dtype", None)
-        inputs = {}
-        for k, v in enc.items():
-            if isinstance(v, torch.Tensor):
-                v = v.to(model.device)
-                if v.is_floating_point() and dtype is not None:
-                    v = v.to(dtype)
-            inputs[k] = v
-        return inputs, prompt_len
-
-    @staticmethod
     def greedy_kwargs(model: Any, proc: Any, max_new_tokens: int) -> dict:
         """``generate`` kwargs for plain greedy decoding that stops at EOS.
 
@@ -163,7 +143,7 @@ class FullCache(EvalMethod):
             # of full attention under vLLM: generate(context ids + query ids) per query); the context is
             # recomputed per query: the full-cache reference, not a shared-context method
             return [self.predict(model, proc, one, base_dir) for one in single_queries(record)]
-        inputs, prompt_len = self.encode(model, proc, record, base_dir)
+        inputs, prompt_len = model_inputs(model, proc, record, base_dir)
         out = model.generate(**inputs, **self.greedy_kwargs(model, proc, record["max_new_tokens"]))
         then = final_question_ids(_tokenizer(proc), record)
         if then is not None:   # the final question after the generated answer, then its answer (compress.generate)
@@ -171,6 +151,12 @@ class FullCache(EvalMethod):
             out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
                                  **self.greedy_kwargs(model, proc, then[1]))
         return self.decode(proc, record, out[0, prompt_len:])
+
+
+def full_cache_score(model: Any, proc: Any, record: dict) -> float:
+    """Score in [0, 1] of :class:`FullCache`'s answer to ``record`` by the record's own metric (images resolved
+    in memory): the zoo's skill floors score their validation slices with it (:mod:`kvbench.train.floors`)."""
+    return float(METRICS[record["metric"]](FullCache().predict(model, proc, record, None), record["answer"]))
 
 
 def single_queries(record: dict) -> list[dict]:

@@ -2,10 +2,10 @@
 
 - :func:`exact_match`: whitespace-stripped string equality (RULER/needle-style
   retrieval, one-digit VLM answers).
-- :func:`edit_sim`: LongBench's ``code_sim_score`` (LCC / RepoBench-P): the first
+- :func:`~kvbench.data.lcc.edit_sim`: LongBench's ``code_sim_score`` (LCC / RepoBench-P): the first
   prediction line that contains no backtick, ``#`` or ``//``, compared to the gold
   line with ``fuzz.ratio / 100`` (normalised Indel similarity,
-  ``2 * LCS / (len(a) + len(b))``).
+  ``2 * LCS / (len(a) + len(b))``); defined with the LCC records, whose chance level it scores.
 - :func:`final_answer`: equality of the final answers only (last ``\\boxed{}`` or last word): long chains and
   reasoning traces (ResidualKV Table V).
 - :func:`aggregate`: mean score with a 95% confidence interval (Wilson for
@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable
 
+from kvbench.data.lcc import edit_sim
 from kvbench.eval.scbench_metrics import SCBENCH_METRICS
 
 #: z quantile of a two-sided 95% interval.
@@ -28,46 +29,6 @@ Z95 = 1.959963984540054
 def exact_match(pred: str, gold: str) -> float:
     """1.0 when ``pred`` equals ``gold`` after stripping surrounding whitespace, else 0.0."""
     return float(pred.strip() == gold.strip())
-
-
-def indel_ratio(a: str, b: str) -> float:
-    """``fuzz.ratio(a, b) / 100``: normalised Indel similarity ``2 * LCS / (len(a) + len(b))``.
-
-    Two empty strings are identical (1.0); one empty string scores 0.0, as in
-    fuzzywuzzy. ``rapidfuzz`` is the maintained implementation of fuzzywuzzy's ratio.
-    Unlike fuzzywuzzy (which LongBench imports) the value is not rounded to whole percent.
-    """
-    if a == b:
-        return 1.0
-    if not a or not b:
-        return 0.0
-    # imported here, not with the module: the bare GPU machine (scripts/gpu_paper.sh) has no rapidfuzz, and only
-    # this metric needs it
-    from rapidfuzz.fuzz import ratio
-
-    return ratio(a, b) / 100.0
-
-
-def first_code_line(pred: str) -> str:
-    """LongBench's line rule for code completion.
-
-    Leading newlines are dropped, then the first line containing none of
-    ``` ` ```, ``#`` or ``//`` is kept (comment and markdown-fence lines are
-    skipped; an empty line in the middle is *not* skipped, as in LongBench).
-    Returns ``""`` when no line qualifies.
-    """
-    for line in pred.lstrip("\n").split("\n"):
-        if "`" not in line and "#" not in line and "//" not in line:
-            return line
-    return ""
-
-
-def edit_sim(pred: str, gold: str) -> float:
-    """LongBench ``code_sim_score``: ``indel_ratio(first_code_line(pred), gold)``, in [0, 1].
-
-    Source: THUDM/LongBench ``metrics.py`` (``code_sim_score``); the gold line is used as is.
-    """
-    return indel_ratio(first_code_line(pred), gold)
 
 
 def _final(text: str) -> str:

@@ -19,10 +19,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from kvbench.data.scbench import TURNS
 from kvbench.eval.scbench_metrics import SCBENCH_METRICS
-
-#: The field of a multi-query record that holds its queries.
-TURNS = "multi_turns"
 
 
 def is_multi(record: dict) -> bool:

@@ -17,8 +17,11 @@ from typing import Any, ClassVar
 
 import torch
 
+from kvbench.beyond.compressed_store import CacheCodec, CompressedImageKVStore, summarize
 from kvbench.eval.audit import ReplayPolicy, plan_audit
 from kvbench.eval.methods import EvalMethod, FatalRunError, eos_ids, until_eos
+from kvbench.eval.runconfig import read_config
+from kvbench.models.loader import load_model
 from kvbench.reuse import (
     ImageKVStore,
     adapter_for,
@@ -27,8 +30,8 @@ from kvbench.reuse import (
     refresh,
 )
 from kvbench.reuse.cache_store import template_hash
-from kvbench.reuse.compressed_store import CacheCodec, CompressedImageKVStore, summarize
 from kvbench.reuse.policies import REFRESH
+from kvbench.utils.io import read_jsonl
 from kvbench.utils.spec import parse
 
 # --- the evaluation method -------------------------------------------------------------------
@@ -61,7 +64,7 @@ class ReadOnlyStore(ImageKVStore):
 
 
 class ReadOnlyCompressedStore(CompressedImageKVStore):
-    """A :class:`~kvbench.reuse.compressed_store.CompressedImageKVStore` that never writes (what pipeline runs read;
+    """A :class:`~kvbench.beyond.compressed_store.CompressedImageKVStore` that never writes (what pipeline runs read;
     rule ``conduit_rkv_cache`` builds it). Raises :class:`MissingCacheEntry` as :class:`ReadOnlyStore`."""
 
     def __init__(self, root, adapter, generic_system, spec):
@@ -87,7 +90,7 @@ def open_store(cache_dir: str | Path, adapter, generic_system: str, build_missin
                compressed: CacheCodec | None = None, source_dir: str | Path | None = None) -> ImageKVStore:
     """The :class:`ImageKVStore` for ``generic_system`` under ``cache_dir`` (read-only unless ``build_missing``).
 
-    With ``compressed``: the store in ResidualKV's form (:mod:`kvbench.reuse.compressed_store`); when it builds
+    With ``compressed``: the store in ResidualKV's form (:mod:`kvbench.beyond.compressed_store`); when it builds
     missing entries it codes them from the raw store under ``source_dir`` (read only).
 
     Raises:
@@ -122,7 +125,7 @@ class RefreshMethod(EvalMethod):
         cache_dir: image-cache root (None: a temporary directory for this method's lifetime).
         build_missing: build missing entries (False: :class:`ReadOnlyStore`, what pipeline runs use).
         compressed: the image caches are stored in ResidualKV's form and restored when read: a
-            :class:`~kvbench.reuse.compressed_store.CacheCodec` spec (``codec_dir``, ``full_layers``, ...); None: raw.
+            :class:`~kvbench.beyond.compressed_store.CacheCodec` spec (``codec_dir``, ``full_layers``, ...); None: raw.
         source_dir: the raw cache root compressed entries are coded from (``compressed`` with ``build_missing``).
 
     Raises:
@@ -226,7 +229,7 @@ def build_caches(model_spec: str | Path, split_path: str | Path, cache_dir: str 
     store it under ``cache_dir`` (:func:`store_root` per generic prefix); existing valid entries are reused.
 
     This is what the ``conduit_cache`` rule runs before any refresh run reads the caches read-only. With
-    ``compressed`` (a :class:`~kvbench.reuse.compressed_store.CacheCodec` spec) the entries are instead coded in
+    ``compressed`` (a :class:`~kvbench.beyond.compressed_store.CacheCodec` spec) the entries are instead coded in
     ResidualKV's form from the raw caches under ``source_dir`` (read only; rule ``conduit_rkv_cache``).
 
     Returns:
@@ -234,14 +237,11 @@ def build_caches(model_spec: str | Path, split_path: str | Path, cache_dir: str 
         store dir}, "built", "reused", "rebuilt_corrupt"}`` (counts of image entries); with ``compressed`` also
         ``compressed`` (the spec), ``codec_id`` and ``summary``: bytes per image raw vs compressed by part and the
         restore error, over the distinct images of the records
-        (:func:`~kvbench.reuse.compressed_store.summarize`).
+        (:func:`~kvbench.beyond.compressed_store.summarize`).
 
     Raises:
         ValueError: a record is not a VLM record with ``generic_system`` and at least one image.
     """
-    from kvbench.models.loader import load_model
-    from kvbench.utils.io import read_jsonl
-
     split_path = Path(split_path)
     records = read_jsonl(split_path)[: None if limit is None else int(limit)]
     for r in records:
@@ -272,8 +272,6 @@ def build_caches(model_spec: str | Path, split_path: str | Path, cache_dir: str 
 # --- exact replay of a recorded plan (``kvbench replay``) ---------------------------------------
 
 def _find_row(run_dir: Path, record_id: str) -> dict:
-    from kvbench.utils.io import read_jsonl
-
     row = next((r for r in read_jsonl(run_dir / "predictions.jsonl") if r.get("id") == record_id), None)
     if row is not None:
         return row
@@ -297,10 +295,6 @@ def replay(run_dir: str | Path, record_id: str, *, cache_dir: str | None = None,
             with the pre-fix CacheBlend check-layer blend (:class:`~kvbench.eval.audit.ReplayPolicy`), the
             record's request differs from the recorded one, or a bad ``config.yaml``.
     """
-    from kvbench.eval.runconfig import read_config
-    from kvbench.models.loader import load_model
-    from kvbench.utils.io import read_jsonl
-
     run_dir = Path(run_dir)
     config = read_config(run_dir)
     info = config["method"]

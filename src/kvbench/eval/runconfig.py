@@ -354,7 +354,7 @@ def check_inputs(config: dict) -> None:
         ValueError: a file's SHA-256 (or size, above :data:`HASH_LIMIT_BYTES`) differs, naming the file, the
             actual and the recorded value.
     """
-    from kvbench.models.loader import CheckpointError, resolve_spec
+    from kvbench.models.loader import CheckpointError, resolve_spec   # imports transformers: this module is light
 
     run = config["run"]
     split = Path(run["split"])

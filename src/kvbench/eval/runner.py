@@ -43,9 +43,10 @@ from pathlib import Path
 
 import torch
 
+from kvbench.data.scbench import TURNS
 from kvbench.eval.methods import FatalRunError
 from kvbench.eval.metrics import METRICS, aggregate
-from kvbench.eval.multiquery import TURNS, check_turns, is_multi, record_score, score_turns
+from kvbench.eval.multiquery import check_turns, is_multi, record_score, score_turns
 from kvbench.eval.registry import get_method
 from kvbench.eval.resume import RunLog
 from kvbench.eval.runconfig import (

@@ -3,8 +3,11 @@
 Each kernel ships with its reference, and ``tests/test_kernel_*.py`` compare the two on the CPU under
 Triton's interpreter (``TRITON_INTERPRET=1``; ``pytest tests/ -k kernel``). Modules:
 
+- :mod:`.quant`: the torch quantiser (per-token groups, fp16 side information) and the FP8 cast, shared with KIVI,
+  ResidualKV and the accounting;
 - :mod:`.group_quant`: per-token group quantisation of ResidualKV's residual codes with packed 2/4/8-bit
   levels (``group_quant``, ``group_dequant``; ``pack_levels`` / ``unpack_levels`` for the CPU path);
+- :mod:`.reference_mean`: the mean of a token's nearest references (torch), shared with the ResidualKV cache;
 - :mod:`.restore_attend`: a sparse layer's decode attention over raw tokens, references and coded tokens,
   restoring the coded ones in registers (ResidualKV §IV-B/C), optionally with V kept latent;
 - :mod:`.kivi_attend`: decode attention over a KIVI-quantised layer (ResidualKV's 4-bit full layers);

@@ -1,6 +1,6 @@
 """Per-token group quantisation with packed levels: Triton kernels and their torch references.
 
-The quantiser is :func:`kvbench.compress.residualkv.quant.quantize` (ResidualKV §IV-A):
+The quantiser is :func:`kvbench.kernels.quant.quantize` (ResidualKV §IV-A):
 asymmetric min/max per group of ``group`` consecutive coordinates of one token, fp16 zmin rounded down
 and fp16 step rounded up, levels round((z − zmin)/step) clamped to [0, 2^b − 1], constant groups step 0.
 What is new here is the storage: levels **packed** 8 / bits to a byte.
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvbench.compress.residualkv import quant
+from kvbench.kernels import quant
 from kvbench.kernels._triton import jit, next_pow2, reduce_max, reduce_min, reduce_sum, tl, unit_stride
 
 PACK_BITS = (2, 4, 8)

@@ -32,10 +32,10 @@ from dataclasses import dataclass
 
 import torch
 
-from kvbench.compress.residualkv import references
 from kvbench.kernels._triton import jit, next_pow2, nonempty, tl, unit_stride
 from kvbench.kernels.flash_decode import BLOCK_N, check_query, combine, partials, plan_splits, sdpa_decode, softmax_step
 from kvbench.kernels.group_quant import PackedCodes, check_codes, dequant_tile, group_dequant_ref
+from kvbench.kernels.reference_mean import mean_reference
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 _INTS = (torch.int16, torch.int32, torch.int64)
@@ -142,12 +142,12 @@ def rope_rotate(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
 
 def knn_mean(refs: torch.Tensor, nbr: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """Mean of each token's valid references, float32 [n, d_kv]: the cache's own
-    ``references.mean_reference`` for tokens with a valid reference, zero for a token with none (k = 0: a
+    ``mean_reference`` for tokens with a valid reference, zero for a token with none (k = 0: a
     codec without references; the kernel defines that case, the cache never builds it with k > 0)."""
     out = torch.zeros(nbr.shape[0], refs.shape[1], dtype=torch.float32, device=refs.device)
     has = valid.any(1)
     if has.any():
-        out[has] = references.mean_reference(refs.float(), nbr[has].long(), valid[has])
+        out[has] = mean_reference(refs.float(), nbr[has].long(), valid[has])
     return out
 
 

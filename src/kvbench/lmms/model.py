@@ -27,6 +27,7 @@ from kvbench.lmms.records import (
     generate_until_multi_round,
     loglikelihood,
 )
+from kvbench.models import load_model
 from kvbench.reuse import (
     ImageKVStore,
     adapter_for,
@@ -109,7 +110,6 @@ class KVBenchReuse(lmms):
         self.max_new_tokens = int(max_new_tokens)
         if threads:
             torch.set_num_threads(int(threads))
-        from kvbench.models import load_model
 
         model, proc = load_model(pretrained, device=device, dtype=dtype if dtype == "auto" else getattr(torch, dtype))
         self.adapter = adapter_for(model, proc)

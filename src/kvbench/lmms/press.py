@@ -24,6 +24,7 @@ from kvbench.lmms.records import (
     generate_until_multi_round,
     loglikelihood,
 )
+from kvbench.models import load_model
 from kvbench.utils.spec import MethodSpec, fmt, parse
 
 #: lmms-eval model id of the generic press model (``press=`` picks the press).
@@ -93,7 +94,6 @@ class KVBenchPress(lmms):
         self.max_new_tokens = int(max_new_tokens)
         if threads:
             torch.set_num_threads(int(threads))
-        from kvbench.models import load_model
 
         self.model, self.processor = load_model(pretrained, device=device,
                                                 dtype=dtype if dtype == "auto" else getattr(torch, dtype))

@@ -18,6 +18,8 @@ from typing import Any
 import transformers
 from transformers import AutoConfig, AutoProcessor, AutoTokenizer
 
+from kvbench.models.tiny import ZOO
+
 #: Files that mark a directory as a multimodal checkpoint (processor present).
 _PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -57,8 +59,6 @@ def resolve_spec(spec: str | os.PathLike) -> Path:
                                   f"({', '.join(map(str, found))}); pass one directory")
         path = found[0] if found else path
     if not path.is_dir():
-        from kvbench.models.tiny import ZOO
-
         hint = (f" (zoo models: {sorted(ZOO)}; `snakemake --cores 2` trains them into zoo/<profile>/<name>-<hash>/)"
                 if s in ZOO else "")
         raise CheckpointError(f"model {spec!r}: checkpoint directory {path} does not exist{hint}")

@@ -1,7 +1,8 @@
 """Turn a benchmark record into model inputs: the one place prompts are formatted.
 
-Training and evaluation both call :func:`encode_record`, so the format a zoo
-model learned is exactly the format it is evaluated on. Record fields are
+Training and evaluation both call :func:`encode_record` (evaluation through
+:func:`model_inputs`), so the format a zoo model learned is exactly the format
+it is evaluated on. Record fields are
 specified in ``docs/architecture.md``.
 
 - text records: raw ``context + question`` (base-model style, as RULER and
@@ -160,3 +161,23 @@ def encode_record(record: dict, proc: Any, base_dir: str | Path | None = None, w
     enc["attention_mask"] = torch.ones_like(enc["input_ids"])
     enc["prompt_len"] = prompt_len
     return enc
+
+
+def model_inputs(model: Any, proc: Any, record: dict, base_dir: str | Path | None) -> tuple[dict, int]:
+    """A record's prompt (:func:`encode_record`, no answer) on the model's device, for generation.
+
+    Returns ``(inputs, prompt_len)``: ``inputs`` holds ``input_ids`` and ``attention_mask`` (int64 ``[1, T]``) and,
+    for VLM records, ``pixel_values`` (``[n_patches, C*t*p*p]``, cast to the model's dtype), ``image_grid_thw`` and
+    ``mm_token_type_ids``; ``prompt_len`` is the prompt length in tokens (T).
+    """
+    enc = encode_record(record, proc, base_dir, with_answer=False)
+    prompt_len = int(enc.pop("prompt_len"))
+    dtype = getattr(model, "dtype", None)
+    inputs = {}
+    for k, v in enc.items():
+        if isinstance(v, torch.Tensor):
+            v = v.to(model.device)
+            if v.is_floating_point() and dtype is not None:
+                v = v.to(dtype)
+        inputs[k] = v
+    return inputs, prompt_len

@@ -1,7 +1,7 @@
 """Beyond both papers: CONDUIT's Table 1 block over ResidualKV-compressed image caches (issue #17, deliverable 7).
 
 CONDUIT's Limitations name the storage of the cached visual K/V as its remaining cost. Here each image's cache is
-stored in ResidualKV's form (:mod:`kvbench.reuse.compressed_store`: references + codes, restored when a request
+stored in ResidualKV's form (:mod:`kvbench.beyond.compressed_store`: references + codes, restored when a request
 reuses the image) and Table 1's rows at one budget ``r`` run again on the restored caches. The table
 (``results/beyond/conduit_rkv_cache.csv``) has per row the score on the raw caches (Table 1's own run), on the
 compressed caches, their paired difference (compressed − raw, per record, with a 95% paired-bootstrap CI) and the
@@ -28,11 +28,11 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from kvbench.beyond.compressed_store import CacheCodec
 from kvbench.eval.registry import parse_method_spec, slug
 from kvbench.report.conduit import Column, ConduitPlan, Row, Runs, _mean, note_errors
 from kvbench.report.paired import paired_stats
 from kvbench.report.plan import Run, Table, load_spec, write_csv
-from kvbench.reuse.compressed_store import CacheCodec
 from kvbench.utils.recipe import recipe_hash
 
 #: The run group (:data:`kvbench.report.plan.GROUPS`) and the config key under ``beyond``.
@@ -50,7 +50,7 @@ class CompressedCachePlan:
 
     Raises:
         ValueError: ``model`` not in ``conduit.models``, ``r`` not one of ``conduit.budgets``, or a bad ``storage``
-            (:class:`~kvbench.reuse.compressed_store.CacheCodec`'s checks), naming the key.
+            (:class:`~kvbench.beyond.compressed_store.CacheCodec`'s checks), naming the key.
     """
 
     section: dict

@@ -11,9 +11,11 @@ from typing import Any
 
 import torch
 
-from kvbench.models.prompting import IGNORE_INDEX, encode_record
+from kvbench.data import digits, instructions, lexicon, smoke
+from kvbench.data.docpages import FIELD_LETTERS, field_code
+from kvbench.models.prompting import IGNORE_INDEX, encode_record, vlm_messages
 from kvbench.train.readthrough import hidden_keys, stale_page_block
-from kvbench.train.recipes import Phase
+from kvbench.train.recipes import CELL_TARGETS, Phase
 
 
 def step_rng(seed: int, phase: str, step: int) -> random.Random:
@@ -23,8 +25,6 @@ def step_rng(seed: int, phase: str, step: int) -> random.Random:
 
 def _lexicon_ids(tok: Any) -> list[int]:
     """Token ids of the lexicon's keys and values (each one token, with its leading space)."""
-    from kvbench.data import lexicon
-
     ids = [tok(" " + w, add_special_tokens=False)["input_ids"] for w in lexicon.key_codes() + lexicon.value_codes()]
     return sorted({i[0] for i in ids if len(i) == 1})
 
@@ -123,15 +123,12 @@ def cell_reading_labels(record: dict, enc: dict, proc: Any, target: str = "instr
         ValueError: the record has no cell digits, or its visual-token count is
             not one per cell (pages rendered at another resolution).
     """
-    from kvbench.data import digits, instructions
-
     meta = record.get("meta", {})
     if "digit_indices" not in meta or "instruction" not in meta:
         raise ValueError(f"record {record.get('id')!r} ({record.get('task')}): cell_reading needs a grid "
                          "record with meta.digit_indices and meta.instruction")
     tok = getattr(proc, "tokenizer", proc)
     labels = digits.labels()
-    from kvbench.train.recipes import CELL_TARGETS
 
     if target not in CELL_TARGETS:
         raise ValueError(f"target must be one of {CELL_TARGETS}, got {target!r}")
@@ -157,8 +154,6 @@ def decoy_tokens(record: dict, enc: dict, proc: Any) -> torch.Tensor:
         ValueError: the record has no decoy, or the prompt's tokens before the first image differ from the
             processor's (a template the offsets cannot be mapped onto).
     """
-    from kvbench.models.prompting import vlm_messages
-
     tok = getattr(proc, "tokenizer", proc)
     true_system, decoy = record["meta"].get("true_system"), record["meta"].get("decoy_system")
     if not true_system or not decoy:
@@ -185,8 +180,6 @@ def stale_page_record(rng: random.Random, record: dict) -> dict:
     answer and the per-cell targets stay the record's own instruction's, and :func:`task_batch` hides the decoy
     from the pages and the true instruction from the question side (:func:`kvbench.train.readthrough.stale_page_block`).
     """
-    from kvbench.data import instructions
-
     true = record["meta"]["instruction"]
     name, text = instructions.sample_system(rng, rng.choice([n for n in sorted(instructions.INSTRUCTIONS)
                                                                if n != true]))
@@ -204,8 +197,6 @@ def task_batch(rng: random.Random, phase: Phase, proc: Any) -> dict:
     ``hide_block`` (bool ``[B, T, T]``, :func:`kvbench.train.readthrough.hide_prompt`), where a share
     ``phase.stale_pages`` of the VLM records are stale-page records (:func:`stale_page_record`).
     """
-    from kvbench.data import smoke
-
     tok = getattr(proc, "tokenizer", proc)
     families = [m[0] for m in phase.mixture]
     weights = [m[1] for m in phase.mixture]
@@ -252,9 +243,6 @@ def vision_probe_batch(rng: random.Random, phase: Phase, proc: Any) -> dict:
     ``letter_labels`` (index into ``FIELD_LETTERS``, 0..23),
     ``page_labels`` (0 = no page printed, else 1..6); see :data:`PROBE_CLASSES`.
     """
-    from kvbench.data import digits
-    from kvbench.data.docpages import FIELD_LETTERS, field_code
-
     pool, labels = digits.pool("train"), digits.labels()
     images, ys, letters, pages = [], [], [], []
     for _ in range(phase.batch):

@@ -12,16 +12,19 @@ The validation slice is drawn from the task's *training* source pool
 (:func:`kvbench.data.smoke.sample` with ``split="train"``) under its own record
 seeds (``record_rng(task, "val", seed, i)``), so it is never the test split the
 tables report, and it is not one of the training batches either (those come
-from :func:`kvbench.train.batches.step_rng`). Scoring is greedy decoding with
-the full KV cache (the ``full`` method), scored by the task's own metric.
+from :func:`kvbench.train.batches.step_rng`). Scoring is the caller's :data:`Scorer`: the CLI passes
+:func:`kvbench.eval.methods.full_cache_score` (greedy decoding with the full KV cache, scored by the task's own
+metric), so training does not import the evaluation methods.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from kvbench.data.smoke import TASKS, record_rng, sample
-from kvbench.eval.registry import get_method
-from kvbench.eval.metrics import METRICS
+
+#: ``score(model, proc, record) -> float`` in [0, 1]: one validation record's score (the caller's evaluation).
+Scorer = Callable[[Any, Any, dict], float]
 
 
 class BelowFloor(ValueError):
@@ -48,19 +51,19 @@ def validation_records(task: str, tokenizer: Any, seed: int, n: int) -> list[dic
     return records
 
 
-def score_task(model: Any, proc: Any, records: list[dict]) -> float:
-    """Mean score in [0, 1] of greedy full-cache answers to ``records`` (the task's own metric)."""
-    method = get_method("full")
+def score_task(model: Any, proc: Any, records: list[dict], score: Scorer) -> float:
+    """Mean of ``score(model, proc, r)`` over ``records``, in [0, 1]."""
     total = 0.0
     for r in records:
-        total += float(METRICS[r["metric"]](method.predict(model, proc, r, None), r["answer"]))
+        total += float(score(model, proc, r))
     return total / len(records)
 
 
-def validation_scores(model: Any, proc: Any, tasks: list[str], *, seed: int, n: int) -> dict[str, float]:
-    """task -> score in [0, 1] of ``model`` on the ``n``-record validation slice of each of ``tasks``."""
+def validation_scores(model: Any, proc: Any, tasks: list[str], *, seed: int, n: int,
+                      score: Scorer) -> dict[str, float]:
+    """task -> mean ``score`` in [0, 1] of ``model`` on the ``n``-record validation slice of each of ``tasks``."""
     tok = getattr(proc, "tokenizer", proc)
-    return {t: score_task(model, proc, validation_records(t, tok, seed, n)) for t in sorted(tasks)}
+    return {t: score_task(model, proc, validation_records(t, tok, seed, n), score) for t in sorted(tasks)}
 
 
 def check_floors(scores: dict[str, float], floors: dict[str, float], *, n: int, model_name: str,

@@ -230,7 +230,7 @@ def zoo_recipe(name: str, kind: str, overrides: dict, *, seed: int, threads: int
         KeyError: ``name`` is not a zoo entry or a seed replica of one.
         ValueError: ``kind`` is not the entry's family, or bad overrides (:func:`apply_overrides`).
     """
-    from kvbench.models.tiny import zoo_spec
+    from kvbench.models.tiny import zoo_spec   # here: it imports transformers; the recipes are read at DAG time
 
     spec = zoo_spec(name)
     if spec.kind != kind:

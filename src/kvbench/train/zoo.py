@@ -16,11 +16,11 @@ import torch
 import transformers
 
 import kvbench
+from kvbench.data.tokenizer import load_tokenizer_dir
 from kvbench.models.loader import save_checkpoint
 from kvbench.models.tiny import build_config, build_processor, zoo_spec
-from kvbench.models.tokenizer import load_tokenizer_dir
 from kvbench.train.batches import PROBE_CLASSES
-from kvbench.train.floors import check_floor_values, check_floors, validation_scores
+from kvbench.train.floors import Scorer, check_floor_values, check_floors, validation_scores
 from kvbench.train.loop import run_phases
 from kvbench.train.recipes import RECIPES, apply_overrides
 from kvbench.utils.io import write_json
@@ -29,7 +29,7 @@ from kvbench.utils.io import write_json
 def train_zoo_model(
     name: str, *, tokenizer_dir: str | Path, out_dir: str | Path, workdir: str | Path,
     slice_s: float | None = None, seed: int = 0, threads: int = 2, overrides: dict | None = None,
-    floors: dict[str, float] | None = None, val_n: int = 100, feeds: str = "",
+    floors: dict[str, float] | None = None, val_n: int = 100, feeds: str = "", score: Scorer | None = None,
     max_steps: int | None = None,
 ) -> dict:
     """Train zoo model ``name`` through every step of its recipe, check its floors, save it.
@@ -54,11 +54,14 @@ def train_zoo_model(
         floors: smoke task -> minimum validation score (:mod:`kvbench.train.floors`).
         val_n: validation records per floored task.
         feeds: the targets this model feeds, named when a floor fails.
+        score: scores one validation record (:data:`kvbench.train.floors.Scorer`; the CLI passes
+            :func:`kvbench.eval.methods.full_cache_score`); required with ``floors``.
         max_steps: steps of this invocation (tests; like a slice).
 
     Raises:
         KeyError: unknown zoo name.
-        ValueError: bad overrides, a slice <= 0, or a ``workdir`` state of another model or recipe.
+        ValueError: bad overrides, a slice <= 0, ``floors`` without ``score``, or a ``workdir`` state of another
+            model or recipe.
         BelowFloor: a validation score below its floor (nothing written).
         SliceEnded: the slice ended before the last step (state saved; rerun resumes).
         FileNotFoundError: ``tokenizer_dir`` is not a directory.
@@ -66,6 +69,9 @@ def train_zoo_model(
     if slice_s is not None and not slice_s > 0:
         raise ValueError(f"slice_s must be a positive number of seconds (or None: no slice), got {slice_s!r}")
     check_floor_values(floors or {})  # before training, not after it
+    if floors and score is None:
+        raise ValueError(f"skill floors {sorted(floors)} need a scorer (score=; the CLI passes "
+                         "kvbench.eval.methods.full_cache_score)")
     spec = zoo_spec(name)
     phases = apply_overrides(RECIPES[spec.recipe_name](), overrides or {})
     torch.set_num_threads(threads)
@@ -87,7 +93,7 @@ def train_zoo_model(
     if floors:
         print(f"[train {name}] checking skill floors {floors} on {val_n} validation records per task",
               file=sys.stderr, flush=True)
-        scores = validation_scores(model, proc, list(floors), seed=seed, n=val_n)
+        scores = validation_scores(model, proc, list(floors), seed=seed, n=val_n, score=score)
         write_json(workdir / "validation.json", {"floors": floors, "n": val_n, "scores": scores})
         check_floors(scores, floors, n=val_n, model_name=name, feeds=feeds)
     save_checkpoint(model, proc, out_dir)

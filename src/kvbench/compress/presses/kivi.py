@@ -4,7 +4,7 @@ Liu et al., "KIVI: A Tuning-Free Asymmetric 2bit Quantization for KV Cache", ICM
 `jy-yuan/KIVI`). Keys (post-RoPE, as KIVI's code caches them) are quantised per channel: each channel
 over a group of ``group`` consecutive tokens shares one min/scale. Values are quantised per token in
 groups of ``group`` consecutive channels of one head. Min/max asymmetric quantisation
-(:func:`kvbench.compress.residualkv.quant.quantize`: zmin, scale in fp16).
+(:func:`kvbench.kernels.quant.quantize`: zmin, scale in fp16).
 
 Full-precision residual, as KIVI's code does it:
 
@@ -26,11 +26,12 @@ from dataclasses import dataclass
 
 import torch
 
+from kvbench import kernels
 from kvbench.compress import checks
 from kvbench.compress.accounting import StoredBytes
 from kvbench.compress.buffers import Growable
 from kvbench.compress.cache import KVView, LayerContext, PressCache, Press, StoreLayer
-from kvbench.compress.residualkv import quant
+from kvbench.kernels import KIVILayout, pack_levels, quant
 
 BITS = (2, 4, 8, 16)
 FP16_BYTES = 2   # raw tensors are counted as FP16, the full cache's precision (accounting.py)
@@ -129,15 +130,12 @@ class KIVILayer(StoreLayer):
         also on the CPU under ``TRITON_INTERPRET=1``)."""
         if len(chunk) != 1 or self.bits == 16 or not self.heads:
             return False
-        from kvbench import kernels   # kernels import compress modules; imported when first needed
         return kernels.use_triton(chunk.keys.device)
 
     def _layout(self, chunk: KVView):
         """The layer's K/V with this step's chunk as :class:`kvbench.kernels.KIVILayout` reads them: the packed
         mirror of every key block and value code (extended with the codes added since the last kernel step; the
         resident bytes count it) and the raw residual followed by the chunk."""
-        from kvbench.kernels import KIVILayout, pack_levels
-
         if self._mirror is None:
             self._mirror = {name: Growable(0) for name in ("kc", "kz", "ks", "vc", "vz", "vs")}
         m, (nk, nv) = self._mirror, self._mirrored
@@ -169,8 +167,6 @@ class KIVILayer(StoreLayer):
         chunk, self._kernel_chunk = self._kernel_chunk, None
         if chunk is None or mask is not None or query.shape[2] != 1:
             return super().attend(query, key, value, mask, scaling)
-        from kvbench import kernels
-
         _, h_q, _, d = query.shape
         return kernels.kivi_attend(query[0, :, 0], self._layout(chunk), softmax_scale=scaling).view(1, h_q, 1, d)
 

@@ -5,7 +5,7 @@ Per sparse layer, a request's tokens are held as
 - **sinks**: the first ``n_sink`` tokens, raw (attention sinks; never coded);
 - **raw window**: the latest ``window`` tokens, raw (the code keeps a 128-255 token recent buffer);
 - **references**: tokens on the stride schedule (:func:`~kvbench.compress.residualkv.references.reference_mask`),
-  their pre-RoPE K‖V stored FP8 e4m3 (§V-A; overflow saturates, :func:`~kvbench.compress.residualkv.quant.to_fp8`);
+  their pre-RoPE K‖V stored FP8 e4m3 (§V-A; overflow saturates, :func:`~kvbench.kernels.quant.to_fp8`);
 - **residual codes**: every other token, z = f_c(kv) − f_c(mean of its k nearest earlier references)
   quantised per token in groups (§IV-A), plus the indices of those references.
 
@@ -45,6 +45,7 @@ from pathlib import Path
 
 import torch
 
+from kvbench import kernels
 from kvbench.compress import accounting, checks
 from kvbench.compress.accounting import StoredBytes
 from kvbench.compress.buffers import Growable, KVBuffer
@@ -52,10 +53,12 @@ from kvbench.compress.cache import KVView, LayerContext, PressCache, Press, Stor
 from kvbench.compress.presses.kivi import KIVILayer
 from kvbench.compress.presses.omnikv import OmniKVPress, keep_count, layer_list
 from kvbench.compress.presses.snapkv import SnapKVPress
-from kvbench.compress.residualkv import quant, references
+from kvbench.compress.residualkv import references
 from kvbench.compress.residualkv.codec import CodecConfig, ResidualCodec, model_kv_shape
 from kvbench.compress.residualkv.keys import codec_keys
 from kvbench.compress.residualkv.store import CodeStore, RefPool, index_dtype, restore_mean
+from kvbench.kernels import quant
+from kvbench.kernels.reference_mean import mean_reference
 
 
 
@@ -107,7 +110,7 @@ class ResidualKVLayer(StoreLayer):
 
     @property
     def n_saturated(self) -> int:
-        """Reference values clamped to the FP8 range so far (:func:`~kvbench.compress.residualkv.quant.cast_fp8`),
+        """Reference values clamped to the FP8 range so far (:func:`~kvbench.kernels.quant.cast_fp8`),
         read back only when asked (the audit)."""
         return int(self.pool.saturated)
 
@@ -239,7 +242,7 @@ class ResidualKVLayer(StoreLayer):
         if self.cfg.references:
             nbr, valid = references.nearest_references(x, x_pos, refs, self.pool.positions(), self.cfg.k,
                                                        check=checks.ENABLED)
-            mean = references.mean_reference(refs, nbr, valid, check=checks.ENABLED)
+            mean = mean_reference(refs, nbr, valid, check=checks.ENABLED)
         else:  # no references: a zero mean, no indices stored
             nbr = torch.zeros(len(tok_off), 0, dtype=torch.long, device=kv.device)
             valid = torch.zeros(len(tok_off), 0, dtype=torch.bool, device=kv.device)
@@ -415,7 +418,6 @@ class ResidualKVLayer(StoreLayer):
             return False
         if self.k_norm is not None or self.codec.config.decoder != "linear":
             return False
-        from kvbench import kernels   # kernels import compress.residualkv modules; imported when first needed
         return kernels.use_triton(chunk.keys.device)
 
     def visible(self, view: KVView) -> int:
@@ -429,8 +431,6 @@ class ResidualKVLayer(StoreLayer):
         """One decode step through :func:`kvbench.kernels.restore_attend` over the stores as held (FP8 references,
         packed codes, indices) and the raw tokens, with OmniKV's selection as row indices of each store
         (selected positions split by the position maps: one host read of their count per layer)."""
-        from kvbench import kernels
-
         raw, selected = self._fused
         self._fused = None
         self.ctx.rope.reach(self.seen)

@@ -51,6 +51,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from kvbench.compress.residualkv.codec import (
+    CODEC_FILE,
     CodecConfig,
     ResidualCodec,
     codec_config_for_shape,
@@ -505,8 +506,6 @@ def saved_dtype(codec_dir: str | os.PathLike) -> torch.dtype:
     Raises:
         FileNotFoundError: no ``codec.safetensors``.
     """
-    from kvbench.compress.residualkv.codec import CODEC_FILE
-
     path = Path(codec_dir) / CODEC_FILE
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found (a codec directory written by ResidualCodec.save)")

@@ -23,12 +23,12 @@ from typing import Any, Sequence
 
 import torch
 
-from kvbench.compress.residualkv.references import (
-    check_schedule,
-    mean_reference,
-    nearest_references,
-    reference_mask,
-)
+from kvbench.compress.cache import decoder_layers
+from kvbench.compress.generate import split_prompt
+from kvbench.compress.residualkv.references import check_schedule, nearest_references, reference_mask
+from kvbench.compress.residualkv.train import record_kv
+from kvbench.kernels.reference_mean import mean_reference
+from kvbench.utils.io import read_jsonl
 
 #: Entries of one chunk of the [rows, T] cosine matrix (float32: 16 MiB).
 _CHUNK_ENTRIES = 1 << 22
@@ -102,7 +102,7 @@ def reference_residuals(kv: torch.Tensor, schedule: ReferenceSchedule) -> tuple[
 
     The tokens coded are those neither sinks (position < ``n_sink``) nor references (:func:`.reference_mask`);
     each one's references are the ``k`` nearest (squared L2) references at earlier positions
-    (:func:`.nearest_references`, causal), averaged (:func:`.mean_reference`): as
+    (:func:`.nearest_references`, causal), averaged (:func:`~kvbench.kernels.reference_mean.mean_reference`): as
     :func:`kvbench.compress.residualkv.train.compress_kv` computes the codec's input.
 
     Args:
@@ -212,9 +212,6 @@ def layer_kv(model: Any, inputs: dict, layers: Sequence[int] | None = None) -> l
     Raises:
         ValueError: a batch other than 1, or a layer index outside the model.
     """
-    from kvbench.compress.cache import decoder_layers
-    from kvbench.compress.residualkv.train import record_kv
-
     n_layers = len(decoder_layers(model))
     keep = list(range(n_layers)) if layers is None else list(layers)
     bad = [i for i in keep if not 0 <= i < n_layers]
@@ -249,10 +246,6 @@ def observe(model: Any, proc: Any, splits: dict[str, str | Path], schedule: Refe
     Raises:
         ValueError: no context of at least 2 tokens, a record without text fields, or bad limits.
     """
-    from kvbench.compress.cache import decoder_layers
-    from kvbench.compress.generate import split_prompt
-    from kvbench.utils.io import read_jsonl
-
     if records_per_task < 1 or max_tokens < 2 or (context_tokens is not None and context_tokens < 2):
         raise ValueError(f"records_per_task >= 1, max_tokens >= 2 and context_tokens >= 2 expected, got "
                          f"{records_per_task}, {max_tokens}, {context_tokens}")

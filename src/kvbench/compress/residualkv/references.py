@@ -13,6 +13,9 @@ Two grids (see docs/decisions/residualkv.md, "Reference grids"):
   initial references; with α = 0 the fixed-stride grid restarts in every ``block``-token block counted
   from n_sink (13 references per 128 tokens at stride 10); with α > 0 the dynamic grid runs on absolute
   positions from n_sink, as in the paper.
+
+The mean over a token's references is :func:`kvbench.kernels.reference_mean.mean_reference` (shared with the
+restore kernel's reference).
 """
 
 from __future__ import annotations
@@ -278,50 +281,3 @@ def _count_visible(kv_pos: torch.Tensor, ref_pos: torch.Tensor, inclusive: bool)
     """Number of references visible to each token, [T] long, via a sorted search (no [T, R] matrix)."""
     sorted_pos = ref_pos.sort().values
     return torch.searchsorted(sorted_pos, kv_pos, right=inclusive)
-
-
-def mean_reference(ref_kv: torch.Tensor, idx: torch.LongTensor, valid: torch.BoolTensor, *,
-                   check: bool = True) -> torch.Tensor:
-    """Mean of each token's valid neighbours, \\bar{KV}_{ref,i} = (1/k_i) Σ_{j∈R_i} kv_j (§IV-A).
-
-    Parameters
-    ----------
-    ref_kv : [R, D] float (any float dtype, FP8 included) — the reference pool.
-    idx : [T, k] long — neighbour indices from :func:`nearest_references`.
-    valid : [T, k] bool — which slots count.
-    check : bool — False skips the checks that read values back to the host (a token with no valid
-        neighbour, an index out of range): a cache's per-step path, :mod:`kvbench.compress.checks`.
-
-    Returns
-    -------
-    torch.Tensor [T, D] float32. Only the T·k rows the tokens use are read and converted to float32 (never
-    the whole pool: a cache restoring a few tokens reads a few references); the sum runs one neighbour
-    slot at a time, in slot order.
-
-    Raises ValueError for mismatched shapes, an index out of range, or a token with no valid neighbour.
-    """
-    if idx.shape != valid.shape or idx.dim() != 2 or ref_kv.dim() != 2:
-        raise ValueError(f"expected ref_kv [R, D] and idx, valid [T, k], got {tuple(ref_kv.shape)}, "
-                         f"{tuple(idx.shape)}, {tuple(valid.shape)}")
-    if check:
-        counts = valid.sum(1)
-        if (counts == 0).any():
-            raise ValueError(f"token row {int(torch.nonzero(counts == 0)[0])} has no valid neighbour")
-        used = idx[valid]
-        if used.numel() and (int(used.min()) < 0 or int(used.max()) >= ref_kv.shape[0]):
-            raise ValueError(f"neighbour index out of range [0, {ref_kv.shape[0]}): "
-                             f"{int(used.min())}..{int(used.max())}")
-    n_tok, k = idx.shape
-    rows = ref_kv[idx.reshape(-1).clamp(0, max(0, ref_kv.shape[0] - 1))].to(torch.float32)
-    return mean_rows(rows.view(n_tok, k, ref_kv.shape[1]), valid)
-
-
-def mean_rows(rows: torch.Tensor, valid: torch.BoolTensor) -> torch.Tensor:
-    """Mean over the valid neighbours of gathered reference rows: ``rows`` float32 ``[T, k, D]`` (row j of
-    token i = its j-th neighbour), ``valid`` ``[T, k]`` -> float32 ``[T, D]``. One slot at a time in slot order
-    (the sum's rounding is :func:`mean_reference`'s); a token with no valid slot gives NaN (callers check)."""
-    acc = torch.zeros((rows.shape[0], rows.shape[2]), dtype=torch.float32, device=rows.device)
-    weight = valid.to(torch.float32)
-    for j in range(rows.shape[1]):
-        acc.addcmul_(rows[:, j], weight[:, j, None])   # acc + row · {0, 1}: the product is exact, one rounding
-    return acc.div_(weight.sum(1)[:, None])

@@ -17,8 +17,9 @@ import torch
 import torch.nn.functional as F
 
 from kvbench.compress.buffers import Growable
-from kvbench.compress.residualkv import quant, references
+from kvbench.kernels import quant
 from kvbench.kernels.group_quant import PackedCodes, pack_levels
+from kvbench.kernels.reference_mean import mean_rows
 
 
 def index_dtype(n_refs: int) -> torch.dtype:
@@ -66,7 +67,7 @@ class RefPool:
     gathered and converted.
 
     Parameters:
-        d_kv: K‖V width. fp8: store FP8 (saturating cast, :func:`~kvbench.compress.residualkv.quant.cast_fp8`).
+        d_kv: K‖V width. fp8: store FP8 (saturating cast, :func:`~kvbench.kernels.quant.cast_fp8`).
     """
 
     def __init__(self, d_kv: int, fp8: bool):
@@ -155,7 +156,7 @@ class CodeStore:
 
     def add(self, codes: quant.QuantizedCodes | torch.Tensor, nbr: torch.Tensor, valid: torch.Tensor,
             pos: torch.Tensor, n_refs: int, end: int) -> None:
-        """Append coded tokens: ``codes`` (:func:`~kvbench.compress.residualkv.quant.quantize`'s output, or a
+        """Append coded tokens: ``codes`` (:func:`~kvbench.kernels.quant.quantize`'s output, or a
         float tensor ``[c, d_c]`` at bits 16/32), ``nbr``/``valid`` ``[c, k]``, positions ``pos`` ``[c]`` (all
         below ``end``); ``n_refs``: the pool's size, which sets the index width (the whole store widens to
         int32 once the pool reaches 2^15 references)."""
@@ -240,7 +241,7 @@ class CodeStore:
 
 
 def restore_mean(pool: RefPool, nbr: torch.Tensor, valid: torch.Tensor, extra: torch.Tensor | None = None):
-    """Mean of each token's valid neighbours (as :func:`~kvbench.compress.residualkv.references.mean_rows`):
+    """Mean of each token's valid neighbours (as :func:`~kvbench.kernels.reference_mean.mean_rows`):
     ``nbr``/``valid`` ``[m, k]``; ``extra`` (int64 ``[e]``, optional) more pool rows to read. Returns ``(mean
     [m, d_kv] float32, extra rows [e, d_kv] float32 or None)``.
 
@@ -257,5 +258,5 @@ def restore_mean(pool: RefPool, nbr: torch.Tensor, valid: torch.Tensor, extra: t
         return mean, (None if extra is None else table.index_select(0, extra))
     idx = nbr.reshape(-1) if extra is None else torch.cat([nbr.reshape(-1), extra])
     rows = pool.rows(idx)
-    mean = references.mean_rows(rows[:m * k].view(m, k, -1), valid)
+    mean = mean_rows(rows[:m * k].view(m, k, -1), valid)
     return mean, (None if extra is None else rows[m * k:])

@@ -46,13 +46,15 @@ from kvbench.compress.cache import decoder_layers
 from kvbench.compress.residualkv.codec import CodecConfig, ResidualCodec, model_kv_shape
 from kvbench.compress.residualkv.keys import codec_keys
 from kvbench.compress.residualkv.vlm_data import VLMRecordStream
-from kvbench.compress.residualkv.references import (
-    mean_reference,
-    nearest_references,
-    reference_mask,
-)
+from kvbench.compress.residualkv.references import nearest_references, reference_mask
+from kvbench.data import smoke
+from kvbench.data.corpus import stdlib_files
+from kvbench.data.local_text import local_documents
+from kvbench.kernels.reference_mean import mean_reference
+from kvbench.models.prompting import encode_record
 from kvbench.train.dist import World
 from kvbench.train.loop import Interrupted, StopOnSignal
+from kvbench.train.recipes import lm_task_mixture
 from kvbench.train.state import load_state, save_state
 from kvbench.utils.io import atomic_path, write_json
 from kvbench.utils.steps import SliceEnded, StepProgress
@@ -242,12 +244,8 @@ class TokenStream:
     def __init__(self, tokenizer: Any, split: str, seq_len: int, seed: int,
                  files: Sequence[str] | None = None, text_field: str = "text") -> None:
         if files:
-            from kvbench.data.local_text import local_documents
-
             self.docs: Sequence[str] = local_documents(files, split, text_field)
         else:
-            from kvbench.data.corpus import stdlib_files
-
             self.docs = [text for _, text in stdlib_files(split)]
         if not self.docs:
             raise ValueError(f"corpus split {split!r} has no documents")
@@ -302,16 +300,11 @@ class TaskStream:
     """
 
     def __init__(self, tokenizer: Any, split: str, seq_len: int, seed: int) -> None:
-        from kvbench.train.recipes import lm_task_mixture
-
         self.tok, self.split, self.seq_len, self.seed = tokenizer, split, seq_len, seed
         self.mixture = lm_task_mixture(seq_len)
 
     def batch(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(ids, labels)`` int64 ``[1, T]`` of record ``i`` (T ≈ ``seq_len`` plus its answers)."""
-        from kvbench.data import smoke
-        from kvbench.models.prompting import encode_record
-
         rng = random.Random(f"{self.seed}:{self.split}:{i}")
         fam, _, params = rng.choices(self.mixture, [m[1] for m in self.mixture])[0]
         params = dict(params)

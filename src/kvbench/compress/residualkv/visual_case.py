@@ -31,8 +31,12 @@ from typing import Any, Sequence
 
 import torch
 
-from kvbench.compress.residualkv import quant, references
+from kvbench.compress.cache import decoder_layers
+from kvbench.compress.generate_vlm import encode_vlm, merged_grids, visual_positions
+from kvbench.compress.residualkv import references
+from kvbench.compress.residualkv.codec import model_kv_shape
 from kvbench.compress.residualkv.observations import ReferenceSchedule, layer_kv
+from kvbench.kernels import quant
 
 
 @dataclass(frozen=True)
@@ -104,7 +108,7 @@ def stored_references(kv: torch.Tensor, schedule: StoreSchedule) -> TokenReferen
     """Each coded token's ``k`` nearest earlier references in one layer, as
     :meth:`kvbench.compress.residualkv.cache.ResidualKVLayer._compress` finds them (module docstring): the pool is the
     reference positions in ``[n_sink, T)`` of :func:`~kvbench.compress.residualkv.references.references_between`
-    (called as the cache calls it), stored with :func:`~kvbench.compress.residualkv.quant.cast_fp8` when ``ref_fp8``
+    (called as the cache calls it), stored with :func:`~kvbench.kernels.quant.cast_fp8` when ``ref_fp8``
     (as :class:`~kvbench.compress.residualkv.store.RefPool` stores it) and read back as float32; the search is
     :func:`~kvbench.compress.residualkv.references.nearest_references` over it (causal, ties to the lower index).
 
@@ -230,10 +234,6 @@ def visual_case(model: Any, proc: Any, record: dict, base_dir: str | Path | None
             tiles), ``image`` outside the record's images, bad ``layers`` (:func:`check_layers`), or a codec trained
             for another ``(n_layers, d_kv)`` than the model's.
     """
-    from kvbench.compress.cache import decoder_layers
-    from kvbench.compress.generate_vlm import encode_vlm, merged_grids, visual_positions
-    from kvbench.compress.residualkv.codec import model_kv_shape
-
     rid = record.get("id")
     if record.get("kind") != "vlm":
         raise ValueError(f"record {rid!r} is kind {record.get('kind')!r}: a visual case needs a VLM record (kind: vlm)")

@@ -6,7 +6,8 @@ plus the task lexicon (:mod:`kvbench.data.lexicon`), and wrapped as a
 ``PreTrainedTokenizerFast`` saved with ``save_pretrained`` so it loads like any
 checkpoint's tokenizer. Special tokens and the chat template follow Qwen2-VL's
 names (``<|im_start|>``, ``<|vision_start|><|image_pad|><|vision_end|>``) so the
-real ``Qwen2_5_VLProcessor`` can drive it.
+real ``Qwen2_5_VLProcessor`` can drive it. It lives with the data it is trained on, and the smoke
+tasks measure their lengths in its tokens (:func:`kvbench.data.smoke.materialise`).
 """
 from __future__ import annotations
 

@@ -7,6 +7,10 @@
 - References are stored as an unscaled float8 e4m3fn cast (§V-A; authors' code), with the explicit
   saturation policy of :func:`to_fp8`.
 
+The torch quantiser shared by the packed kernels (:mod:`.group_quant`, :mod:`.kivi_attend`), KIVI
+(:mod:`kvbench.compress.presses.kivi`), ResidualKV's cache and the byte accounting, so it lives in the lowest
+package that uses it.
+
 fp16 side information and the error bound: see :func:`quant_error_bound` and docs/decisions/residualkv.md,
 "Quantisation".
 """

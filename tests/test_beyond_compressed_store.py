@@ -8,13 +8,15 @@ import pytest
 import torch
 from _reuse_fixtures import random_image, tiny_vlm
 
+from kvbench.beyond.compressed_store import CacheCodec, CompressedImageKVStore, stored_parts, summarize
 from kvbench.compress.accounting import StoredBytes, full_cache_bytes
-from kvbench.compress.residualkv import quant, references
+from kvbench.compress.residualkv import references
 from kvbench.compress.residualkv.codec import ResidualCodec
 from kvbench.eval.refresh import MissingCacheEntry, open_store
+from kvbench.kernels import quant
 from kvbench.kernels.group_quant import unpack_levels
+from kvbench.kernels.reference_mean import mean_reference
 from kvbench.reuse import CacheMismatchError, ImageKVStore, adapter_for
-from kvbench.reuse.compressed_store import CacheCodec, CompressedImageKVStore, stored_parts, summarize
 
 torch.set_num_threads(1)
 GENERIC = "You are a helpful assistant."
@@ -70,7 +72,7 @@ def test_round_trip_shapes_dtypes_and_codes(vlm, codec_dir, tmp_path):
     assert refs[:2] == [0, cfg.stride] and t["ref.1"].dtype == torch.float8_e4m3fn and t["nbr.1"].dtype == torch.int16
     nbr = t["nbr.1"].long()
     z = quant.dequantize(quant.QuantizedCodes(unpack_levels(t["code.1"], 4), t["zmin.1"], t["scale.1"], 4, cfg.group))
-    mean = references.mean_reference(t["ref.1"].float(), nbr.clamp(min=0), nbr >= 0)
+    mean = mean_reference(t["ref.1"].float(), nbr.clamp(min=0), nbr >= 0)
     want = codec.layers[1].restore(z, mean).detach()
     kv = torch.cat([x.transpose(0, 1).reshape(n, -1) for x in (got.keys[1], got.values[1])], -1)
     assert torch.equal(kv[coded], want.to(kv.dtype))

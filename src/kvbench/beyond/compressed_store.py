@@ -12,7 +12,7 @@ Per decoder layer, over the image's own visual tokens (image-local positions ``0
   sits in the middle of every request that reuses it, so no token of it is an attention sink); references on
   the codec's stride schedule (:func:`~kvbench.compress.residualkv.references.references_between`) stored FP8
   e4m3 (§V-A); every other token as the quantised residual code ``z = f_c(kv) − f_c(mean of its k nearest
-  earlier references)`` (the codec's ``residual_code``, :func:`~kvbench.compress.residualkv.quant.quantize`)
+  earlier references)`` (the codec's ``residual_code``, :func:`~kvbench.kernels.quant.quantize`)
   with its ``k`` reference indices (int16, ``-1`` marks a slot without a visible reference: the validity mask
   is not stored). All tokens are coded: there is no raw recent window, since no token of a stored image is
   recent. Restored as ``kv̂ = f_d(z̃) + mean`` (the codec's ``restore``) from the SAME FP8 references;
@@ -50,10 +50,12 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from kvbench.compress.accounting import StoredBytes, full_cache_bytes
-from kvbench.compress.residualkv import quant, references
+from kvbench.compress.residualkv import references
 from kvbench.compress.residualkv.cache import FULL_KV_GROUP, ResidualKVPress
 from kvbench.compress.residualkv.codec import CODEC_FILE, CONFIG_FILE, CodecConfig, LayerCodec
+from kvbench.kernels import quant
 from kvbench.kernels.group_quant import pack_levels, unpack_levels
+from kvbench.kernels.reference_mean import mean_reference
 from kvbench.reuse.adapter import VLMAdapter
 from kvbench.reuse.cache_store import ImageKV, ImageKVStore
 from kvbench.utils.io import atomic_path, sha256_file, write_json
@@ -198,7 +200,7 @@ def _code_sparse(layer: LayerCodec, kv: torch.Tensor, cfg: CodecConfig, bits: in
     x, x_pos = kv[coded], torch.tensor(coded)
     if refs:
         nbr, valid = references.nearest_references(x, x_pos, ref8.float(), torch.tensor(refs), cfg.k)
-        mean = references.mean_reference(ref8.float(), nbr, valid)
+        mean = mean_reference(ref8.float(), nbr, valid)
         out["nbr"] = torch.where(valid, nbr, -1).to(torch.int16 if len(refs) < 2 ** 15 else torch.int32)
     else:  # a codec without references codes against a zero mean (Table VIII), no indices
         mean = torch.zeros_like(x)
@@ -221,7 +223,7 @@ def _restore_sparse(layer: LayerCodec, t: dict[str, torch.Tensor], n: int, cfg: 
         z = _unpack(t, bits, cfg.group)
         if "nbr" in t:
             nbr = t["nbr"].long()
-            mean = references.mean_reference(ref, nbr.clamp(min=0), nbr >= 0)
+            mean = mean_reference(ref, nbr.clamp(min=0), nbr >= 0)
         else:
             mean = torch.zeros(len(coded), cfg.d_kv)
         out[coded] = layer.restore(z, mean).float()
