@@ -100,7 +100,7 @@ def test_table_iv_columns_kr_cr_and_header(tmp_path):
     from test_rkv_report import SECTION, _fake_run
 
     from kvbench.report import rkv_scbench, tables
-    from kvbench.report.rkv_plan import RKVPlan
+    from kvbench.plan.residualkv import RKVPlan
 
     section = {**SECTION, "tableIV": [
         {"label": "ResidualKV", "method": "residualkv+omnikv:full_layers=0+1,keep=0.2,alpha=0,protocol=shared_context"},

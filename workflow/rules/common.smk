@@ -202,9 +202,9 @@ def model_feeds(model):
 
 
 def run_dir(model, task, method):
-    """Directory of an eval-matrix run (:class:`kvbench.report.plan.Run`, group ``eval``)."""
+    """Directory of an eval-matrix run (:class:`kvbench.plan.base.Run`, group ``eval``)."""
     from kvbench.eval.registry import parse_method_spec
-    from kvbench.report.plan import Run
+    from kvbench.plan.base import Run
 
     spec = parse_method_spec(method)
     return Run(model, task, spec.canonical, spec.slug).path(PROFILE)
@@ -283,7 +283,7 @@ def ambiguous_figure(wc):
 def _conduit_plan():
     """The ConduitPlan of the config (None without a `conduit:` section); fails early on bad names or specs."""
     from kvbench.report.conduit import ConduitPlan
-    from kvbench.report.rkv_plan import known_model_shape
+    from kvbench.plan.residualkv import known_model_shape
 
     if "conduit" not in config:
         return None
@@ -391,7 +391,7 @@ def _rkv_section():
 
 
 def _rkv_plan():
-    from kvbench.report.rkv_plan import RKVPlan, check_table_i, known_model_shape
+    from kvbench.plan.residualkv import RKVPlan, check_table_i, known_model_shape
 
     if "residualkv" not in config:
         return None
@@ -419,7 +419,7 @@ def _rkv_gen_plan():
     """Table V's plan (kvbench.report.rkv_generation): `residualkv.tableV` on `residualkv.long_generation`'s backbone
     and tasks, with that backbone's own codec; None without Table V rows."""
     from kvbench.report.rkv_generation import generation_plan
-    from kvbench.report.rkv_plan import known_model_shape
+    from kvbench.plan.residualkv import known_model_shape
 
     if not config.get("residualkv", {}).get("tableV"):
         return None
@@ -448,19 +448,19 @@ if RKV is not None and RKV.configured("tableIV"):
 
     _check_table_iv_rows(RKV)  # while the DAG is built, not after every run of the table finished
 RKV_GEN = _rkv_gen_plan()
-RKV_GEN_CODECS = RKV_GEN.codec_names("trained") if RKV_GEN else {}  # Table V backbone's codecs
+RKV_GEN_CODECS = RKV_GEN.codecs.names("trained") if RKV_GEN else {}  # Table V backbone's codecs
 # "<variant>-<recipe hash>" -> variant (codecs/ directory names), both plans'
-RKV_CODECS = {**(RKV.codec_names("trained") if RKV else {}), **RKV_GEN_CODECS}
+RKV_CODECS = {**(RKV.codecs.names("trained") if RKV else {}), **RKV_GEN_CODECS}
 # "main-import-<hash>" -> variant (rkv_codec_import), both plans'
-RKV_GEN_IMPORTS = RKV_GEN.codec_names("imported") if RKV_GEN else {}  # Table V backbone's own imported codec
-RKV_IMPORTS = {**(RKV.codec_names("imported") if RKV else {}), **RKV_GEN_IMPORTS}
+RKV_GEN_IMPORTS = RKV_GEN.codecs.names("imported") if RKV_GEN else {}  # Table V backbone's own imported codec
+RKV_IMPORTS = {**(RKV.codecs.names("imported") if RKV else {}), **RKV_GEN_IMPORTS}
 
 
 def _mm_plan():
     """ResidualKV Table II's plan (:class:`kvbench.report.rkv_multimodal.MMPlan`), None without `residualkv.tableII`."""
     from kvbench.data.smoke import TASKS
     from kvbench.report.rkv_multimodal import MMPlan
-    from kvbench.report.rkv_plan import known_model_shape
+    from kvbench.plan.residualkv import known_model_shape
 
     section = config.get("residualkv", {}).get("tableII")
     if not section:
@@ -485,7 +485,7 @@ def _crc_plan():
     """The compressed-image-cache plan (:class:`kvbench.report.conduit_rkv.CompressedCachePlan`; rules in
     conduit_rkv_cache.smk), None without `beyond.conduit_rkv_cache`. Its codec is rule rkv_mm_codec's for its model."""
     from kvbench.report.conduit_rkv import KEY, CompressedCachePlan
-    from kvbench.report.rkv_plan import known_model_shape
+    from kvbench.plan.residualkv import known_model_shape
 
     section = (config.get("beyond") or {}).get(KEY)
     if not section:
@@ -580,7 +580,7 @@ def rkv_plan():
 
 def rkv_target_plan(target):
     """The plan of ResidualKV ``target``: Table V's (:data:`RKV_GEN`) for the long-generation targets, else the main one."""
-    from kvbench.report.rkv_plan import GENERATION_TARGETS
+    from kvbench.plan.residualkv import GENERATION_TARGETS
 
     if target in GENERATION_TARGETS and RKV_GEN is not None:
         return RKV_GEN
@@ -609,7 +609,7 @@ def rkv_run_inputs(target):
 
 
 def rkv_report_spec(target=None):
-    """The JSON the ResidualKV writers read (:meth:`kvbench.report.rkv_plan.RKVPlan.from_spec`); for Table V its
+    """The JSON the ResidualKV writers read (:meth:`kvbench.plan.residualkv.RKVPlan.from_spec`); for Table V its
     plan's section and backbone, and the evaluated splits (records per problem)."""
     plan = rkv_target_plan(target)
     if plan is RKV_GEN:
@@ -622,7 +622,7 @@ def rkv_report_spec(target=None):
 
 
 def rkv_variant_summaries(variants):
-    return lambda wc: [f"{rkv_plan().codec_dir(v)}/summary.json" for v in variants]
+    return lambda wc: [f"{rkv_plan().codecs.dir(v)}/summary.json" for v in variants]
 
 
 def rkv_bench_gpus(fig):
@@ -637,27 +637,27 @@ def rkv_bench_args(fig):
 
 
 def rkv_figure_variants(fig):
-    """The codec variants figure ``fig`` (fig10/fig11/fig12) reads (:data:`kvbench.report.rkv_plan.FIGURE_VARIANTS`)."""
-    from kvbench.report.rkv_plan import FIGURE_VARIANTS
+    """The codec variants figure ``fig`` (fig10/fig11/fig12) reads (:data:`kvbench.plan.codecs.FIGURE_VARIANTS`)."""
+    from kvbench.plan.codecs import FIGURE_VARIANTS
 
     return FIGURE_VARIANTS[fig]
 
 
 def rkv_default_variant():
-    """The variant Fig. 11's relative throughput divides by (:data:`kvbench.report.rkv_plan.DEFAULT_VARIANT`)."""
-    from kvbench.report.rkv_plan import DEFAULT_VARIANT
+    """The variant Fig. 11's relative throughput divides by (:data:`kvbench.plan.codecs.DEFAULT_VARIANT`)."""
+    from kvbench.plan.codecs import DEFAULT_VARIANT
 
     return DEFAULT_VARIANT
 
 
-# --- Runs and tables: the plan layer (kvbench.report.plan) -------------------------------------
+# --- Runs and tables: the plan layer (kvbench.plan.base) -------------------------------------
 # One dict of runs (the `eval` rule, eval.smk) and one of tables (the `table` rule, tables.smk).
 
 def _runs():
     """``{(model, task, run name): Run}`` of the eval matrix, the CONDUIT plan and the ResidualKV plan."""
     from kvbench.eval.registry import parse_method_spec
     from kvbench.report.conduit import targets as conduit_plan_targets
-    from kvbench.report.plan import Run
+    from kvbench.plan.base import Run
 
     runs = {}
     for model, task, method in matrix_cells():
@@ -687,7 +687,7 @@ RUN_NAMES = sorted({name for _, _, name in RUNS})
 
 
 def run_of(wc):
-    """The :class:`~kvbench.report.plan.Run` of an `eval` job (model, task, run wildcards)."""
+    """The :class:`~kvbench.plan.base.Run` of an `eval` job (model, task, run wildcards)."""
     return RUNS[(wc.model, wc.task, wc.run)]
 
 
@@ -749,7 +749,7 @@ def _run_resource(wc):
         variant = plan.codec_of(run.spec)
         params = sampling(plan.s)   # Table V's sampled decoding (greedy: none)
         if variant is not None:
-            codec = f"{plan.codec_dir(variant)}/codec"
+            codec = f"{plan.codecs.dir(variant)}/codec"
             return {"codec": f"{codec}/codec.json"}, {"codec_dir": codec, **params}
         return {}, params
     return {}, {}
@@ -775,7 +775,7 @@ TABLES = _tables()
 
 
 def table_of(name):
-    """The :class:`~kvbench.report.plan.Table` of a target name, e.g. `conduit/table1`."""
+    """The :class:`~kvbench.plan.base.Table` of a target name, e.g. `conduit/table1`."""
     return TABLES[name]
 
 
@@ -808,7 +808,7 @@ def diag_capture_args():
 def _check_diagnostics():
     """Fail at DAG time on a `conduit_diagnostics` section the captures could not serve."""
     from kvbench.data.smoke import TASKS
-    from kvbench.report.rkv_plan import known_model_shape
+    from kvbench.plan.residualkv import known_model_shape
 
     if "conduit_diagnostics" not in config:
         return

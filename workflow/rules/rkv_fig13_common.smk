@@ -12,7 +12,7 @@ def _rkv_fig13():
     from kvbench.compress.residualkv.visual_case import StoreSchedule, check_layers
     from kvbench.compress.residualkv.observations import ReferenceSchedule
     from kvbench.data.smoke import TASKS
-    from kvbench.report.rkv_plan import known_model_shape, press_spec
+    from kvbench.plan.residualkv import known_model_shape, press_spec
 
     s = dict(config.get("residualkv", {}).get("fig13") or {})
     if not s:

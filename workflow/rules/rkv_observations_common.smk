@@ -17,7 +17,7 @@ def rkv_table_i_models():
 
 def rkv_table_i_inputs(wc):
     """Each row's config.json, the main codec's codec.json (the table depends on the codec job), the published file."""
-    codec = f"{rkv_plan().codec_dir('main')}/codec/codec.json"
+    codec = f"{rkv_plan().codecs.dir('main')}/codec/codec.json"
     return [os.path.join(model_dir(m), "config.json") for m in rkv_table_i_models()] + [codec, PUBLISHED_RKV]
 
 
@@ -59,11 +59,11 @@ def rkv_fig3_schedule_flags():
     from kvbench.compress.residualkv.codec import CodecConfig
 
     plan = rkv_plan()
-    if plan.codec_import("main"):
-        cfg = dataclasses.asdict(plan.codec_config("main", plan.shape))
+    if plan.codecs.source("main"):
+        cfg = dataclasses.asdict(plan.codecs.config("main", plan.shape))
     else:
         cfg = {f.name: f.default for f in dataclasses.fields(CodecConfig) if f.default is not dataclasses.MISSING}
-        cfg.update(plan.codec_overrides("main"))
+        cfg.update(plan.codecs.overrides("main"))
     return ["--k", int(cfg["k"]), "--n-sink", int(cfg["n_sink"]), "--stride", int(cfg["stride"]),
             "--alpha", float(cfg["alpha"]), "--grid", cfg["grid"], "--block", int(cfg["window"])]
 

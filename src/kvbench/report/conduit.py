@@ -31,8 +31,8 @@ import pandas as pd
 from kvbench.eval.registry import canonical, parse_method_spec, run_slugs, slug, with_budget
 from kvbench.report import conduit_evidence as evidence
 from kvbench.report.paired import paired_bootstrap, paired_stats
-from kvbench.report.plan import Run, Table, load_spec, write_csv
-from kvbench.utils.io import atomic_path, read_jsonl
+from kvbench.plan.base import Run, Table, load_spec
+from kvbench.utils.io import atomic_path, read_jsonl, write_csv
 
 
 
@@ -128,7 +128,7 @@ class ConduitPlan:
                                                      Row("Cache reuse", canonical("reuse"))]
 
     def rows(self, target: str) -> list[Row]:
-        """Rows of a table (its :class:`~kvbench.report.plan.Table` entry, by key) or of ``fig3``.
+        """Rows of a table (its :class:`~kvbench.plan.base.Table` entry, by key) or of ``fig3``.
 
         Raises:
             ValueError: an unknown target.
@@ -146,7 +146,7 @@ class ConduitPlan:
 
     # --- runs --------------------------------------------------------------------------------
     def run(self, model: str, dataset: str, spec: str) -> Run:
-        """The :class:`~kvbench.report.plan.Run` of ``spec`` (canonical) on ``model`` x ``dataset``."""
+        """The :class:`~kvbench.plan.base.Run` of ``spec`` (canonical) on ``model`` x ``dataset``."""
         return Run(model, dataset, spec, slug(spec), "conduit")
 
     def run_dir(self, model: str, dataset: str, spec: str) -> str:
@@ -743,7 +743,7 @@ _DIFFS = ("Below the scores, paired-difference rows (``kind``) give a minus b pe
 _CELLS = ("The CSV's ``#`` header lines name the columns, the records per column and the spread across rows "
           "(a table that comes out flat says so).")
 
-#: CONDUIT's accuracy tables (:class:`~kvbench.report.plan.Table`); Figure 3 is :func:`write_fig3`.
+#: CONDUIT's accuracy tables (:class:`~kvbench.plan.base.Table`); Figure 3 is :func:`write_fig3`.
 TABLES: dict[str, Table] = {t.name: t for t in (
     Table("conduit/table1", "CONDUIT", "conduit",
           "Table 1 (main results: budgeted refresh methods vs full prefill, per budget r)",

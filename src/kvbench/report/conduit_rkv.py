@@ -31,11 +31,12 @@ import pandas as pd
 from kvbench.eval.registry import parse_method_spec, slug
 from kvbench.report.conduit import Column, ConduitPlan, Row, Runs, _mean, note_errors
 from kvbench.report.paired import paired_stats
-from kvbench.report.plan import Run, Table, load_spec, write_csv
+from kvbench.plan.base import Run, Table, load_spec
+from kvbench.utils.io import write_csv
 from kvbench.reuse.compressed_store import CacheCodec
 from kvbench.utils.recipe import recipe_hash
 
-#: The run group (:data:`kvbench.report.plan.GROUPS`) and the config key under ``beyond``.
+#: The run group (:data:`kvbench.plan.base.GROUPS`) and the config key under ``beyond``.
 GROUP = "conduit_rkv"
 KEY = "conduit_rkv_cache"
 

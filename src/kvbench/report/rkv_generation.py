@@ -3,7 +3,7 @@
 The table's rows (config ``residualkv.tableV``, ``{label, method}``) run on the backbone and task of
 ``residualkv.long_generation`` (``model``, ``tasks``, and optionally ``n_test``, ``threads``, ``protocol``, ``codec``,
 ``train``, ``sampling``), not on the section's ``model``/``tasks``: :func:`generation_section` is that section as an
-:class:`~kvbench.report.rkv_plan.RKVPlan` reads it (the main section's codec and training keys as the base), so the
+:class:`~kvbench.plan.residualkv.RKVPlan` reads it (the main section's codec and training keys as the base), so the
 rows' runs and the backbone's own ResidualKV codec are named and built by the same plan machinery as Tables III-VIII
 (``results/runs/<profile>/<model>/<task>/residualkv/<slug>/``, ``codecs/<profile>/<model>/main-<recipe>/``).
 
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from kvbench.report.plan import Table, load_spec
+from kvbench.plan.base import Table, load_spec
 from kvbench.report.residualkv import (
     _mean,
     _read_run,
@@ -38,7 +38,7 @@ from kvbench.report.residualkv import (
     selection_header,
     write_csv,
 )
-from kvbench.report.rkv_plan import RKVPlan
+from kvbench.plan.residualkv import RKVPlan
 from kvbench.utils.io import read_jsonl
 
 #: Keys of ``residualkv.long_generation`` that replace the section's own for Table V's plan.

@@ -32,12 +32,13 @@ from pathlib import Path
 import pandas as pd
 
 from kvbench.report import paired
-from kvbench.report.plan import Run, Table, load_spec, write_csv
+from kvbench.plan.base import Run, Table, load_spec
+from kvbench.utils.io import write_csv
 from kvbench.report.residualkv import _mean, _read_run, bootstrap_settings, paired_rows, run_summary, with_paired
-from kvbench.report.rkv_plan import PROTOCOL_NOTES, Row, press_spec
+from kvbench.plan.residualkv import PROTOCOL_NOTES, Row, press_spec
 from kvbench.eval.registry import with_params
 
-#: The run group of Table II's runs (:data:`kvbench.report.plan.GROUPS`).
+#: The run group of Table II's runs (:data:`kvbench.plan.base.GROUPS`).
 GROUP = "residualkv_mm"
 #: The config key (under ``residualkv``) and the target key.
 KEY = "tableII"

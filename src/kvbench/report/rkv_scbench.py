@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pandas as pd
 
-from kvbench.report.plan import Table
+from kvbench.plan.base import Table
 from kvbench.report.residualkv import codec_header, paired_table, score_table, selection_header, write_csv
-from kvbench.report.rkv_plan import RKVPlan, press_spec
+from kvbench.plan.residualkv import RKVPlan, press_spec
 
 KEY = "tableIV"
 #: Header line saying how every row met its queries.

@@ -70,7 +70,7 @@ class Table:
         write: ``write(spec, out, root)`` builds the table from the workflow's JSON ``spec`` (the paper's config
             section and paths) and writes ``out`` atomically; returns the DataFrame.
         rows: ``rows(plan)`` -> the methods a CONDUIT table compares (ResidualKV tables take theirs from the config
-            list of their own name, :meth:`kvbench.report.rkv_plan.RKVPlan.rows`), else None.
+            list of their own name, :meth:`kvbench.plan.residualkv.RKVPlan.rows`), else None.
         columns: which column group a CONDUIT table averages over (``multi_image``, ``single_image``, ``all``).
         contrasts: ``contrasts(plan, scores)`` -> ``[(backbone, row a, row b)]`` whose paired difference a - b a
             CONDUIT table carries below its scores (Tables 1 and 5), else None.
@@ -119,13 +119,3 @@ def load_spec(spec: str | dict, section: str) -> dict:
         raise ValueError(f"the report spec must be a JSON object with `profile` and a `{section}` mapping (the "
                          f"config section), got {str(spec)[:80]!r}")
     return spec
-
-
-def write_csv(df: Any, header: list[str], out: str) -> None:
-    """Write DataFrame ``df`` to ``out`` atomically under ``#`` header lines (read back with
-    ``pd.read_csv(path, comment="#")``): the one writer of the CONDUIT tables' CSVs."""
-    from kvbench.utils.io import atomic_path
-
-    with atomic_path(out) as tmp, open(tmp, "w", encoding="utf-8") as f:
-        f.write("\n".join(header) + "\n")
-        df.to_csv(f, index=False)
