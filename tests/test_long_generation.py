@@ -206,7 +206,7 @@ GEN_SECTION = {
 
 
 def test_table_v_runs_on_the_long_generation_backbone():
-    from kvbench.report.rkv_generation import generation_plan, generation_section
+    from kvbench.plan.generation import generation_plan, generation_section
     from kvbench.plan.residualkv import RKVPlan
 
     main = RKVPlan(GEN_SECTION, "smoke")
@@ -235,7 +235,7 @@ def test_table_v_cells_and_header(tmp_path):
     import pandas as pd
 
     from kvbench.report import tables
-    from kvbench.report.rkv_generation import generation_section
+    from kvbench.plan.generation import generation_section
     from kvbench.utils.io import write_jsonl
 
     section = generation_section(GEN_SECTION)
@@ -273,7 +273,7 @@ def test_an_imported_main_codec_is_not_inherited_by_another_backbone():
     """With residualkv.codec.import (an authors' compressor for residualkv.model), Table V's chain model inherited
     the import and its runs asked for a codec no rule makes (the hostile-config dry run failed); another backbone now
     inherits the settings only and trains its own; the same backbone keeps the import."""
-    from kvbench.report.rkv_generation import generation_section
+    from kvbench.plan.generation import generation_section
 
     section = {**GEN_SECTION, "codec": {**GEN_SECTION["codec"], "import": "compressors/theirs"}}
     assert generation_section(section)["codec"] == GEN_SECTION["codec"]

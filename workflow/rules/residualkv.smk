@@ -22,7 +22,7 @@ rule rkv_codec:
     param, so changing it never reruns a finished codec."""
     input:
         model=lambda wc: os.path.join(model_dir(wc.model), "config.json"),
-        corpus=lambda wc: [local_path(f) for f in rkv_codec_plan(wc.codec).codecs.training(RKV_CODECS[wc.codec]).get("data_files", [])],
+        corpus=lambda wc: [local_path(f) for f in codec_plan(wc).training(codec_variant(wc)).get("data_files", [])],
     output:
         codec="codecs/{profile}/{model}/{codec}/codec/codec.json",
         summary="codecs/{profile}/{model}/{codec}/summary.json",
@@ -31,10 +31,10 @@ rule rkv_codec:
     params:
         model=lambda wc: model_dir(wc.model),
         out=lambda wc, output: os.path.dirname(output.summary),
-        overrides=lambda wc: json.dumps(rkv_codec_plan(wc.codec).codecs.overrides(RKV_CODECS[wc.codec]), sort_keys=True),
-        train=lambda wc: rkv_codec_plan(wc.codec).codecs.training(RKV_CODECS[wc.codec]),
-        launch=lambda wc: rkv_codec_plan(wc.codec).codecs.launcher(RKV_CODECS[wc.codec]),
-        args=lambda wc: rkv_codec_plan(wc.codec).codecs.train_flags(RKV_CODECS[wc.codec], local_path),  # device, dtype, corpus
+        overrides=lambda wc: json.dumps(codec_plan(wc).overrides(codec_variant(wc)), sort_keys=True),
+        train=lambda wc: codec_plan(wc).training(codec_variant(wc)),
+        launch=lambda wc: codec_plan(wc).launcher(codec_variant(wc)),
+        args=lambda wc: codec_plan(wc).train_flags(codec_variant(wc), local_path),  # device, dtype, corpus
         seed=SEED,
     log:
         "logs/residualkv/codec/{profile}/{model}/{codec}.log",
@@ -44,9 +44,9 @@ rule rkv_codec:
     threads: config.get("residualkv", {}).get("train", {}).get("threads", 1)
     resources:
         mem_mb=model_resource("mem_mb", 8000, 64000),
-        runtime=lambda wc: rkv_codec_plan(wc.codec).codecs.runtime_min(RKV_CODECS[wc.codec]),  # minutes: slice + load/save, or estimate
-        slice_s=lambda wc: rkv_codec_plan(wc.codec).codecs.slice_s(RKV_CODECS[wc.codec]) or 0,  # seconds; 0: no slice
-        gpu=lambda wc: rkv_codec_plan(wc.codec).codecs.gpus(RKV_CODECS[wc.codec]),  # residualkv.train device/gpus
+        runtime=lambda wc: codec_plan(wc).runtime_min(codec_variant(wc)),  # minutes: slice + load/save, or estimate
+        slice_s=lambda wc: codec_plan(wc).slice_s(codec_variant(wc)) or 0,  # seconds; 0: no slice
+        gpu=lambda wc: codec_plan(wc).gpus(codec_variant(wc)),  # residualkv.train device/gpus
     conda:
         "../../envs/kvbench.yaml"
     shell:
@@ -64,7 +64,7 @@ rule rkv_codec_import:
     against the backbone); the job checks it again, copies the weights and records their sha256."""
     input:
         model=lambda wc: os.path.join(model_dir(wc.model), "config.json"),
-        checkpoint=lambda wc: rkv_import_plan(wc).codecs.import_files(RKV_IMPORTS[wc.codec]),
+        checkpoint=lambda wc: import_plan(wc).import_files(import_variant(wc)),
     output:
         codec="codecs/{profile}/{model}/{codec}/codec/codec.json",
         provenance="codecs/{profile}/{model}/{codec}/codec/provenance.json",
@@ -72,9 +72,9 @@ rule rkv_codec_import:
         codec=alternation(RKV_IMPORTS),
     params:
         model=lambda wc: model_dir(wc.model),
-        src=lambda wc: rkv_import_plan(wc).codecs.source(RKV_IMPORTS[wc.codec]),
+        src=lambda wc: import_plan(wc).source(import_variant(wc)),
         out=lambda wc, output: os.path.dirname(output.codec),
-        overrides=lambda wc: json.dumps(rkv_import_plan(wc).codecs.overrides(RKV_IMPORTS[wc.codec]), sort_keys=True),
+        overrides=lambda wc: json.dumps(import_plan(wc).overrides(import_variant(wc)), sort_keys=True),
     log:
         "logs/residualkv/codec/{profile}/{model}/{codec}.log",
     benchmark:

@@ -1,5 +1,5 @@
 # Helpers of ResidualKV Fig. 13 (workflow/rules/rkv_fig13.smk): functions only, as Snakemake's lint wants them apart
-# from rules. Table II's plan (MM), its codec directory (mm_codec_dir) and rows come from common.smk.
+# from rules. Table II's plan (MM), its codec directory (MM.codec_dir) and rows come from common.smk.
 
 #: `residualkv.fig13` defaults besides model, task and layers (workflow/schemas/config.schema.yaml describes them).
 RKV_FIG13_DEFAULTS = {"record": 0, "image": 0, "queries": 4, "device": "cpu", "dtype": "float32"}
@@ -71,7 +71,7 @@ def rkv_fig13_inputs(wc):
     """The model's config.json, the task's test split (the record and its image) and the ResidualKV row's codec."""
     s = rkv_fig13()
     return {"model": os.path.join(model_dir(s["model"]), "config.json"), "split": split_file(s["task"]),
-            "codec": f"{mm_codec_dir(s['model'])}/codec/codec.json"}
+            "codec": f"{MM.codec_dir(s['model'])}/codec/codec.json"}
 
 
 def rkv_fig13_args():

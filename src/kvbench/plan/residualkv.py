@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from kvbench.bench.settings import BY_FIGURE
 from kvbench.compress.registry import PRESS
 from kvbench.eval.registry import with_params
-from kvbench.plan.base import Run, load_spec
+from kvbench.plan.base import Plan, Run, Table, load_spec
 from kvbench.plan.codecs import FIGURE_VARIANTS, CodecPlan
 from kvbench.utils.spec import MethodSpec, parse
 
@@ -100,7 +101,7 @@ class Row:
     spec: str
 
 
-class RKVPlan:
+class RKVPlan(Plan):
     """The ResidualKV side of a config (see ``config/config.yaml``, ``residualkv:``).
 
     Args:
@@ -120,11 +121,14 @@ class RKVPlan:
             figure train different numbers of steps.
     """
 
+    name = "residualkv"
+
     def __init__(self, section: dict, profile: str, shape: tuple[int, int] | None = None, zoo: bool = True, *,
                  seed: int | None = None, model_dir: str | None = None):
         missing = [k for k in ("model", "tasks", "codec", "train", "tableIII") if k not in section]
         if missing:
             raise ValueError(f"the residualkv section misses key(s) {missing}")
+        self.ws = None  # the workflow's Workspace (from_config)
         self.s = section
         self.profile = profile
         self.model: str = section["model"]
@@ -285,7 +289,7 @@ class RKVPlan:
         else ``tasks``."""
         return list((self.s.get("target_tasks") or {}).get(target) or self.tasks)
 
-    def runs(self, target: str) -> list[tuple[str, str]]:
+    def target_runs(self, target: str) -> list[tuple[str, str]]:
         """``(task, spec)`` of every run ``target`` reads."""
         return [(t, r.spec) for r in self.rows(target) for t in self.target_tasks(target)]
 
@@ -318,3 +322,121 @@ class RKVPlan:
                 + ("not the paper's numbers" if self.zoo else "computed by this pipeline, not copied from the paper"),
                ] + ([f"# protocol: {'; '.join(PROTOCOL_NOTES[p] for p in self.protocols(target))} "
                      "(kvbench.compress.generate)"] if target else [])
+
+    # --- the workflow's protocol (kvbench.plan.base.Plan) -------------------------------------------
+    @classmethod
+    def _workflow_section(cls, ws) -> dict:
+        """The config's ``residualkv`` section with ``codec.import`` (an authors' checkpoint, imported as the main codec)
+        resolved like every local path (absolute, else under ``paths.root``)."""
+        section = dict(ws.config["residualkv"])
+        codec = dict(section["codec"])
+        if "import" in codec:
+            codec["import"] = ws.local_path(str(codec["import"]))
+        section["codec"] = codec
+        return section
+
+    @classmethod
+    def from_config(cls, ws, plans: dict) -> "RKVPlan | None":
+        """The plan of the config's ``residualkv:`` section (None without one), checked while the DAG is built.
+
+        Raises:
+            ValueError: naming the ``residualkv`` key and the bad value (backbone, tasks, rows, codecs, Table IV's
+                protocol).
+        """
+        if "residualkv" not in ws.config:
+            return None
+        section = cls._workflow_section(ws)
+        model = section["model"]
+        if model not in ws.models or ws.models[model]["kind"] != "lm":
+            raise ValueError(f"config residualkv.model: {model!r} must be an `lm` model defined under `models`")
+        for task in section["tasks"]:
+            if task not in ws.datasets:
+                raise ValueError(f"config residualkv.tasks: {task!r} is not defined under `datasets`")
+        for target, tasks in (section.get("target_tasks") or {}).items():
+            for task in tasks:
+                if task not in ws.datasets:
+                    raise ValueError(f"config residualkv.target_tasks.{target}: {task!r} is not defined under `datasets`")
+        try:
+            shape = ws.model_shape(model)
+            check_table_i(model, ws.models[model], shape)
+            plan = cls(section, ws.profile, shape, zoo=ws.is_zoo(model), seed=ws.seed, model_dir=ws.model_dir(model))
+        except ValueError as e:
+            raise ValueError(f"config residualkv: {e}") from e
+        if plan.configured("tableIV"):
+            check_table_iv(plan)  # while the DAG is built, not after every run of the table finished
+        plan.ws = ws
+        return plan
+
+    def runs(self) -> list[Run]:
+        return list(dict.fromkeys(self.run(t, s) for target in self.targets() for t, s in self.target_runs(target)))
+
+    def resources(self, run: Run) -> tuple[dict[str, str], dict]:
+        """A ResidualKV run reads its codec variant (``codec_dir``); Table V's runs also take their sampling."""
+        params = dict(self.s.get("sampling") or {})
+        variant = self.codec_of(run.spec)
+        if variant is None:
+            return {}, params
+        codec = f"{self.codecs.dir(variant)}/codec"
+        return {"codec": f"{codec}/codec.json"}, {"codec_dir": codec, **params}
+
+    def threads(self, run: Run) -> int:
+        return self.s.get("threads", 1)
+
+    def limit(self, run: Run) -> int | None:
+        return self.s.get("n_test")
+
+    def runtime(self, run: Run, zoo: bool) -> int:
+        """An hour on the zoo; a checkpoint's long-context runs 12 hours."""
+        return 60 if zoo else 720
+
+    def builds(self, table: Table) -> bool:
+        return self.configured(table.key) or table.key in MODEL_TABLES
+
+    def report_spec(self) -> str:
+        """The JSON the ResidualKV writers read (:meth:`from_spec`)."""
+        return json.dumps({"profile": self.profile, "residualkv": self.s, "zoo": self.zoo, "seed": self.seed,
+                           "model_dir": self.model_dir}, sort_keys=True)
+
+    def target_inputs(self, target: str) -> list[str]:
+        """Predictions of every run ``target`` (a table key or ``fig5``) reads."""
+        return [f"{self.run_dir(t, s)}/predictions.jsonl" for t, s in self.target_runs(target)]
+
+    def table_i_models(self) -> list[str]:
+        """Table I's rows: ``residualkv.model``, then every other model with a Table I entry (``models.<m>.codec``)."""
+        return [self.model] + [m for m, spec in self.ws.models.items() if spec.get("codec") and m != self.model]
+
+    def table_inputs(self, table: Table) -> list[str]:
+        """Table I (:data:`MODEL_TABLES`): each row's config.json, the main codec (the table depends on the codec
+        job) and the published file; the others: their runs' predictions."""
+        if table.key not in MODEL_TABLES:
+            return self.target_inputs(table.key)
+        codec = f"{self.codecs.dir('main')}/codec/codec.json"
+        return ([os.path.join(self.ws.model_dir(m), "config.json") for m in self.table_i_models()]
+                + [codec, self.ws.published("residualkv")])
+
+    def table_spec(self, table: Table) -> str:
+        if table.key not in MODEL_TABLES:
+            return self.report_spec()
+        spec = json.loads(self.report_spec())
+        spec["models"] = [{"name": m, "dir": self.ws.model_dir(m), "codec": self.ws.models[m].get("codec")}
+                          for m in self.table_i_models()]
+        spec["published"] = self.ws.published("residualkv")
+        return json.dumps(spec, sort_keys=True)
+
+
+#: ResidualKV tables built from checkpoints and codecs, not from runs (no config list of rows).
+MODEL_TABLES = ("tableI",)
+
+
+def check_table_iv(plan: RKVPlan) -> None:
+    """Every Table IV row runs under ``shared_context`` (the context its own chunk, compressed before the queries).
+
+    Raises:
+        ValueError: a row whose spec sets another protocol, naming it.
+    """
+    for row in plan.rows("tableIV"):
+        protocol = press_spec(row.spec).params.get("protocol")
+        if protocol != "shared_context":
+            raise ValueError(f"residualkv.tableIV, row {row.label!r}: SCBench's rows run under protocol=shared_context "
+                             f"(the context compressed before its queries), got {protocol!r}; spell "
+                             "protocol=shared_context in its method")
