@@ -2,9 +2,9 @@
 
 The config has been validated against workflow/schemas/config.schema.yaml (defaults filled in) before this file is
 included. Paths of models and splits come from one kvbench.plan.Workspace; what each config section asks to build
-comes from its plan (kvbench.plan: one protocol, built and checked here while the DAG is built). The `eval` rule
-serves every plan's runs and the `table` rule every plan's tables by looping over the plans: no input function
-below names a table or a plan type.
+comes from its plan (kvbench.plan: one protocol, built and checked here while the DAG is built). One `eval` rule
+serves the runs of every plan and one `table` rule the tables of every plan, by looping over the plans; no input
+function below names a table or a plan type.
 """
 import json
 import os
@@ -12,8 +12,10 @@ import re
 import shlex
 import sys
 
-from kvbench.plan import build_plans, Workspace
+from kvbench.plan import PLAN_TYPES, Workspace, build_plans
+from kvbench.plan.codecs import DEFAULT_VARIANT, FIGURE_VARIANTS
 from kvbench.plan.residualkv import RKVPlan
+from kvbench.report.published import load_published
 from kvbench.report.tables import TABLES
 
 WS = Workspace(config, workflow.basedir)
@@ -168,8 +170,6 @@ def _table_plan(table):
     """The plan of ``table``; raises (at DAG time) naming what the config lacks when it has none."""
     plan = PLANS.get(table.plan_name)
     if plan is None:
-        from kvbench.plan import PLAN_TYPES
-
         raise ValueError(PLAN_TYPES[table.plan_name].absent(table, config))
     return plan
 
@@ -304,9 +304,9 @@ AMBIGUOUS_FIGURES = ["3", "4"]
 
 def residualkv_table_numerals():
     """Roman numerals of the ResidualKV tables (`results/table<ROMAN>.csv` short names)."""
-    from kvbench.report.tables import TABLES
-
     return [t.key.removeprefix("table") for t in TABLES.values() if t.paper == "ResidualKV"]
+
+
 CONDUIT_FIGURES = ["3", "4"]
 RESIDUALKV_AMBIGUOUS_FIGURES = ["3"]  # built, but only under its canonical name (rkv_observations.smk)
 
@@ -340,15 +340,11 @@ def rkv_bench_args(fig):
 
 def rkv_figure_variants(fig):
     """The codec variants figure ``fig`` (fig10/fig11/fig12) reads (:data:`kvbench.plan.codecs.FIGURE_VARIANTS`)."""
-    from kvbench.plan.codecs import FIGURE_VARIANTS
-
     return FIGURE_VARIANTS[fig]
 
 
 def rkv_default_variant():
     """The variant Fig. 11's relative throughput divides by (:data:`kvbench.plan.codecs.DEFAULT_VARIANT`)."""
-    from kvbench.plan.codecs import DEFAULT_VARIANT
-
     return DEFAULT_VARIANT
 
 
@@ -356,11 +352,9 @@ def rkv_default_variant():
 
 def _published_tables():
     """Table targets (`conduit/table1`, ..., `conduit/fig3`) whose paper's published file has entries for them."""
-    from kvbench.report.published import load_published
-
     names = []
     for paper in ("conduit", "residualkv"):
-        pub = load_published(os.path.join(workflow.basedir, "config", "published", f"{paper}.yaml"))
+        pub = load_published(WS.published(paper))
         keys = {e.table for e in pub.entries}
         names += [t for t in [*TABLES, "conduit/fig3"] if t.startswith(f"{paper}/") and t.split("/", 1)[1] in keys]
     return names
@@ -377,7 +371,7 @@ def profile_compare_tables():
 
 def published_file(wc):
     """config/published/<paper>.yaml of a compare target (anchored at the Snakefile, so `--directory` works)."""
-    return os.path.join(workflow.basedir, "config", "published", f"{wc.table.split('/')[0]}.yaml")
+    return WS.published(wc.table.split("/")[0])
 
 
 def compare_page_inputs(wc):
