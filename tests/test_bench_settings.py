@@ -191,6 +191,6 @@ def test_cli_refuses_bad_settings_before_measuring(argv, needle, tmp_path, capsy
 def test_report_plan_and_settings_import_neither_the_cli_nor_torch():
     """Issue #12: the report checked bench flags through kvbench.cli (an import cycle); the settings are light."""
     code = ("import sys, kvbench.bench.settings; assert 'torch' not in sys.modules, 'torch'; "
-            "import kvbench.report.rkv_plan; assert 'kvbench.cli' not in sys.modules, 'kvbench.cli'")
+            "import kvbench.plan.residualkv; assert 'kvbench.cli' not in sys.modules, 'kvbench.cli'")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
     assert r.returncode == 0, r.stderr

@@ -9,7 +9,8 @@ import pytest
 from _zoo_fixtures import write_png, write_split
 
 from kvbench.report import tables
-from kvbench.report.conduit import ConduitPlan, report_fig4
+from kvbench.plan.conduit import ConduitPlan
+from kvbench.report.conduit import report_fig4
 from kvbench.report.conduit_evidence import allocation, gap, page_tokens
 
 L = 4                          # layers of the synthetic model

@@ -12,8 +12,8 @@ import yaml
 from test_workflow import REPO, paper_dry_run, planned_jobs, snakemake
 
 from kvbench.report import tables
-from kvbench.report.conduit import ConduitPlan
-from kvbench.report.conduit_rkv import CompressedCachePlan
+from kvbench.plan.conduit import ConduitPlan
+from kvbench.plan.compressed_cache import CompressedCachePlan
 
 IDS = {"a": 2, "b": 2, "c": 3, "d": 3}   # record id -> K (columns K2, K3)
 

@@ -206,8 +206,8 @@ GEN_SECTION = {
 
 
 def test_table_v_runs_on_the_long_generation_backbone():
-    from kvbench.report.rkv_generation import generation_plan, generation_section
-    from kvbench.report.rkv_plan import RKVPlan
+    from kvbench.plan.generation import generation_plan, generation_section
+    from kvbench.plan.residualkv import RKVPlan
 
     main = RKVPlan(GEN_SECTION, "smoke")
     assert main.targets() == ["tableIII"]          # Table V is left to long_generation's plan
@@ -216,7 +216,7 @@ def test_table_v_runs_on_the_long_generation_backbone():
     assert plan.s["threads"] == 1 and plan.s["train"] == {**GEN_SECTION["train"], "data": "chain"}
     assert plan.run_dir("chain_128", plan.rows("tableV")[1].spec).startswith(
         "results/runs/smoke/tiny-qwen2-lm-chain/chain_128/residualkv/snapkv_decoding_")
-    assert plan.codec_dir("main").startswith("codecs/smoke/tiny-qwen2-lm-chain/main-")
+    assert plan.codecs.dir("main").startswith("codecs/smoke/tiny-qwen2-lm-chain/main-")
     with pytest.raises(ValueError, match="long_generation: missing \\['tasks'\\]"):
         generation_section({**GEN_SECTION, "long_generation": {"model": "m"}})
     with pytest.raises(ValueError, match="unknown \\['bogus'\\]"):
@@ -235,13 +235,13 @@ def test_table_v_cells_and_header(tmp_path):
     import pandas as pd
 
     from kvbench.report import tables
-    from kvbench.report.rkv_generation import generation_section
+    from kvbench.plan.generation import generation_section
     from kvbench.utils.io import write_jsonl
 
     section = generation_section(GEN_SECTION)
     spec = {"profile": "smoke", "residualkv": section, "seed": 0, "model_dir": str(tmp_path / "absent"), "zoo": True,
             "splits": {"chain_128": "split.jsonl"}}
-    from kvbench.report.rkv_plan import RKVPlan
+    from kvbench.plan.residualkv import RKVPlan
 
     plan = RKVPlan.from_spec(spec)
     for row, scores, kr, gen in zip(plan.rows("tableV"), ([1, 1, 0], [0, 0, 0], [1, 0, 1]), (1.0, 0.3, 0.25),
@@ -273,7 +273,7 @@ def test_an_imported_main_codec_is_not_inherited_by_another_backbone():
     """With residualkv.codec.import (an authors' compressor for residualkv.model), Table V's chain model inherited
     the import and its runs asked for a codec no rule makes (the hostile-config dry run failed); another backbone now
     inherits the settings only and trains its own; the same backbone keeps the import."""
-    from kvbench.report.rkv_generation import generation_section
+    from kvbench.plan.generation import generation_section
 
     section = {**GEN_SECTION, "codec": {**GEN_SECTION["codec"], "import": "compressors/theirs"}}
     assert generation_section(section)["codec"] == GEN_SECTION["codec"]

@@ -306,22 +306,22 @@ ZOO_SHAPE = {"num_hidden_layers": 8, "hidden_size": 128, "num_attention_heads": 
 
 def test_plan_imports_the_main_codec_and_tables_name_each_codec(tmp_path):
     from kvbench.report import residualkv
-    from kvbench.report.rkv_plan import RKVPlan
+    from kvbench.plan.residualkv import RKVPlan
     from test_rkv_report import CODEC_KW, SECTION
 
     src = write_theirs(tmp_path / "ckpt", ZOO_SHAPE, bias=False, d_c=32, d_ff=96)
     section = {**SECTION, "codec": {**SECTION["codec"], "import": str(src), "d_ff": 96},
                "tableIII": [*SECTION["tableIII"], {"label": "ResidualKV (norefs)", "method": "residualkv:codec=norefs"}]}
     plan = RKVPlan(section, "smoke", (8, 128), **CODEC_KW)
-    assert plan.codec_names("imported") == {plan.codec_name("main"): "main"}
-    assert re.fullmatch(r"main-import-[0-9a-f]{8}", plan.codec_name("main"))
-    assert set(plan.codec_names("trained").values()) == {"norefs"}
+    assert plan.codecs.names("imported") == {plan.codecs.name("main"): "main"}
+    assert re.fullmatch(r"main-import-[0-9a-f]{8}", plan.codecs.name("main"))
+    assert set(plan.codecs.names("trained").values()) == {"norefs"}
     # the imported codec's settings: structure from the checkpoint, the section's inference-time keys over it
-    cfg = plan.codec_config("main", (8, 128))
+    cfg = plan.codecs.config("main", (8, 128))
     assert (cfg.d_c, cfg.d_ff, cfg.n_sink, cfg.stride, cfg.window, cfg.k) == (32, 96, 8, 10, 32, 4)
-    assert "import" not in plan.codec_overrides("norefs") and plan.codec_overrides("norefs")["d_ff"] == 96
-    assert plan.import_files("main") == [f"{src}/config.json", f"{src}/model.safetensors"]
-    write_import(src, tmp_path / plan.codec_dir("main") / "codec", (8, 128))
+    assert "import" not in plan.codecs.overrides("norefs") and plan.codecs.overrides("norefs")["d_ff"] == 96
+    assert plan.codecs.import_files("main") == [f"{src}/config.json", f"{src}/model.safetensors"]
+    write_import(src, tmp_path / plan.codecs.dir("main") / "codec", (8, 128))
     head = residualkv.codec_header(plan, "tableIII", tmp_path)
     sha = sha256_file(src / "model.safetensors")[:12]
     assert head[0] == (f"# codec main (ResidualKV): imported from {src} (kvbench codec-import; model.safetensors "
@@ -336,7 +336,7 @@ def test_plan_imports_the_main_codec_and_tables_name_each_codec(tmp_path):
     (lambda src: (src / "config.json").unlink(), r"config.json not found"),
 ])
 def test_plan_checks_the_import_while_the_dag_is_built(tmp_path, change, match):
-    from kvbench.report.rkv_plan import RKVPlan
+    from kvbench.plan.residualkv import RKVPlan
     from test_rkv_report import CODEC_KW, SECTION
 
     src = write_theirs(tmp_path / "ckpt", ZOO_SHAPE, bias=False, d_c=32, d_ff=96)
@@ -347,7 +347,7 @@ def test_plan_checks_the_import_while_the_dag_is_built(tmp_path, change, match):
 
 
 def test_plan_refuses_an_import_that_does_not_fit(tmp_path):
-    from kvbench.report.rkv_plan import RKVPlan
+    from kvbench.plan.residualkv import RKVPlan
     from test_rkv_report import CODEC_KW, SECTION
 
     src = write_theirs(tmp_path / "ckpt", ZOO_SHAPE, bias=False, d_c=32, d_ff=96)

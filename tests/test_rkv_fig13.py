@@ -45,7 +45,7 @@ def rec():
 @pytest.fixture(scope="module")
 def press(vlm, tmp_path_factory):
     from kvbench.compress.residualkv.codec import ResidualCodec
-    from kvbench.report.rkv_plan import press_spec
+    from kvbench.plan.residualkv import press_spec
 
     model, _ = vlm
     out = tmp_path_factory.mktemp("fig13codec")

@@ -9,7 +9,7 @@ import pytest
 import yaml
 from test_workflow import CONFIG, paper_dry_run, planned_jobs, snakemake
 
-from kvbench.report.rkv_multimodal import MMPlan
+from kvbench.plan.multimodal import MMPlan
 from kvbench.report.tables import TABLES
 from kvbench.utils.io import write_jsonl
 

@@ -10,7 +10,7 @@ import pytest
 from kvbench.eval.compress import CompressMethod
 from kvbench.eval.registry import get_method
 from kvbench.report import residualkv, rkv_report, tables
-from kvbench.report.rkv_plan import RKVPlan, press_spec
+from kvbench.plan.residualkv import RKVPlan, press_spec
 from kvbench.utils.io import write_jsonl
 
 SECTION = {
@@ -69,7 +69,7 @@ def test_plan_maps_specs_to_runs_and_codecs():
         plan.codec_of("residualkv+omnikv")
     assert plan.run_dir("kv_1k", "fullkv") == "results/runs/smoke/tiny-qwen2-lm/kv_1k/residualkv/fullkv"
     assert [r.label for r in plan.rows("fig5")] == ["alpha = 0", "alpha = 0.1", "stride = 5"]
-    assert plan.codec_overrides("norefs")["references"] is False and plan.codec_training("norefs")["data"] == "tasks"
+    assert plan.codecs.overrides("norefs")["references"] is False and plan.codecs.training("norefs")["data"] == "tasks"
     with pytest.raises(ValueError, match="codec variant 'other'"):
         RKVPlan({**SECTION, "tableIII": [{"label": "x", "method": "residualkv:codec=other"}]}, "smoke")
 
@@ -236,7 +236,7 @@ def test_bench_args_are_quoted_flags(tmp_path):
 
 
 def test_known_model_shape(tmp_path):
-    from kvbench.report.rkv_plan import known_model_shape
+    from kvbench.plan.residualkv import known_model_shape
 
     assert known_model_shape("tiny-qwen2-lm", {"kind": "lm", "zoo": {}}) == (8, 128)
     assert known_model_shape("llama", {"kind": "lm", "checkpoint": "x"}, str(tmp_path / "absent")) is None
@@ -278,7 +278,7 @@ def test_fig5_counts_references_of_each_schedule(tmp_path):
 def test_fig11_merges_throughput_per_variant(tmp_path):
     from kvbench.report import rkv_figures
 
-    from kvbench.report.rkv_plan import FIGURE_VARIANTS
+    from kvbench.plan.codecs import FIGURE_VARIANTS
 
     names = FIGURE_VARIANTS["fig11"]
     over = {"dc_low": {"d_c": 16}, "dc_high": {"d_c": 64}, "dff_low": {"d_ff": 96}, "dff_high": {"d_ff": 384}, "k_low": {"k": 1},
@@ -303,11 +303,11 @@ def test_fig11_merges_throughput_per_variant(tmp_path):
     # review findings: the value column is what the codec was trained with (codec.json); a missing variant names
     # the figure that needs it
     assert df["steps"].tolist() == [3] * len(df)
-    (tmp_path / plan.codec_dir("dc_low") / "codec" / "codec.json").write_text(
-        (tmp_path / plan.codec_dir("dc_high") / "codec" / "codec.json").read_text())
+    (tmp_path / plan.codecs.dir("dc_low") / "codec" / "codec.json").write_text(
+        (tmp_path / plan.codecs.dir("dc_high") / "codec" / "codec.json").read_text())
     df = rkv_figures.fig11(plan, tmp_path / "f.pdf", tmp_path / "f.csv", tmp_path)
     assert df[df["parameter"] == "d_c"]["value"].tolist() == [64, 32, 64]
-    (tmp_path / plan.codec_dir("s_high") / "summary.json").unlink()
+    (tmp_path / plan.codecs.dir("s_high") / "summary.json").unlink()
     with pytest.raises(FileNotFoundError, match=r"Fig. 11 needs codec variant 's_high'.*summary.json is missing"):
         rkv_figures.fig11(plan, tmp_path / "f.pdf", tmp_path / "f.csv", tmp_path)
 
@@ -316,9 +316,9 @@ def _fake_variant(root, plan, variant, steps_done, i):
     """A trained variant's files as rkv_codec writes them (codec.json, summary.json, curves.csv), no weights."""
     from kvbench.compress.residualkv.codec import codec_config_for_shape
 
-    d = root / plan.codec_dir(variant)
+    d = root / plan.codecs.dir(variant)
     (d / "codec").mkdir(parents=True, exist_ok=True)
-    (d / "codec" / "codec.json").write_text(codec_config_for_shape(8, 128, **plan.codec_overrides(variant)).to_json())
+    (d / "codec" / "codec.json").write_text(codec_config_for_shape(8, 128, **plan.codecs.overrides(variant)).to_json())
     (d / "summary.json").write_text(json.dumps({"codec_params": 100 + i, "steps": steps_done,
                                                 "eval_final": {"eval_ntp": 4.0 + i, "eval_rec": 1.0}}))
     (d / "curves.csv").write_text("step,loss,ntp,rec,lr,eval_ntp,eval_rec\n"
@@ -347,7 +347,7 @@ def test_codec_figures_refuse_an_unfinished_codec(tmp_path):
                    "smoke", **CODEC_KW)
     _fake_variant(tmp_path, plan, "base", steps_done=3, i=0)
     _fake_variant(tmp_path, plan, "separate", steps_done=3, i=1)
-    path = tmp_path / plan.codec_dir("separate") / "summary.json"
+    path = tmp_path / plan.codecs.dir("separate") / "summary.json"
     path.write_text(json.dumps({"steps_done": 2, "steps": 3, "finished": False, "codec_params": 1}))
     with pytest.raises(ValueError, match=r"separate-[0-9a-f]{8}/summary.json: an unfinished codec \(2 of 3 steps.*delete"):
         rkv_figures.fig10(plan, tmp_path / "f.pdf", tmp_path / "f.csv", tmp_path)
@@ -364,34 +364,34 @@ def test_codec_dirs_are_keyed_by_recipe_hash():
     """Issue #11 item 4: a config change trains into a new directory (never over a finished codec); slice_s,
     which only cuts invocations, keeps the directory."""
     plan = RKVPlan(SECTION, "smoke", **CODEC_KW)
-    main, norefs = plan.codec_dir("main"), plan.codec_dir("norefs")
+    main, norefs = plan.codecs.dir("main"), plan.codecs.dir("norefs")
     assert re.fullmatch(r"codecs/smoke/tiny-qwen2-lm/main-[0-9a-f]{8}", main) and norefs.startswith("codecs/smoke/tiny-qwen2-lm/norefs-")
-    assert plan.codec_names() == {main.rsplit("/", 1)[1]: "main", norefs.rsplit("/", 1)[1]: "norefs"}
-    assert plan.codec_recipe("norefs") == {"codec": {**SECTION["codec"], "references": False}, **SECTION["train"],
+    assert plan.codecs.names() == {main.rsplit("/", 1)[1]: "main", norefs.rsplit("/", 1)[1]: "norefs"}
+    assert plan.codecs.recipe("norefs") == {"codec": {**SECTION["codec"], "references": False}, **SECTION["train"],
                                            "seed": 0, "model": "zoo/tiny-qwen2-lm"}
-    assert RKVPlan(SECTION, "smoke", **CODEC_KW).codec_dir("main") == main  # stable
+    assert RKVPlan(SECTION, "smoke", **CODEC_KW).codecs.dir("main") == main  # stable
     same = [{**SECTION, "train": {**SECTION["train"], "slice_s": 60}},
             {**SECTION, "variants": {"norefs": {"overrides": {"references": False}, "slice_s": 5}}}]
-    assert all(RKVPlan(s, "smoke", **CODEC_KW).codec_dir("main") == main for s in same)
+    assert all(RKVPlan(s, "smoke", **CODEC_KW).codecs.dir("main") == main for s in same)
     changed = [({**SECTION, "codec": {**SECTION["codec"], "d_c": 64}}, {}),
                *(({**SECTION, "train": {**SECTION["train"], k: v}}, {}) for k, v in
                  [("steps", 11), ("seq_len", 128), ("lr", 0.002), ("objective", "ntp"), ("data", "text")]),
                (SECTION, {"seed": 1}), (SECTION, {"model_dir": "zoo/tiny-qwen2-lm-0123abcd"})]
-    dirs = {RKVPlan(s, "smoke", **{**CODEC_KW, **kw}).codec_dir("main") for s, kw in changed}
+    dirs = {RKVPlan(s, "smoke", **{**CODEC_KW, **kw}).codecs.dir("main") for s, kw in changed}
     assert len(dirs) == len(changed) and main not in dirs
-    assert RKVPlan(SECTION, "paper", **CODEC_KW).codec_dir("main").startswith("codecs/paper/")
+    assert RKVPlan(SECTION, "paper", **CODEC_KW).codecs.dir("main").startswith("codecs/paper/")
     with pytest.raises(ValueError, match="needs seed= and model_dir="):
-        RKVPlan(SECTION, "smoke").codec_dir("main")
+        RKVPlan(SECTION, "smoke").codecs.dir("main")
 
 
 def test_codec_slice_and_runtime():
     plan = RKVPlan({**SECTION, "train": {**SECTION["train"], "steps": 600, "seq_len": 512, "slice_s": 900},
                     "variants": {"norefs": {"slice_s": None}, "x": {"steps": 200, "slice_s": 61}}}, "smoke", **CODEC_KW)
-    assert [plan.codec_slice_s(v) for v in ("main", "norefs", "x")] == [900, None, 61]
-    assert plan.codec_runtime_min("main") == 15 + 30 and plan.codec_runtime_min("x") == 2 + 30
+    assert [plan.codecs.slice_s(v) for v in ("main", "norefs", "x")] == [900, None, 61]
+    assert plan.codecs.runtime_min("main") == 15 + 30 and plan.codecs.runtime_min("x") == 2 + 30
     # no slice: 4 x 600 x 512 tokens at 930 tokens/s = 22.02 min -> 23, plus 10
-    assert plan.codec_runtime_min("norefs") == 23 + 10
-    assert RKVPlan({**plan.s, "model": "llama"}, "paper", zoo=False, **CODEC_KW).codec_runtime_min("norefs") == 24 * 60
+    assert plan.codecs.runtime_min("norefs") == 23 + 10
+    assert RKVPlan({**plan.s, "model": "llama"}, "paper", zoo=False, **CODEC_KW).codecs.runtime_min("norefs") == 24 * 60
 
 
 def test_header_describes_zoo_or_checkpoint():
@@ -403,7 +403,7 @@ def test_header_describes_zoo_or_checkpoint():
 
 def test_table_i_settings_are_checked_against_the_checkpoint():
     """Review finding: paper.yaml's Table I entries were required but never compared with config.json."""
-    from kvbench.report.rkv_plan import check_table_i
+    from kvbench.plan.residualkv import check_table_i
 
     entry = {"codec": {"two_d_k": 2048, "d_c": 512, "d_ff": 3072, "full_attention_layers": [0, 1, 2, 8, 18]}}
     check_table_i("llama", entry, (32, 2048))

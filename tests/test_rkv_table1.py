@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from kvbench.report import rkv_table1, tables
-from kvbench.report.rkv_plan import RKVPlan
+from kvbench.plan.residualkv import RKVPlan
 
 REPO = Path(__file__).resolve().parents[1]
 PUBLISHED = REPO / "config" / "published" / "residualkv.yaml"
@@ -33,7 +33,7 @@ def _paper_spec(root: Path, codec: dict, qwen: dict) -> dict:
         rows.append({"name": name, "dir": str(d), "codec": cfg["models"][name]["codec"]})
     spec = {"profile": "paper", "residualkv": cfg["residualkv"], "zoo": False, "seed": 0,
             "model_dir": rows[0]["dir"], "models": rows, "published": str(PUBLISHED)}
-    codec_dir = root / RKVPlan.from_spec(spec).codec_dir("main") / "codec"
+    codec_dir = root / RKVPlan.from_spec(spec).codecs.dir("main") / "codec"
     codec_dir.mkdir(parents=True)
     (codec_dir / "codec.json").write_text(json.dumps({"n_layers": 32, "d_kv": 2048, **codec}))
     return spec
@@ -68,7 +68,7 @@ def test_a_codec_or_checkpoint_unlike_the_papers_is_flagged(tmp_path):
 
 def test_missing_codec_is_named(tmp_path):
     spec = _paper_spec(tmp_path, {"d_c": 512, "d_ff": 3072}, QWEN7B)
-    codec = tmp_path / RKVPlan.from_spec(spec).codec_dir("main") / "codec" / "codec.json"
+    codec = tmp_path / RKVPlan.from_spec(spec).codecs.dir("main") / "codec" / "codec.json"
     codec.unlink()
     with pytest.raises(FileNotFoundError, match="main codec's .*codec.json, which is missing"):
         rkv_table1.table_i(spec, tmp_path)
@@ -82,7 +82,7 @@ def test_smoke_row_has_ratios_and_no_published_values(tmp_path):
                                                "num_key_value_heads": 2, "head_dim": 32}))
     spec = {"profile": "smoke", "residualkv": cfg["residualkv"], "zoo": True, "seed": 0, "model_dir": str(d),
             "models": [{"name": "tiny-qwen2-lm", "dir": str(d), "codec": None}], "published": str(PUBLISHED)}
-    codec = tmp_path / RKVPlan.from_spec(spec).codec_dir("main") / "codec"
+    codec = tmp_path / RKVPlan.from_spec(spec).codecs.dir("main") / "codec"
     codec.mkdir(parents=True)
     (codec / "codec.json").write_text(json.dumps({"n_layers": 8, "d_kv": 128, "d_c": 32, "d_ff": 192}))
     row = rkv_table1.table_i(spec, tmp_path).iloc[0]

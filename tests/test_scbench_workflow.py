@@ -100,7 +100,7 @@ def test_table_iv_columns_kr_cr_and_header(tmp_path):
     from test_rkv_report import SECTION, _fake_run
 
     from kvbench.report import rkv_scbench, tables
-    from kvbench.report.rkv_plan import RKVPlan
+    from kvbench.plan.residualkv import RKVPlan
 
     section = {**SECTION, "tableIV": [
         {"label": "ResidualKV", "method": "residualkv+omnikv:full_layers=0+1,keep=0.2,alpha=0,protocol=shared_context"},
@@ -109,7 +109,7 @@ def test_table_iv_columns_kr_cr_and_header(tmp_path):
     plan = RKVPlan(section, "smoke", seed=0, model_dir="zoo/tiny-qwen2-lm")
     assert plan.target_tasks("tableIV") == ["kv_1k_mq", "vt_1k_mq"] and plan.target_tasks("tableIII") == SECTION["tasks"]
     rkv, full = (r.spec for r in plan.rows("tableIV"))
-    assert {t for t, _ in plan.runs("tableIV")} == {"kv_1k_mq", "vt_1k_mq"}
+    assert {t for t, _ in plan.target_runs("tableIV")} == {"kv_1k_mq", "vt_1k_mq"}
     _fake_run(tmp_path, plan, "kv_1k_mq", rkv, [0.75, 0.25], 0.25, 0.2)   # record scores: means over queries
     _fake_run(tmp_path, plan, "vt_1k_mq", rkv, [1 / 3, 0], 0.25, 0.4)
     _fake_run(tmp_path, plan, "kv_1k_mq", full, [1, 0.5], 1.0, 1.0)

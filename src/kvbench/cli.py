@@ -258,7 +258,7 @@ def _visual_case(a: argparse.Namespace, splits: dict, loaded: tuple) -> None:
     from kvbench.compress.residualkv.cache import ResidualKVPress
     from kvbench.compress.residualkv.visual_case import StoreSchedule, visual_case
     from kvbench.report import rkv_fig13
-    from kvbench.report.rkv_plan import press_spec
+    from kvbench.plan.residualkv import press_spec
     from kvbench.utils.io import read_jsonl
 
     if len(splits) != 1:

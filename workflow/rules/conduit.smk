@@ -39,7 +39,7 @@ rule conduit_cache:
 
 rule conduit_fig3:
     input:
-        conduit_run_inputs("fig3"),
+        lambda wc: conduit_plan().target_inputs("fig3"),
     output:
         pdf=report(
             "figures/conduit/fig3.pdf",
@@ -54,7 +54,7 @@ rule conduit_fig3:
             subcategory="Figure data",
         ),
     params:
-        spec=lambda wc: conduit_report_spec("fig3"),
+        spec=lambda wc: conduit_plan().report_spec("fig3"),
     log:
         "logs/conduit/fig3.log",
     benchmark:
@@ -72,7 +72,7 @@ rule conduit_fig3:
 
 rule conduit_fig4:
     input:
-        conduit_run_inputs("fig4"),
+        lambda wc: conduit_plan().target_inputs("fig4"),
     output:
         pdf=report(
             "figures/conduit/fig4.pdf",
@@ -87,7 +87,7 @@ rule conduit_fig4:
             subcategory="Figure data",
         ),
     params:
-        spec=lambda wc: conduit_report_spec("fig4"),
+        spec=lambda wc: conduit_plan().report_spec("fig4"),
     log:
         "logs/conduit/fig4.log",
     benchmark:

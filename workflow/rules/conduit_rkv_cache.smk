@@ -14,7 +14,7 @@ rule conduit_rkv_cache:
     input:
         unpack(eval_inputs),
         raw="cache/conduit/{profile}/{model}/{task}/index.json",
-        codec=lambda wc: f"{crc_codec_dir()}/codec.json",
+        codec=lambda wc: f"{CRC.codec_dir}/codec.json",
     output:
         "cache/conduit_rkv/{profile}/{model}/{task}/{tag}/index.json",
     wildcard_constraints:
@@ -23,7 +23,7 @@ rule conduit_rkv_cache:
         model=lambda wc: model_dir(wc.model),
         cache_dir=lambda wc, output: os.path.dirname(output[0]),
         source_dir=lambda wc: f"cache/conduit/{wc.profile}/{wc.model}/{_crc_dataset(wc)}",
-        compressed=lambda wc: json.dumps(CRC.storage_spec(crc_codec_dir()).to_spec(), sort_keys=True),
+        compressed=lambda wc: json.dumps(CRC.storage_spec(CRC.codec_dir).to_spec(), sort_keys=True),
         limit=lambda wc: conduit_limit(),
     log:
         "logs/conduit_rkv/cache/{profile}/{model}/{task}/{tag}.log",

@@ -18,7 +18,7 @@ rule eval:
         run=alternation(RUN_NAMES),
     params:
         model=lambda wc: model_dir(wc.model),
-        spec=lambda wc: run_of(wc).spec,
+        spec=lambda wc: run_of(wc)[1].spec,
         method_params=run_method_params,
         out=lambda wc, output: os.path.dirname(output.metrics),
         seed=SEED,

@@ -12,7 +12,7 @@
 #   rkv_throughput  results/residualkv/fig8.csv (decode tokens/s vs context) -> rkv_fig8 figures/residualkv/fig8.pdf
 #   rkv_codec_cost  results/residualkv/fig6.csv (codec cost) -> rkv_fig6 figures/residualkv/fig6.pdf
 #   rkv_variant_throughput  results/residualkv/fig11_throughput.csv (Fig. 11's throughput panel)
-# Which runs and codecs a target reads is decided by kvbench.report.rkv_plan.RKVPlan, for the rules and
+# Which runs and codecs a target reads is decided by kvbench.plan.residualkv.RKVPlan, for the rules and
 # the report alike. A config without a `residualkv:` section has no ResidualKV targets.
 
 
@@ -22,7 +22,7 @@ rule rkv_codec:
     param, so changing it never reruns a finished codec."""
     input:
         model=lambda wc: os.path.join(model_dir(wc.model), "config.json"),
-        corpus=lambda wc: [local_path(f) for f in rkv_codec_plan(wc.codec).codec_training(RKV_CODECS[wc.codec]).get("data_files", [])],
+        corpus=lambda wc: [local_path(f) for f in codec_plan(wc).training(codec_variant(wc)).get("data_files", [])],
     output:
         codec="codecs/{profile}/{model}/{codec}/codec/codec.json",
         summary="codecs/{profile}/{model}/{codec}/summary.json",
@@ -31,10 +31,10 @@ rule rkv_codec:
     params:
         model=lambda wc: model_dir(wc.model),
         out=lambda wc, output: os.path.dirname(output.summary),
-        overrides=lambda wc: json.dumps(rkv_codec_plan(wc.codec).codec_overrides(RKV_CODECS[wc.codec]), sort_keys=True),
-        train=lambda wc: rkv_codec_plan(wc.codec).codec_training(RKV_CODECS[wc.codec]),
-        launch=lambda wc: rkv_codec_plan(wc.codec).codec_launcher(RKV_CODECS[wc.codec]),
-        args=lambda wc: rkv_codec_plan(wc.codec).codec_train_flags(RKV_CODECS[wc.codec], local_path),  # device, dtype, corpus
+        overrides=lambda wc: json.dumps(codec_plan(wc).overrides(codec_variant(wc)), sort_keys=True),
+        train=lambda wc: codec_plan(wc).training(codec_variant(wc)),
+        launch=lambda wc: codec_plan(wc).launcher(codec_variant(wc)),
+        args=lambda wc: codec_plan(wc).train_flags(codec_variant(wc), local_path),  # device, dtype, corpus
         seed=SEED,
     log:
         "logs/residualkv/codec/{profile}/{model}/{codec}.log",
@@ -44,9 +44,9 @@ rule rkv_codec:
     threads: config.get("residualkv", {}).get("train", {}).get("threads", 1)
     resources:
         mem_mb=model_resource("mem_mb", 8000, 64000),
-        runtime=lambda wc: rkv_codec_plan(wc.codec).codec_runtime_min(RKV_CODECS[wc.codec]),  # minutes: slice + load/save, or estimate
-        slice_s=lambda wc: rkv_codec_plan(wc.codec).codec_slice_s(RKV_CODECS[wc.codec]) or 0,  # seconds; 0: no slice
-        gpu=lambda wc: rkv_codec_plan(wc.codec).codec_gpus(RKV_CODECS[wc.codec]),  # residualkv.train device/gpus
+        runtime=lambda wc: codec_plan(wc).runtime_min(codec_variant(wc)),  # minutes: slice + load/save, or estimate
+        slice_s=lambda wc: codec_plan(wc).slice_s(codec_variant(wc)) or 0,  # seconds; 0: no slice
+        gpu=lambda wc: codec_plan(wc).gpus(codec_variant(wc)),  # residualkv.train device/gpus
     conda:
         "../../envs/kvbench.yaml"
     shell:
@@ -64,7 +64,7 @@ rule rkv_codec_import:
     against the backbone); the job checks it again, copies the weights and records their sha256."""
     input:
         model=lambda wc: os.path.join(model_dir(wc.model), "config.json"),
-        checkpoint=lambda wc: rkv_import_plan(wc).import_files(RKV_IMPORTS[wc.codec]),
+        checkpoint=lambda wc: import_plan(wc).import_files(import_variant(wc)),
     output:
         codec="codecs/{profile}/{model}/{codec}/codec/codec.json",
         provenance="codecs/{profile}/{model}/{codec}/codec/provenance.json",
@@ -72,9 +72,9 @@ rule rkv_codec_import:
         codec=alternation(RKV_IMPORTS),
     params:
         model=lambda wc: model_dir(wc.model),
-        src=lambda wc: rkv_import_plan(wc).codec_import(RKV_IMPORTS[wc.codec]),
+        src=lambda wc: import_plan(wc).source(import_variant(wc)),
         out=lambda wc, output: os.path.dirname(output.codec),
-        overrides=lambda wc: json.dumps(rkv_import_plan(wc).codec_overrides(RKV_IMPORTS[wc.codec]), sort_keys=True),
+        overrides=lambda wc: json.dumps(import_plan(wc).overrides(import_variant(wc)), sort_keys=True),
     log:
         "logs/residualkv/codec/{profile}/{model}/{codec}.log",
     benchmark:
@@ -165,7 +165,7 @@ rule rkv_codec_figures:
 rule rkv_variant_throughput:
     """Fig. 11's throughput panel: each variant codec's shape, scaled to the random-weight timing LM, timed."""
     input:
-        codecs=lambda wc: [f"{rkv_plan().codec_dir(v)}/codec/codec.json" for v in rkv_figure_variants("fig11")],
+        codecs=lambda wc: [f"{rkv_plan().codecs.dir(v)}/codec/codec.json" for v in rkv_figure_variants("fig11")],
         tokenizer=f"{TOKENIZER_DIR}/tokenizer.json",
     output:
         report(

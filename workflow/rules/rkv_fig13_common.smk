@@ -1,5 +1,5 @@
 # Helpers of ResidualKV Fig. 13 (workflow/rules/rkv_fig13.smk): functions only, as Snakemake's lint wants them apart
-# from rules. Table II's plan (MM), its codec directory (mm_codec_dir) and rows come from common.smk.
+# from rules. Table II's plan (MM), its codec directory (MM.codec_dir) and rows come from common.smk.
 
 def _rkv_fig13():
     """The `residualkv.fig13` settings, checked while the DAG is built, with the defaults filled in (model: the first of
@@ -9,7 +9,7 @@ def _rkv_fig13():
     from kvbench.compress.residualkv.visual_case import StoreSchedule, check_layers
     from kvbench.compress.residualkv.observations import ReferenceSchedule
     from kvbench.data.smoke import TASKS
-    from kvbench.report.rkv_plan import known_model_shape, press_spec
+    from kvbench.plan.residualkv import known_model_shape, press_spec
 
     s = dict(config.get("residualkv", {}).get("fig13") or {})
     if not s:
@@ -66,7 +66,7 @@ def rkv_fig13_inputs(wc):
     """The model's config.json, the task's test split (the record and its image) and the ResidualKV row's codec."""
     s = rkv_fig13()
     return {"model": os.path.join(model_dir(s["model"]), "config.json"), "split": split_file(s["task"]),
-            "codec": f"{mm_codec_dir(s['model'])}/codec/codec.json"}
+            "codec": f"{MM.codec_dir(s['model'])}/codec/codec.json"}
 
 
 def rkv_fig13_args():

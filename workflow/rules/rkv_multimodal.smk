@@ -9,7 +9,7 @@
 rule rkv_mm_codec:
     input:
         model=lambda wc: os.path.join(model_dir(wc.model), "config.json"),
-        data=lambda wc: mm_codec_files(),
+        data=lambda wc: MM.codec_files(),
     output:
         codec="codecs/{profile}/{model}/{mmcodec}/codec/codec.json",
         summary="codecs/{profile}/{model}/{mmcodec}/summary.json",
@@ -22,7 +22,7 @@ rule rkv_mm_codec:
         overrides=lambda wc: json.dumps(MM.section["codec"].get("config", {}), sort_keys=True),
         train=lambda wc: MM.section["codec"]["train"],
         recipe=lambda wc: mm_check_codec(wc),
-        args=lambda wc: mm_codec_placement(),  # shell-quoted flags
+        args=lambda wc: MM.codec_flags(),  # shell-quoted flags
         seed=SEED,
     log:
         "logs/residualkv/codec/{profile}/{model}/{mmcodec}.log",
@@ -33,7 +33,7 @@ rule rkv_mm_codec:
     resources:
         mem_mb=model_resource("mem_mb", 8000, 64000),
         runtime=lambda wc: 120 if is_zoo(wc.model) else 24 * 60,
-        gpu=mm_codec_gpus,
+        gpu=lambda wc: MM.codec_gpus(),
     conda:
         "../../envs/kvbench.yaml"
     shell:

@@ -1,32 +1,10 @@
-# Helpers of ResidualKV Table I and Fig. 3 (workflow/rules/rkv_observations.smk; the `table` rule's Table I inputs and
-# spec, common.smk "Runs and tables"): functions only, as Snakemake's lint wants them apart from rules.
+# Helpers of ResidualKV Fig. 3 (workflow/rules/rkv_observations.smk; Table I's inputs are its plan's, kvbench.plan.residualkv):
+# functions only, as Snakemake's lint wants them apart from rules.
 
-PUBLISHED_RKV = os.path.join(workflow.basedir, "config", "published", "residualkv.yaml")
-#: ResidualKV tables built from checkpoints and codecs, not from runs (no config list of rows).
-RKV_MODEL_TABLES = ("tableI",)
+PUBLISHED_RKV = WS.published("residualkv")
 #: `residualkv.fig3` defaults besides model and tasks (workflow/schemas/config.schema.yaml describes them).
 RKV_FIG3_DEFAULTS = {"records_per_task": 2, "max_tokens": 4096, "context_tokens": None, "device": "cpu",
                      "dtype": "float32"}
-
-
-def rkv_table_i_models():
-    """Table I's rows: `residualkv.model`, then every other model with a Table I entry (`models.<m>.codec`)."""
-    main = config["residualkv"]["model"]
-    return [main] + [m for m, spec in MODELS.items() if spec.get("codec") and m != main]
-
-
-def rkv_table_i_inputs(wc):
-    """Each row's config.json, the main codec's codec.json (the table depends on the codec job), the published file."""
-    codec = f"{rkv_plan().codec_dir('main')}/codec/codec.json"
-    return [os.path.join(model_dir(m), "config.json") for m in rkv_table_i_models()] + [codec, PUBLISHED_RKV]
-
-
-def rkv_table_i_spec():
-    """`kvbench report residualkv/tableI --spec`: the ResidualKV report spec plus the rows' models and the published file."""
-    spec = json.loads(rkv_report_spec())
-    spec["models"] = [{"name": m, "dir": model_dir(m), "codec": MODELS[m].get("codec")} for m in rkv_table_i_models()]
-    spec["published"] = PUBLISHED_RKV
-    return json.dumps(spec, sort_keys=True)
 
 
 def _rkv_fig3():
@@ -59,11 +37,11 @@ def rkv_fig3_schedule_flags():
     from kvbench.compress.residualkv.codec import CodecConfig
 
     plan = rkv_plan()
-    if plan.codec_import("main"):
-        cfg = dataclasses.asdict(plan.codec_config("main", plan.shape))
+    if plan.codecs.source("main"):
+        cfg = dataclasses.asdict(plan.codecs.config("main", plan.shape))
     else:
         cfg = {f.name: f.default for f in dataclasses.fields(CodecConfig) if f.default is not dataclasses.MISSING}
-        cfg.update(plan.codec_overrides("main"))
+        cfg.update(plan.codecs.overrides("main"))
     return ["--k", int(cfg["k"]), "--n-sink", int(cfg["n_sink"]), "--stride", int(cfg["stride"]),
             "--alpha", float(cfg["alpha"]), "--grid", cfg["grid"], "--block", int(cfg["window"])]
 

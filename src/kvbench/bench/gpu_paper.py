@@ -298,7 +298,7 @@ def jobs(plan: Plan, root: Path) -> list[Job]:
     """The jobs in DAG order; paths relative to the work directory as Snakemake's (``results/``, ``cache/``,
     ``codecs/``), checkpoint and benchmark paths under ``root`` as config/paper.yaml's ``paths.root``."""
     from kvbench.eval.registry import canonical, slug
-    from kvbench.report.rkv_plan import RKVPlan
+    from kvbench.plan.residualkv import RKVPlan
 
     cfg = paper_config()
     profile, seed = cfg["profile"], cfg["seed"]

@@ -6,7 +6,7 @@
 
 Each field is one flag of its verb and holds the verb's default, so the CLI (parsed flags), the measuring
 functions' defaults and the workflow (the config's ``residualkv.fig8`` / ``fig6`` / ``fig11`` mappings,
-:meth:`kvbench.report.rkv_plan.RKVPlan.bench_args`) share one definition and one set of checks, and the
+:meth:`kvbench.plan.residualkv.RKVPlan.bench_args`) share one definition and one set of checks, and the
 report never imports the CLI to check a config. The checks run before any model work, so a bad value fails
 while Snakemake builds the DAG, not after it removed the old CSV.
 

@@ -32,7 +32,7 @@ from kvbench.bench import TABLE3_METHODS
 from kvbench.bench.clock import summarise
 from kvbench.bench.latency import table3_policy
 from kvbench.bench.timing_model import TIMING_MODELS
-from kvbench.report.plan import Table
+from kvbench.plan.base import Table
 from kvbench.reuse.policies import REFRESH
 from kvbench.utils.io import atomic_path
 
@@ -127,7 +127,7 @@ def _write(key: str, spec: str | dict, out: str | os.PathLike, root: str | os.Pa
     return write_table3(os.path.join(root, spec["raw"]), out, spec["profile"])
 
 
-#: CONDUIT Table 3 as a :class:`~kvbench.report.plan.Table` (built from ``kvbench bench conduit-latency``'s CSV).
+#: CONDUIT Table 3 as a :class:`~kvbench.plan.base.Table` (built from ``kvbench bench conduit-latency``'s CSV).
 TABLES = {"conduit/table3": Table(
     "conduit/table3", "CONDUIT", "conduit_latency", "Table 3 (prefill FLOPs and TTFT)",
     "**CONDUIT Table 3** (paper §4.3, serving latency; per-setting breakdown as in §B.2): prefill FLOPs and time to "

@@ -34,7 +34,7 @@ from typing import NamedTuple
 import pandas as pd
 
 from kvbench.report.paired import KIND, MINUS
-from kvbench.report.plan import write_csv
+from kvbench.utils.io import atomic_path, write_csv
 from kvbench.report.published import Entry, Published, load_published
 
 PAPERS = {"conduit": "CONDUIT", "residualkv": "ResidualKV"}
@@ -646,7 +646,6 @@ def read_compare(path: str | Path) -> tuple[list[str], pd.DataFrame]:
 def page(paths: list[str | Path], out: str | Path, note: str = "") -> str:
     """Write ``results/compare.md``: per compare CSV, how many of our cells have a published neighbour, the
     differences, and the orderings that agree, disagree and cannot be told apart. Returns the text."""
-    from kvbench.utils.io import atomic_path
 
     lines = ["# Ours beside the published figures", "",
              "Built by `kvbench report compare-page` from the compare CSVs (`results/<paper>/<table>.compare.csv`, "

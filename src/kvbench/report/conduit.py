@@ -22,178 +22,18 @@ a bootstrap CI of their average (:func:`mean_ci`).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
-from kvbench.eval.registry import canonical, parse_method_spec, run_slugs, slug, with_budget
+from kvbench.plan.base import Table, load_spec
+from kvbench.eval.registry import canonical, parse_method_spec
+from kvbench.plan.conduit import Column, ConduitPlan, Row, targets
 from kvbench.report import conduit_evidence as evidence
 from kvbench.report.paired import paired_bootstrap, paired_stats
-from kvbench.report.plan import Run, Table, load_spec, write_csv
-from kvbench.utils.io import atomic_path, read_jsonl
+from kvbench.utils.io import atomic_path, read_jsonl, write_csv
 
-
-
-def targets() -> list[str]:
-    """Every target a ConduitPlan reads runs for: its tables (:data:`TABLES`, by key) and Figures 3 and 4."""
-    return [t.key for t in TABLES.values()] + ["fig3", "fig4"]
-
-
-@dataclass(frozen=True)
-class Column:
-    """One table column: a dataset, optionally only its records with ``k[0] <= meta.K <= k[1]``."""
-
-    name: str
-    dataset: str
-    k: tuple[int, int] | None = None
-
-    def keeps(self, record: dict) -> bool:
-        if self.k is None:
-            return True
-        K = record.get("meta", {}).get("K")
-        return K is not None and self.k[0] <= int(K) <= self.k[1]
-
-
-@dataclass(frozen=True)
-class Row:
-    """One table row: ``label`` (the paper's name), ``spec`` (canonical method spec), ``r`` (block)."""
-
-    label: str
-    spec: str
-    r: float | None = None
-
-
-def _row(entry: dict) -> Row:
-    """A row from a config entry ``{label, method}`` whose method is a full spec (r taken from it).
-
-    Raises:
-        ValueError: an invalid spec, naming the row's label (the config may list one spec in several rows).
-    """
-    try:
-        spec = parse_method_spec(entry["method"])
-    except ValueError as e:
-        raise ValueError(f"conduit row {entry['label']!r}: {e}") from None
-    return Row(entry["label"], spec.canonical, spec.r)
-
-
-class ConduitPlan:
-    """Which runs each CONDUIT target reads, from the config's ``conduit:`` section.
-
-    Args:
-        conduit: the ``conduit`` config section (schema: workflow/schemas/config.schema.yaml).
-        profile: config profile (path component of runs).
-        zoo_models: names of models trained here (their tables say "tiny zoo").
-
-    Raises:
-        ValueError: an invalid method spec, or two specs sharing a run directory.
-    """
-
-    def __init__(self, conduit: dict, profile: str, zoo_models: list[str] | tuple = ()):
-        self.cfg = conduit
-        self.profile = profile
-        self.models = list(conduit["models"])
-        self.zoo_models = set(zoo_models)
-        self.regimes = dict(conduit.get("regimes") or {})
-        unknown = sorted(set(self.regimes) - set(self.models))
-        if unknown:
-            raise ValueError(f"conduit.regimes names {unknown}, which are not in conduit.models {self.models}")
-        self.reference = canonical(conduit["reference"])
-        self.multi = [Column(n, c["dataset"], tuple(c["k"]) if c.get("k") else None)
-                      for n, c in conduit["multi_image"].items()]
-        self.single = [Column(n, c["dataset"]) for n, c in conduit["single_image"].items()]
-        self.run_slugs()  # validates every spec and the run-directory names
-        for spec in self.all_specs():  # a compression press cannot serve cached images
-            if parse_method_spec(spec).family not in ("refresh", "plain"):
-                raise ValueError(f"method spec {spec!r} is a compression press; CONDUIT rows take refresh policies "
-                                 f"(or full)")
-        evidence.check_config(self)
-
-    def regime(self, model: str) -> str:
-        """The staleness regime a backbone stands for (``conduit.regimes``; "" when not given, e.g. a real
-        checkpoint): on the smoke profile ``strong`` (the instruction is applied while the pages are read) or
-        ``mild`` (the question side applies it; docs/decisions/zoo.md, "Two staleness regimes")."""
-        return self.regimes.get(model, "")
-
-    # --- rows of each target -----------------------------------------------------------------
-    def fig3_rows(self) -> list[Row]:
-        """Curve points (method label × r) and the two levels drawn as lines (r = None)."""
-        labels = {m["label"]: m["method"] for m in self.cfg["methods"]}
-        missing = [lab for lab in self.cfg["curve"]["methods"] if lab not in labels]
-        if missing:
-            raise ValueError(f"conduit.curve.methods {missing} are not labels of conduit.methods {list(labels)}")
-        return [Row(lab, with_budget(labels[lab], r), r) for lab in self.cfg["curve"]["methods"]
-                for r in self.cfg["curve"]["r"]] + [Row("Full prefill", self.reference),
-                                                     Row("Cache reuse", canonical("reuse"))]
-
-    def rows(self, target: str) -> list[Row]:
-        """Rows of a table (its :class:`~kvbench.report.plan.Table` entry, by key) or of ``fig3``.
-
-        Raises:
-            ValueError: an unknown target.
-        """
-        if target == "fig3":
-            return self.fig3_rows()
-        if target == "fig4":
-            return _case_rows(self)
-        return table_of(target).rows(self)
-
-    def columns(self, target: str) -> list[Column]:
-        """The columns a target averages over (its table's column group; Figure 3: the multi-image ones)."""
-        group = "multi_image" if target in ("fig3", "fig4") else table_of(target).columns
-        return {"multi_image": self.multi, "single_image": self.single, "all": self.multi + self.single}[group]
-
-    # --- runs --------------------------------------------------------------------------------
-    def run(self, model: str, dataset: str, spec: str) -> Run:
-        """The :class:`~kvbench.report.plan.Run` of ``spec`` (canonical) on ``model`` x ``dataset``."""
-        return Run(model, dataset, spec, slug(spec), "conduit")
-
-    def run_dir(self, model: str, dataset: str, spec: str) -> str:
-        """``results/runs/<profile>/<model>/<dataset>/conduit/<slug(spec)>``."""
-        return self.run(model, dataset, spec).path(self.profile)
-
-    def runs(self, target: str) -> list[tuple[str, str, str]]:
-        """Distinct ``(model, dataset, canonical spec)`` a target reads (the reference run included)."""
-        specs = [r.spec for r in self.rows(target)] + [self.reference]
-        datasets = list(dict.fromkeys(c.dataset for c in self.columns(target)))
-        return list(dict.fromkeys((m, d, s) for m in self.models for d in datasets for s in specs))
-
-    def all_specs(self) -> list[str]:
-        """Every canonical spec any target reads."""
-        return list(dict.fromkeys([r.spec for t in targets() for r in self.rows(t)] + [self.reference]))
-
-    def run_slugs(self) -> dict[str, str]:
-        """``{run-directory name: canonical spec}`` of :meth:`all_specs` (checked injective)."""
-        return run_slugs(self.all_specs())
-
-    def check_layers(self, n_layers: dict[str, int]) -> None:
-        """Every refresh spec's layer indices against each backbone's depth (``{model: n_layers}``, models whose
-        depth is known before anything runs), so ``conduit@0.1:layers=99`` fails while the DAG is built.
-
-        Raises:
-            ValueError: naming the spec, the model and the bad indices.
-        """
-        for spec in self.all_specs():
-            parsed = parse_method_spec(spec)
-            if parsed.family != "refresh":
-                continue
-            for model in self.models:
-                if model in n_layers:
-                    try:
-                        parsed.build().check_layers(n_layers[model])
-                    except ValueError as e:
-                        raise ValueError(f"method spec {spec!r} on {model!r}: {e}") from None
-
-    def header(self, title: str) -> str:
-        """First line of every output: which profile and models produced the numbers."""
-        zoo = [m for m in self.models if m in self.zoo_models]
-        if zoo:
-            who = (f"kvbench {self.profile} profile: tiny zoo ({', '.join(zoo)}) on smoke datasets; "
-                   "NOT the paper's numbers")
-        else:
-            who = f"kvbench {self.profile} profile: models {', '.join(self.models)} computed by this pipeline"
-        return f"# CONDUIT {title}. {who}."
 
 
 # --- reading runs ------------------------------------------------------------------------------
@@ -681,17 +521,6 @@ def _gap(key: str, spec: str | dict, out: str | Path, root: str | Path = ".") ->
     return write_staleness_gap(plan, runs, out)
 
 
-def _table14_rows(plan: ConduitPlan) -> list[Row]:
-    names = {"conduit": "CONDUIT", "raw": "raw-attention top-k (ProphetKV)", "attention": "attention gap source",
-             "recover": "CONDUIT at the recovery budget"}
-    specs = evidence.evidence_specs(plan, plan.cfg.get("evidence", {}))
-    return [Row(names[k], s, parse_method_spec(s).r) for k, s in specs.items() if k != "full"]
-
-
-def _case_rows(plan: ConduitPlan) -> list[Row]:
-    return [Row(label, spec, parse_method_spec(spec).r) for label, spec in evidence.case_rows(plan)]
-
-
 def _evidence_table(key: str, spec: str | dict, out: str | Path, root: str | Path = ".") -> pd.DataFrame:
     """Tables 14 and 15 (:mod:`kvbench.report.conduit_evidence`) with the profile header."""
     plan, runs = plan_and_runs(spec, root)
@@ -726,15 +555,6 @@ def report_fig4(spec: str | dict, out: str | Path, out_csv: str | Path, root: st
     return df
 
 
-def _table1_rows(plan: ConduitPlan) -> list[Row]:
-    return [Row(m["label"], with_budget(m["method"], r), r) for r in plan.cfg["budgets"] for m in plan.cfg["methods"]]
-
-
-def _table4_rows(plan: ConduitPlan) -> list[Row]:
-    lam = plan.cfg["lambda"]
-    return [Row(f"λ = {v:g}", with_budget(f"{lam['method']}:lam={v!r}", lam["r"]), lam["r"]) for v in lam["values"]]
-
-
 _NOT_THE_PAPER = ("On the smoke profile the backbone is the tiny zoo VLM and the columns are docpages K buckets "
                   "(digitgrid for Table 2): these are not the paper's numbers.")
 _DIFFS = ("Below the scores, paired-difference rows (``kind``) give a minus b per record, paired by record id, with "
@@ -743,7 +563,7 @@ _DIFFS = ("Below the scores, paired-difference rows (``kind``) give a minus b pe
 _CELLS = ("The CSV's ``#`` header lines name the columns, the records per column and the spread across rows "
           "(a table that comes out flat says so).")
 
-#: CONDUIT's accuracy tables (:class:`~kvbench.report.plan.Table`); Figure 3 is :func:`write_fig3`.
+#: CONDUIT's accuracy tables (:class:`~kvbench.plan.base.Table`); Figure 3 is :func:`write_fig3`.
 TABLES: dict[str, Table] = {t.name: t for t in (
     Table("conduit/table1", "CONDUIT", "conduit",
           "Table 1 (main results: budgeted refresh methods vs full prefill, per budget r)",
@@ -755,7 +575,7 @@ TABLES: dict[str, Table] = {t.name: t for t in (
           "as-run CacheBlend/KVShare schedule on a model with about <= 1/r layers puts the whole budget at layer 0, "
           "which equals cache reuse), a ``# DEGENERATE`` header line names the row, budget and records, computed "
           f"from the runs' audit records. {_DIFFS} {_CELLS} {_NOT_THE_PAPER}",
-          _score_table, rows=_table1_rows, columns="multi_image", contrasts=table1_contrasts,
+          _score_table, contrasts=table1_contrasts,
           contrast_text=("a = CONDUIT, b = each other budgeted row of the same backbone and budget block (the rows "
                          "whose method carries @r, reuse and full excluded), the strongest first (highest avg above; "
                          "ties: the first in table order), then the others in table order")),
@@ -765,20 +585,18 @@ TABLES: dict[str, Table] = {t.name: t for t in (
           "the benchmark's own; CONDUIT with no visual token recomputed (r = 0) and with the top-throughput 5% "
           f"refreshed (r = 0.05), against full prefill. Cells are mean per-record score x 100. {_CELLS} "
           f"{_NOT_THE_PAPER}",
-          _score_table, rows=lambda plan: [_row(m) for m in plan.cfg["single_image_rows"]],
-          columns="single_image"),
+          _score_table),
     Table("conduit/table4", "CONDUIT", "conduit", "Table 4 (λ ablation of the image coefficient)",
           "**CONDUIT Table 4** (paper §4.4, λ ablation): CONDUIT at r = 0.10 with the image-coefficient strength λ "
           "swept from 0 (no cross-image amplification) to 1 (the paper's default). Cells are mean per-record score "
           f"x 100 per column. {_CELLS} {_NOT_THE_PAPER}",
-          _score_table, rows=_table4_rows, columns="multi_image"),
+          _score_table),
     Table("conduit/table5", "CONDUIT", "conduit",
           "Table 5 (component ablation: query-attention only, intra-image throughput only, composite)",
           "**CONDUIT Table 5** (paper §4.4, component ablation at r = 0.10): query-attention only (no value-norm "
           "weighting), intra-image throughput only (no image coefficient) and the composite score. Cells are mean "
           f"per-record score x 100. {_DIFFS} {_CELLS} {_NOT_THE_PAPER}",
-          _score_table, rows=lambda plan: [_row(m) for m in plan.cfg["ablation"]], columns="multi_image",
-          contrasts=table5_contrasts,
+          _score_table, contrasts=table5_contrasts,
           contrast_text="a = the composite (the row that is plain conduit@r), b = each other ablation row"),
     Table("conduit/table14", "CONDUIT", "conduit",
           "Table 14 (evidence allocation by attention-gap quartile; failure audit)",
@@ -787,13 +605,13 @@ TABLES: dict[str, Table] = {t.name: t for t in (
           "(ProphetKV) score minus full prefill and share of the refresh budget on the evidence page; then a failure "
           "audit of the records where CONDUIT and full prefill answer differently (low page coverage / near-tied / "
           f"other) and how many recover at r = 0.2. Computed from the runs' audit records. {_NOT_THE_PAPER}",
-          _evidence_table, rows=_table14_rows, columns="multi_image"),
+          _evidence_table),
     Table("conduit/table15", "CONDUIT", "conduit",
           "Table 15 (case study: one multi-page record, every method at the case budget)",
           "**CONDUIT Table 15** (paper §D.4, with Figure 4): one multi-page record (the first of its column in "
           "split order), every method's answer at r = 0.10 against full prefill, and the share of each method's "
           f"refresh spent on the answer-bearing page. {_NOT_THE_PAPER}",
-          _evidence_table, rows=_case_rows, columns="multi_image"),
+          _evidence_table),
     Table("conduit/staleness_gap", "CONDUIT", "conduit",
           "staleness gap: cache reuse (stale per-image KV, r = 0) minus full prefill",
           "**CONDUIT staleness gap** (the premise of paper §1 and the cache-reuse protocol of §4.1; not a table of "
@@ -801,8 +619,7 @@ TABLES: dict[str, Table] = {t.name: t for t in (
           "column, paired by record, x 100, with a 95% paired-bootstrap confidence interval and whether it "
           "excludes 0. A refresh policy can only recover a gap that exists. On the smoke profile the backbone is "
           "the tiny zoo VLM on docpages K buckets and digitgrid: these are not the paper's numbers.",
-          _gap, rows=lambda plan: [Row("Cache reuse", canonical("reuse")), Row("Full prefill", plan.reference)],
-          columns="all"),
+          _gap),
 )}
 
 

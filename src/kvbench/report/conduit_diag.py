@@ -30,7 +30,8 @@ import numpy as np
 import pandas as pd
 from scipy import stats
 
-from kvbench.report.plan import Table, load_spec, write_csv
+from kvbench.plan.base import Table, load_spec
+from kvbench.utils.io import write_csv
 from kvbench.reuse.diagnostics import COLUMNS
 from kvbench.reuse.validate import budget_count
 

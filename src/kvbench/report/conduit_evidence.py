@@ -22,8 +22,8 @@ Failure audit (records where CONDUIT at r and full prefill answer differently), 
 The case study (Table 15, Figure 4) is the first record of the configured column in split order (chosen before
 any run is read, not by its outcome).
 
-This module reads a plan and runs through duck typing (:class:`kvbench.report.conduit.ConduitPlan`, ``Runs``) so
-that :mod:`kvbench.report.conduit` can import it without a cycle.
+Which runs Tables 14 and 15 read is planned by :mod:`kvbench.plan.conduit`; this module writes them from a plan and
+:class:`kvbench.report.conduit.Runs` (taken as ``Any``: that module imports this one).
 """
 from __future__ import annotations
 
@@ -34,9 +34,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-#: Defaults of the ``conduit.evidence`` config mapping.
-EVIDENCE_DEFAULTS = {"r": 0.1, "recover_r": 0.2, "coverage": 0.2, "tie": 0.05, "column": None}
-
+from kvbench.plan.conduit import EVIDENCE_DEFAULTS, case_column, case_rows, evidence_columns, evidence_specs
 
 def evidence_image(record: dict) -> int | None:
     """0-based image index of the page holding the answer (``meta.page`` - 1), None when the record names none."""
@@ -158,62 +156,7 @@ def _near_tie(coefficients: list[float] | None, image: int, tie: float) -> bool:
     return abs(c[image] - other) <= tie * max(c[image], other)
 
 
-def evidence_columns(plan: Any, cfg: dict) -> list:
-    """The multi-image columns Table 14 pools (``cfg["column"]``: one named column; None: all)."""
-    cols = plan.multi
-    if cfg.get("column"):
-        cols = [c for c in cols if c.name == cfg["column"]]
-        if not cols:
-            raise ValueError(f"conduit.evidence.column {cfg['column']!r} is not a conduit.multi_image column "
-                             f"{[c.name for c in plan.multi]}")
-    return cols
-
-
-def evidence_specs(plan: Any, cfg: dict) -> dict[str, str]:
-    """``{name: canonical spec}`` of the runs Table 14 reads (``full`` = the plan's reference)."""
-    from kvbench.eval.registry import with_budget
-
-    cfg = {**EVIDENCE_DEFAULTS, **cfg}
-    return {"full": plan.reference, "conduit": with_budget("conduit", cfg["r"]),
-            "raw": with_budget("prophetkv", cfg["r"]),
-            "attention": with_budget("conduit:use_v_norm=false", cfg["r"]),
-            "recover": with_budget("conduit", cfg["recover_r"])}
-
-
 # --- case study ---------------------------------------------------------------------------------
-
-def case_column(plan: Any, cfg: dict) -> Any:
-    """The case study's multi-image column: ``cfg["column"]``, or the one whose K range holds 4, else the last.
-
-    Raises:
-        ValueError: a named column that is not a ``conduit.multi_image`` column.
-    """
-    cols = plan.multi
-    name = cfg.get("column")
-    if name:
-        col = next((c for c in cols if c.name == name), None)
-        if col is None:
-            raise ValueError(f"conduit.case_study.column {name!r} is not a conduit.multi_image column "
-                             f"{[c.name for c in cols]}")
-        return col
-    return next((c for c in cols if c.k and c.k[0] <= 4 <= c.k[1]), cols[-1])
-
-
-def check_config(plan: Any) -> None:
-    """Check ``conduit.evidence`` and ``conduit.case_study`` against the plan's columns while the DAG is built
-    (not after every run finished).
-
-    Raises:
-        ValueError: a column that is not a multi-image column, or ``evidence.recover_r`` not above ``evidence.r``.
-    """
-    cfg = {**EVIDENCE_DEFAULTS, **plan.cfg.get("evidence", {})}
-    evidence_columns(plan, cfg)
-    if cfg["recover_r"] <= cfg["r"]:
-        raise ValueError(f"conduit.evidence.recover_r ({cfg['recover_r']}) must be above conduit.evidence.r "
-                         f"({cfg['r']}): it is the larger budget at which a differing record may recover")
-    if plan.multi:
-        case_column(plan, plan.cfg.get("case_study", {}))
-
 
 def case_record(plan: Any, runs: Any, cfg: dict) -> tuple[Any, str]:
     """``(column, record id)`` of the case study: the first record of ``cfg["column"]`` (default: the multi-image
@@ -228,20 +171,6 @@ def case_record(plan: Any, runs: Any, cfg: dict) -> tuple[Any, str]:
         if i in ref and col.keeps(rec) and evidence_image(rec) is not None:
             return col, i
     raise ValueError(f"no record of column {col.name!r} with a named evidence page among the evaluated records")
-
-
-def case_rows(plan: Any) -> list[tuple[str, str]]:
-    """``(label, spec)`` of the case study: every Table 1 row at the case budget (budgeted ones get @r), then
-    full prefill once."""
-    from kvbench.eval.registry import with_budget
-
-    r = plan.cfg.get("case_study", {}).get("r", 0.1)
-    out = []
-    for m in plan.cfg["methods"]:
-        spec = with_budget(m["method"], r)  # canonical; reuse and full unchanged
-        if spec != plan.reference:
-            out.append((m["label"], spec))
-    return out + [("Full prefill", plan.reference)]
 
 
 def _case_rows_of(plan: Any, runs: Any):

@@ -22,99 +22,18 @@ one run on both sides.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
-from kvbench.beyond.compressed_store import CacheCodec
-from kvbench.eval.registry import parse_method_spec, slug
-from kvbench.report.conduit import Column, ConduitPlan, Row, Runs, _mean, note_errors
+from kvbench.eval.registry import parse_method_spec
+from kvbench.plan.base import Table, load_spec
+from kvbench.plan.compressed_cache import KEY, CompressedCachePlan
+from kvbench.plan.conduit import Column, ConduitPlan
+from kvbench.report.conduit import Runs, _mean, note_errors
 from kvbench.report.paired import paired_stats
-from kvbench.report.plan import Run, Table, load_spec, write_csv
-from kvbench.utils.recipe import recipe_hash
-
-#: The run group (:data:`kvbench.report.plan.GROUPS`) and the config key under ``beyond``.
-GROUP = "conduit_rkv"
-KEY = "conduit_rkv_cache"
-
-
-@dataclass
-class CompressedCachePlan:
-    """Which runs and caches the compressed-image-cache table reads (module docstring).
-
-    Args:
-        section: the config's ``beyond.conduit_rkv_cache`` mapping.
-        conduit: the config's :class:`~kvbench.report.conduit.ConduitPlan` (Table 1's rows, columns and runs).
-
-    Raises:
-        ValueError: ``model`` not in ``conduit.models``, ``r`` not one of ``conduit.budgets``, or a bad ``storage``
-            (:class:`~kvbench.beyond.compressed_store.CacheCodec`'s checks), naming the key.
-    """
-
-    section: dict
-    conduit: ConduitPlan
-
-    def __post_init__(self) -> None:
-        where = f"config beyond.{KEY}"
-        self.model = self.section["model"]
-        if self.model not in self.conduit.models:
-            raise ValueError(f"{where}.model: {self.model!r} is not a CONDUIT backbone (conduit.models "
-                             f"{self.conduit.models}); the raw side is its Table 1 runs")
-        self.r = self.section["r"]
-        if self.r not in self.conduit.cfg["budgets"]:
-            raise ValueError(f"{where}.r: {self.r!r} is not a Table 1 block (conduit.budgets "
-                             f"{self.conduit.cfg['budgets']})")
-        try:
-            self.storage_spec("<checked at DAG time>")
-        except (ValueError, TypeError) as e:
-            raise ValueError(f"{where}.storage: {e}") from None
-
-    @property
-    def storage(self) -> dict:
-        return dict(self.section.get("storage") or {})
-
-    def storage_spec(self, codec_dir: str) -> CacheCodec:
-        """The :class:`CacheCodec` of ``storage`` with the codec at ``codec_dir`` (no codec is read here)."""
-        return CacheCodec.from_spec({"codec_dir": codec_dir, **self.storage})
-
-    def rows(self) -> list[Row]:
-        """Table 1's rows of the ``r`` block (cache reuse and full prefill included), in Table 1's order."""
-        return [row for row in self.conduit.rows("table1") if row.r == self.r]
-
-    @property
-    def columns(self) -> list[Column]:
-        return self.conduit.columns("table1")
-
-    @property
-    def datasets(self) -> list[str]:
-        return list(dict.fromkeys(c.dataset for c in self.columns))
-
-    def raw_run(self, dataset: str, spec: str) -> Run:
-        """Table 1's run of ``spec``."""
-        return self.conduit.run(self.model, dataset, spec)
-
-    def compressed_run(self, dataset: str, spec: str) -> Run:
-        """The run of ``spec`` on the compressed caches; full prefill (no cache read) is Table 1's own run."""
-        if spec == self.conduit.reference:
-            return self.raw_run(dataset, spec)
-        return Run(self.model, dataset, spec, slug(spec), GROUP)
-
-    def new_runs(self) -> list[Run]:
-        """The runs this table adds (every row but full prefill, per dataset of Table 1's columns)."""
-        return [self.compressed_run(d, row.spec) for d in self.datasets for row in self.rows()
-                if row.spec != self.conduit.reference]
-
-    def raw_runs(self) -> list[Run]:
-        return [self.raw_run(d, spec) for d in self.datasets for spec in dict.fromkeys(r.spec for r in self.rows())]
-
-    def cache_dir(self, dataset: str, codec_dir: str) -> str:
-        """``cache/conduit_rkv/<profile>/<model>/<dataset>/<tag>``: the compressed caches of one codec and storage
-        setting (tag = hash of both), so a changed setting gets a new directory instead of a mismatch."""
-        tag = recipe_hash({"codec_dir": codec_dir, "storage": self.storage_spec(codec_dir).to_spec()})
-        return f"cache/conduit_rkv/{self.conduit.profile}/{self.model}/{dataset}/s-{tag}"
-
+from kvbench.utils.io import write_csv
 
 def _paired(runs: Runs, a_dir: dict[str, str], b_dir: dict[str, str], cols: list[Column]) -> dict:
     """Run ``a`` minus run ``b`` (per dataset directories), paired by record id within each column on the records
@@ -306,6 +225,6 @@ TABLES: dict[str, Table] = {t.name: t for t in (
           "a 95% paired-bootstrap CI, and the cache bytes per image raw vs compressed (KR); below, CONDUIT minus "
           "ProphetKV and minus the strongest other budgeted row on each cache form. No published number exists: these are "
           "not the paper's numbers; on the smoke profile the backbone is the tiny zoo VLM.",
-          _write),
+          _write, plan="conduit_rkv_cache"),
 )}
 

@@ -30,8 +30,8 @@ import pandas as pd
 from kvbench.compress.presses.omnikv import OmniKVPress
 from kvbench.report import paired
 from kvbench.compress.residualkv import references
-from kvbench.report.plan import Table
-from kvbench.report.rkv_plan import RKVPlan, known_model_shape, press_spec
+from kvbench.plan.base import Table
+from kvbench.plan.residualkv import RKVPlan, known_model_shape, press_spec
 from kvbench.utils.io import atomic_path, read_jsonl
 
 
@@ -176,7 +176,7 @@ def kr_formula(plan: RKVPlan, spec: str, n_tokens: float, shape: tuple[int, int]
     if not n_tokens or math.isnan(n_tokens):
         return None
     variant = plan.codec_of(spec)
-    codec = None if variant is None else plan.codec_config(variant, shape)
+    codec = None if variant is None else plan.codecs.config(variant, shape)
     return press.kr_formula(int(round(n_tokens)), *shape, codec=codec)
 
 
@@ -226,7 +226,7 @@ def model_shape(plan: RKVPlan, root: str | Path) -> tuple[int, int]:
     if cfg is None and plan.zoo:
         return known_model_shape(plan.model, {"zoo": {}})  # a zoo model's shape is known by its name
     if cfg is None:
-        codec = json.loads((Path(root) / plan.codec_dir("main") / "codec" / "codec.json").read_text())
+        codec = json.loads((Path(root) / plan.codecs.dir("main") / "codec" / "codec.json").read_text())
         return codec["n_layers"], codec["d_kv"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     return cfg["num_hidden_layers"], 2 * cfg["num_key_value_heads"] * head_dim
@@ -236,7 +236,7 @@ def table_vi(plan: RKVPlan, root: str | Path = ".") -> pd.DataFrame:
     """Table VI: per α, reference count and share at the longest evaluated context and at the paper's
     context (schedule of the main codec), then the scores."""
     df = score_table(plan, "tableVI", root)
-    sweep, codec = plan.s["stride_sweep"], plan.codec_config("main", model_shape(plan, root))
+    sweep, codec = plan.s["stride_sweep"], plan.codecs.config("main", model_shape(plan, root))
     longest = int(max(run_summary(Path(root) / plan.run_dir(t, plan.rows("tableVI")[0].spec))["n_tokens"]
                       for t in plan.tasks))
     paper_t = int(sweep.get("paper_context", 262144))
@@ -278,7 +278,7 @@ def codec_header(plan: RKVPlan, target: str, root: str | Path = ".") -> list[str
         variant = plan.codec_of(row.spec)
         if variant is not None:
             rows.setdefault(variant, []).append(row.label)
-    return [f"# codec {v} ({', '.join(labels)}): {plan.codec_origin(v, root)}" for v, labels in rows.items()]
+    return [f"# codec {v} ({', '.join(labels)}): {plan.codecs.origin(v, root)}" for v, labels in rows.items()]
 
 
 def write_table(plan: RKVPlan, target: str, out: str | Path, root: str | Path = ".") -> pd.DataFrame:
@@ -317,7 +317,7 @@ _CELLS = ("Scores are mean per-record score x 100 (``avg``: unweighted mean over
           "(min(keep_tokens, n) where a row sets keep_tokens) by raw q·k, max over query heads (``sparse_prefill=true`` selects in multi-token chunks too, their "
           "query rows averaged or, with ``row_agg=max``, maxed).")
 
-#: ResidualKV's tables (:class:`~kvbench.report.plan.Table`); rows from the config key of the table's name
+#: ResidualKV's tables (:class:`~kvbench.plan.base.Table`); rows from the config key of the table's name
 #: (``residualkv.tableIII``, ...) or, for Table VI, the ``stride_sweep`` (:meth:`RKVPlan.rows`).
 TABLES: dict[str, Table] = {t.name: t for t in (
     Table("residualkv/tableIII", "ResidualKV", "residualkv", "Table III (methods x tasks, KR/CR)",

@@ -28,7 +28,7 @@ import numpy as np
 import pandas as pd
 
 from kvbench.compress.residualkv.visual_case import VisualCase
-from kvbench.report.plan import write_csv
+from kvbench.utils.io import read_jsonl, write_csv
 
 COLUMNS = ["record", "layer", "position", "image", "frame", "row", "col", "stored_as", "rank", "ref_position",
            "ref_kind", "ref_image", "ref_frame", "ref_row", "ref_col", "ref_token", "token_distance", "patch_distance",
@@ -148,7 +148,6 @@ def image_of(split: str | Path, record: str, image: int):
         ValueError: no record with that id, or it has no such image.
     """
     from kvbench.models.prompting import load_image
-    from kvbench.utils.io import read_jsonl
 
     recs = [r for r in read_jsonl(split) if str(r.get("id")) == str(record)]
     if not recs:

@@ -29,7 +29,7 @@ from kvbench.compress.residualkv.observations import (
     Observations,
     cumulative_explained_variance,
 )
-from kvbench.report.plan import write_csv
+from kvbench.utils.io import write_csv
 
 COLUMNS = ["panel", "quantity", "layer", "series", "x_lo", "x_hi", "count", "value"]
 #: Distance (tokens) beyond which the paper counts a best match as far (Fig. 3(b): 59.7% beyond 16).

@@ -22,7 +22,8 @@ import pandas as pd  # noqa: E402
 
 from kvbench.compress.residualkv import references  # noqa: E402
 from kvbench.report.residualkv import model_shape, run_summary, write_csv  # noqa: E402
-from kvbench.report.rkv_plan import DEFAULT_VARIANT, FIG11_PANELS, FIGURE_VARIANTS, RKVPlan, press_spec  # noqa: E402
+from kvbench.plan.codecs import DEFAULT_VARIANT, FIG11_PANELS, FIGURE_VARIANTS
+from kvbench.plan.residualkv import RKVPlan, press_spec  # noqa: E402
 from kvbench.utils.io import atomic_path  # noqa: E402
 
 SMOKE_NOTE = "tiny zoo LM trained here; not the paper's numbers"
@@ -37,7 +38,7 @@ def _save(fig, out: str | Path) -> None:
 
 def fig5(plan: RKVPlan, out: str | Path, out_csv: str | Path, root: str | Path = ".") -> pd.DataFrame:
     """Score (avg over tasks) vs references held at the mean evaluated context, one point per schedule."""
-    codec = plan.codec_config("main", model_shape(plan, root))
+    codec = plan.codecs.config("main", model_shape(plan, root))
     rows = []
     for row in plan.rows("fig5"):
         summaries = [run_summary(Path(root) / plan.run_dir(t, row.spec)) for t in plan.tasks]
@@ -64,10 +65,10 @@ def fig5(plan: RKVPlan, out: str | Path, out_csv: str | Path, root: str | Path =
 
 def _variant_file(plan: RKVPlan, variant: str, name: str, fig: str, root: str | Path) -> Path:
     """``codecs/.../<variant>-<recipe>/<name>``, or a FileNotFoundError naming the figure that needs the variant."""
-    path = Path(root) / plan.codec_dir(variant) / name
+    path = Path(root) / plan.codecs.dir(variant) / name
     if not path.is_file():
         raise FileNotFoundError(f"{fig} needs codec variant {variant!r}, but {path} is missing (train it: "
-                                f"snakemake {plan.codec_dir(variant)}/summary.json)")
+                                f"snakemake {plan.codecs.dir(variant)}/summary.json)")
     return path
 
 
@@ -134,7 +135,7 @@ def fig11(plan: RKVPlan, out, out_csv, root=".", throughput: str | Path | None =
     relative to the default setting. Without ``throughput`` the CSV says it was not measured.
 
     Raises:
-        ValueError: ``throughput`` lacks a variant of :data:`~kvbench.report.rkv_plan.FIG11_PANELS`.
+        ValueError: ``throughput`` lacks a variant of :data:`~kvbench.plan.codecs.FIG11_PANELS`.
     """
     from kvbench.compress.residualkv.codec import CodecConfig
 

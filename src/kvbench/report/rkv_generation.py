@@ -3,7 +3,7 @@
 The table's rows (config ``residualkv.tableV``, ``{label, method}``) run on the backbone and task of
 ``residualkv.long_generation`` (``model``, ``tasks``, and optionally ``n_test``, ``threads``, ``protocol``, ``codec``,
 ``train``, ``sampling``), not on the section's ``model``/``tasks``: :func:`generation_section` is that section as an
-:class:`~kvbench.report.rkv_plan.RKVPlan` reads it (the main section's codec and training keys as the base), so the
+:class:`~kvbench.plan.residualkv.RKVPlan` reads it (the main section's codec and training keys as the base), so the
 rows' runs and the backbone's own ResidualKV codec are named and built by the same plan machinery as Tables III-VIII
 (``results/runs/<profile>/<model>/<task>/residualkv/<slug>/``, ``codecs/<profile>/<model>/main-<recipe>/``).
 
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from kvbench.report.plan import Table, load_spec
+from kvbench.plan.base import Table, load_spec
 from kvbench.report.residualkv import (
     _mean,
     _read_run,
@@ -38,73 +38,9 @@ from kvbench.report.residualkv import (
     selection_header,
     write_csv,
 )
-from kvbench.report.rkv_plan import RKVPlan
+from kvbench.plan.generation import sampling
+from kvbench.plan.residualkv import RKVPlan
 from kvbench.utils.io import read_jsonl
-
-#: Keys of ``residualkv.long_generation`` that replace the section's own for Table V's plan.
-GENERATION_KEYS = ("model", "tasks", "n_test", "threads", "protocol", "codec", "sampling")
-#: Keys the generation plan takes from the main section unless ``long_generation`` sets them.
-INHERITED_KEYS = ("n_test", "threads", "protocol", "codec", "bootstrap")
-#: Sampling keys (:class:`kvbench.compress.generate.Sampling`), passed to every run as method parameters.
-SAMPLING_KEYS = ("temperature", "top_p", "top_k")
-
-
-def generation_section(section: dict) -> dict:
-    """The ``residualkv`` section as Table V's plan reads it (module docstring): ``long_generation``'s keys over the
-    section's :data:`INHERITED_KEYS`, its ``train`` keys over the section's ``train``, the rows of ``tableV``. The
-    section's ``codec.import`` (an authors' compressor for ``residualkv.model``) is inherited only by that same model:
-    another ``long_generation.model`` without its own ``codec`` trains one with the section's codec settings.
-
-    Raises:
-        ValueError: no ``long_generation`` mapping, or it lacks ``model``/``tasks``, or sets an unknown key, or no
-            ``tableV`` rows.
-    """
-    gen = section.get("long_generation")
-    if not isinstance(gen, dict):
-        raise ValueError("residualkv.tableV runs on residualkv.long_generation's backbone and task: set "
-                         "long_generation: {model, tasks, ...} (config/config.yaml shows one)")
-    missing = [k for k in ("model", "tasks") if k not in gen]
-    unknown = sorted(set(gen) - set(GENERATION_KEYS) - {"train"})
-    if missing or unknown:
-        raise ValueError(f"residualkv.long_generation: missing {missing} / unknown {unknown} key(s); keys are "
-                         f"{sorted({*GENERATION_KEYS, 'train'})}")
-    if not section.get("tableV"):
-        raise ValueError("residualkv.tableV has no rows")
-    out = {k: section[k] for k in INHERITED_KEYS if k in section}
-    if "codec" not in gen and gen["model"] != section.get("model") and "import" in out.get("codec", {}):
-        # an imported compressor is residualkv.model's weights, of its shape: another backbone inherits the codec
-        # settings and trains its own (the table header names the codec it used)
-        out["codec"] = {k: v for k, v in out["codec"].items() if k != "import"}
-    out.update({k: gen[k] for k in GENERATION_KEYS if k in gen})
-    out["train"] = {**section.get("train", {}), **gen.get("train", {})}
-    out["tableIII"] = []   # the plan's required key; Table V's rows are its only targets
-    out["tableV"] = section["tableV"]
-    sampling(out)   # checked while the DAG is built
-    return out
-
-
-def sampling(section: dict) -> dict:
-    """The runs' sampling method parameters from the generation section's ``sampling`` (``{}``: greedy).
-
-    Raises:
-        ValueError: a key outside :data:`SAMPLING_KEYS`, or values :class:`~kvbench.compress.generate.Sampling` refuses.
-    """
-    from kvbench.compress.generate import Sampling
-
-    s = section.get("sampling") or {}
-    bad = sorted(set(s) - set(SAMPLING_KEYS))
-    if bad:
-        raise ValueError(f"residualkv.long_generation.sampling: unknown key(s) {bad}; expected {list(SAMPLING_KEYS)}")
-    Sampling(**s)
-    return dict(s)
-
-
-def generation_plan(section: dict, profile: str, shape: tuple[int, int] | None = None, zoo: bool = True, *,
-                    seed: int | None = None, model_dir: str | None = None) -> RKVPlan:
-    """Table V's :class:`RKVPlan` from the config's ``residualkv`` section (:func:`generation_section`); the other
-    arguments are :class:`RKVPlan`'s, for the ``long_generation`` backbone."""
-    return RKVPlan(generation_section(section), profile, shape, zoo, seed=seed, model_dir=model_dir)
-
 
 def _samples_per_problem(split: Path) -> int | None:
     """Records per problem in a split (records sharing ``meta.problem``; None when no record names one)."""
@@ -178,5 +114,5 @@ TABLE = Table(
     "``tiny-qwen2-lm-chain`` and the task chain pairs (``chain_pairs_64``: two chains written in alternation, 128 "
     "generated tokens each read from the prompt, then a final question whose answer is only in the generated trace, "
     "about 100 tokens back), greedy: these are not the paper's numbers. The paper gives no KR/CR and no sampling settings for this "
-    "table (§V-B, Table V).", _write)
+    "table (§V-B, Table V).", _write, plan="residualkv_generation")
 TABLES: dict[str, Table] = {TABLE.name: TABLE}

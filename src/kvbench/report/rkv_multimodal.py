@@ -26,171 +26,16 @@ image records (the smoke tasks' train splits, or ``codec.data_files``), visual t
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
 
+from kvbench.plan.base import Table, load_spec
+from kvbench.plan.multimodal import KEY, MMPlan
+from kvbench.plan.residualkv import press_spec
 from kvbench.report import paired
-from kvbench.report.plan import Run, Table, load_spec, write_csv
 from kvbench.report.residualkv import _mean, _read_run, bootstrap_settings, paired_rows, run_summary, with_paired
-from kvbench.report.rkv_plan import PROTOCOL_NOTES, Row, press_spec
-from kvbench.eval.registry import with_params
-
-#: The run group of Table II's runs (:data:`kvbench.report.plan.GROUPS`).
-GROUP = "residualkv_mm"
-#: The config key (under ``residualkv``) and the target key.
-KEY = "tableII"
-#: The paper's Table II budget (§V-B: every method at CR 10%; ResidualKV KR 8% on LLaVA-OV-7B, 10% on Qwen3-VL-8B).
-PAPER_CR = 0.10
-
-
-@dataclass
-class MMPlan:
-    """Table II's runs and rows (module docstring).
-
-    Args:
-        section: the config's ``residualkv.tableII`` mapping.
-        profile: the config's profile (path component).
-        zoo: per backbone, whether it is a zoo model (the header says so).
-
-    Raises:
-        ValueError: a missing key, an invalid row spec, a duplicate label, two specs sharing a run directory, or a
-            press that takes a trained codec (ResidualKV) while ``residualkv.tableII.codec`` is not configured (rule
-            ``rkv_mm_codec`` trains one per backbone from it); naming ``residualkv.tableII`` and the row.
-    """
-
-    section: dict
-    profile: str
-    zoo: dict
-
-    def __post_init__(self) -> None:
-        missing = [k for k in ("models", "tasks", "rows") if not self.section.get(k)]
-        if missing:
-            raise ValueError(f"config residualkv.tableII misses key(s) {missing} (config/config.yaml shows one)")
-        self.models: list[str] = list(self.section["models"])
-        self.tasks: list[str] = list(self.section["tasks"])
-        self.rows = [Row(r["label"], self._spec(r)) for r in self.section["rows"]]
-        #: per row, the backbones it runs on (its ``models``, default all): e.g. ResidualKV with each backbone's
-        #: Table I full-attention layers
-        self.row_models = [list(r.get("models") or self.models) for r in self.section["rows"]]
-        for r, ms in zip(self.section["rows"], self.row_models):
-            bad = sorted(set(ms) - set(self.models))
-            if bad:
-                raise ValueError(f"config residualkv.tableII.rows, row {r['label']!r}: models {bad} are not in "
-                                 f"tableII.models {self.models}")
-        for m in self.models:
-            labels = [row.label for row in self.rows_of(m)]
-            dup = sorted({x for x in labels if labels.count(x) > 1})
-            if dup:
-                raise ValueError(f"config residualkv.tableII.rows: label(s) {dup} given twice for {m!r}")
-        slugs: dict[str, str] = {}
-        for row in self.rows:
-            slug = press_spec(row.spec).slug
-            if slugs.setdefault(slug, row.spec) != row.spec:
-                raise ValueError(f"config residualkv.tableII.rows: {slugs[slug]!r} and {row.spec!r} share run directory {slug!r}")
-
-    @classmethod
-    def from_spec(cls, spec: str | dict) -> "MMPlan":
-        """The plan of the workflow's JSON ``spec`` (``{profile, tableII: section, zoo: {model: bool}}``)."""
-        spec = load_spec(spec, KEY)
-        return cls(spec[KEY], spec["profile"], spec.get("zoo", {}))
-
-    def _spec(self, row: dict) -> str:
-        where = f"config residualkv.tableII.rows, row {row.get('label')!r}"
-        try:
-            parsed = press_spec(row["method"])
-            if "protocol" not in parsed.params:
-                parsed = press_spec(with_params(row["method"], protocol=self.protocol))
-        except ValueError as e:
-            raise ValueError(f"{where}: {e}") from None
-        if self.takes_codec(parsed.canonical) and not self.section.get("codec"):
-            raise ValueError(f"{where}: {parsed.name!r} needs a codec trained on each backbone's language model: "
-                             "configure residualkv.tableII.codec (config/config.yaml shows one)")
-        parsed.build()  # the press's own checks, at DAG time
-        return parsed.canonical
-
-    def rows_of(self, model: str) -> list[Row]:
-        """The rows that run on backbone ``model``, in config order."""
-        return [row for row, ms in zip(self.rows, self.row_models) if model in ms]
-
-    def check_layers(self, n_layers: dict[str, int]) -> None:
-        """Every row's press fits its backbone's depth (``n_layers``: backbone -> decoder layers, where known), by the
-        press's own :meth:`check_layers` (full layers, filter layers, a pruning layer), as Tables III-VIII's plan does.
-
-        Raises:
-            ValueError: a press naming a layer outside the backbone, naming the row."""
-        for model, n in n_layers.items():
-            for row in self.rows_of(model):
-                try:
-                    press_spec(row.spec).build().check_layers(n)
-                except ValueError as e:
-                    raise ValueError(f"config residualkv.tableII.rows, row {row.label!r} on {model!r}: {e}") from None
-
-    @staticmethod
-    def takes_codec(spec: str) -> bool:
-        """Whether the press of ``spec`` reads a trained codec (ResidualKV)."""
-        return "codec_dir" in press_spec(spec).cls.__dataclass_fields__
-
-    def codec_recipe(self, model: str, model_dir: str, seed: int, data_files: list[str]) -> dict:
-        """Everything that determines ``model``'s codec weights (``tableII.codec``: CodecConfig fields and training
-        keys; the seed, backbone directory and training files): its directory is ``codecs/<profile>/<model>/mm-<hash>``."""
-        codec = self.section["codec"]
-        # where it trains is not what it learns (the LM codecs' PLACEMENT_KEYS); the dtype is. Threads stay outside
-        # the hash as the LM codecs' do (a directory that names a thread count Snakemake may cap would mislead)
-        train = {k: v for k, v in codec.get("train", {}).items() if k not in ("device", "checkpointing", "threads")}
-        return {"codec": codec.get("config", {}), "train": train, "seed": seed,
-                "model": str(model_dir), "data_files": sorted(data_files)}
-
-    @property
-    def protocol(self) -> str:
-        """The section's ``protocol`` (default ``shared_context``: with one-token answers under ``one_pass`` the answer
-        comes from the exact prompt chunk, which a press that compresses after the prefill cannot change; presses that
-        prune inside the prefill, FastV, PACT and DivPrune, spell ``protocol=one_pass`` in their rows, as the originals
-        run)."""
-        return self.section.get("protocol", "shared_context")
-
-    @property
-    def n_test(self) -> int | None:
-        return self.section.get("n_test")
-
-    def run(self, model: str, task: str, spec: str) -> Run:
-        parsed = press_spec(spec)
-        return Run(model, task, parsed.canonical, parsed.slug, GROUP)
-
-    def runs(self) -> list[Run]:
-        """Every run of the table: backbone x task x row."""
-        return [self.run(m, t, r.spec) for m in self.models for r in self.rows_of(m) for t in self.tasks]
-
-    def header(self) -> list[str]:
-        """The CSV's ``#`` lines: what ran (tiny zoo or local checkpoints), protocol, budgets and the paper's CR caveat."""
-        zoo = [m for m in self.models if self.zoo.get(m, True)]
-        what = (f"model(s) {', '.join(self.models)} (tiny zoo VLM trained here, not the paper's models: LLaVA-OV-7B, "
-                f"Qwen3-VL-8B); tasks {', '.join(self.tasks)} (smoke image tasks in place of MMB, MME, MMMU, POPE, SQA, "
-                "Video-MME, MVBench); not the paper's numbers" if zoo else
-                f"model(s) {', '.join(self.models)} (local checkpoints); tasks {', '.join(self.tasks)} (local benchmark "
-                "files); computed by this pipeline, not copied from the paper")
-        protocols = sorted({press_spec(r.spec).params["protocol"] for r in self.rows})
-        budgets = "; ".join(dict.fromkeys(f"{r.label}: {_budget(r.spec)}" for r in self.rows))
-        return [
-            f"# kvbench ResidualKV Table II (multimodal: methods x image tasks, KR/CR), profile {self.profile!r}: {what}",
-            f"# protocol: {'; '.join(PROTOCOL_NOTES[p] for p in protocols)}; the context chunk holds the system "
-            "prompt and every image, the question chunk the question (kvbench.compress.generate_vlm)",
-            f"# budget ran: {budgets}. The paper ran every Table II method at CR {100 * PAPER_CR:.0f}% (ResidualKV KR 8% on "
-            "LLaVA-OV-7B, 10% on Qwen3-VL-8B)",
-            "# CR caveat (paper §V-A; §V-B, Table II): by the paper's own formula CR = beta + (1 - beta) r, ResidualKV with Table I's 7 "
-            "full-attention layers of Qwen3-VL-8B's 36 has CR >= 7/36 = 19.4%, so its Table II label 'CR 10%' is "
-            "inconsistent with that layer configuration; CR % here is measured (keys read / keys visible), not a label",
-            "# scores: mean per-record score x 100; KR_packed %: packed bytes / full FP16 cache (measured); KR_resident %: "
-            "bytes of every tensor held; kept %: share of the tokens whose K/V the cache holds at the end",
-        ]
-
-
-def _budget(spec: str) -> str:
-    """A row's budget parameters (its spec's parameters but the protocol), or 'full cache'."""
-    params = {k: v for k, v in press_spec(spec).params.items() if k != "protocol"}
-    return ", ".join(f"{k}={v}" for k, v in params.items()) or "full cache"
-
+from kvbench.utils.io import write_csv
 
 def cr_bounds(plan: MMPlan, root: str | Path = ".") -> str:
     """The header line of the CR lower bound of each row that keeps whole layers (``full_layers``): by the paper's
@@ -283,5 +128,6 @@ TABLES: dict[str, Table] = {t.name: t for t in (
           "from the bytes the cache holds (packed: the paper's accounting; resident: every tensor held); CR from the "
           "keys attention read. On the smoke profile the model is the tiny zoo VLM and the tasks are smoke image tasks "
           "in place of the paper's seven benchmarks: these are not the paper's numbers. The paper's 'CR 10%' for "
-          "ResidualKV on Qwen3-VL-8B is below its own lower bound beta = 7/36 (header).", _write),
+          "ResidualKV on Qwen3-VL-8B is below its own lower bound beta = 7/36 (header).", _write,
+          plan="residualkv_mm"),
 )}

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from kvbench.report import rkv_figures
 from kvbench.report.residualkv import TABLES
-from kvbench.report.rkv_plan import RKVPlan
+from kvbench.plan.residualkv import RKVPlan
 
 
 def report(target: str, spec: str | dict, out: str | Path, root: str | Path = ".", out_csv: str | Path | None = None,

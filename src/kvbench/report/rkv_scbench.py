@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pandas as pd
 
-from kvbench.report.plan import Table
+from kvbench.plan.base import Table
 from kvbench.report.residualkv import codec_header, paired_table, score_table, selection_header, write_csv
-from kvbench.report.rkv_plan import RKVPlan, press_spec
+from kvbench.plan.residualkv import RKVPlan, check_table_iv
 
 KEY = "tableIV"
 #: Header line saying how every row met its queries.
@@ -32,28 +32,14 @@ MODE = ("# mode: SCBench multi-request (SCDQ): each record's context prefilled o
         "its queries, per task the mean over records x 100 (kvbench.compress.multiquery)")
 
 
-def check_rows(plan: RKVPlan) -> None:
-    """Every Table IV row runs under ``shared_context`` (the context its own chunk, compressed before the queries).
-
-    Raises:
-        ValueError: a row whose spec sets another protocol, naming it.
-    """
-    for row in plan.rows(KEY):
-        protocol = press_spec(row.spec).params.get("protocol")
-        if protocol != "shared_context":
-            raise ValueError(f"residualkv.tableIV, row {row.label!r}: SCBench's rows run under protocol=shared_context "
-                             f"(the context compressed before its queries), got {protocol!r}; spell "
-                             "protocol=shared_context in its method")
-
-
 def write_table_iv(plan: RKVPlan, out: str | Path, root: str | Path = ".") -> pd.DataFrame:
     """Compute Table IV from its runs under ``root`` and write it to ``out`` (module doc).
 
     Raises:
-        ValueError: a row not under ``shared_context`` (:func:`check_rows`).
+        ValueError: a row not under ``shared_context`` (:func:`kvbench.plan.residualkv.check_table_iv`).
         FileNotFoundError: a run has no predictions.
     """
-    check_rows(plan)
+    check_table_iv(plan)
     df, lines = paired_table(plan, KEY, score_table(plan, KEY, root), root)
     what = ("multi-query smoke tasks (several '\\nQuery:'/'\\nChain:' questions about one context, the zoo LM's "
             "question forms) in place of SCBench's SCDQ files" if plan.zoo else

@@ -7,7 +7,7 @@ One row per model of the profile that ResidualKV runs on: ``residualkv.model`` a
 - ``n_layers``, ``2d_k`` (= 2 x ``num_key_value_heads`` x ``head_dim``): from the checkpoint's ``config.json`` (a VLM's
   ``text_config``; :func:`kvbench.compress.residualkv.codec.config_kv_shape`);
 - ``d_c``, ``d_ff``: from the codec the runs read, ``codec/codec.json`` of the main codec (trained or imported;
-  :meth:`kvbench.report.rkv_plan.RKVPlan.codec_dir`), for ``residualkv.model`` only: no codec is built for the
+  :meth:`kvbench.plan.codecs.CodecPlan.dir`), for ``residualkv.model`` only: no codec is built for the
   others (empty, with the reason);
 - ``full_attention_layers``: for ``residualkv.model`` those of the spec of Table III's ResidualKV row (the row
   labelled ``ResidualKV``, else the first with ``full_layers``); for the others their ``models.<m>.codec`` entry;
@@ -25,8 +25,9 @@ from pathlib import Path
 
 import pandas as pd
 
-from kvbench.report.plan import Table, load_spec, write_csv
-from kvbench.report.rkv_plan import RKVPlan, press_spec
+from kvbench.plan.base import Table, load_spec
+from kvbench.utils.io import write_csv
+from kvbench.plan.residualkv import RKVPlan, press_spec
 
 #: Table I's columns compared with the paper's, in order.
 COMPARED = ("2d_k", "d_c", "d_ff", "full_attention_layers", "d_c/2d_k", "d_ff/2d_k")
@@ -83,7 +84,7 @@ def _kv_fields(path: Path) -> dict:
 
 
 def table_i(spec: dict, root: str | Path = ".") -> pd.DataFrame:
-    """Table I (module docstring) from the workflow's ``spec`` (:func:`kvbench.report.rkv_plan.RKVPlan.from_spec`'s
+    """Table I (module docstring) from the workflow's ``spec`` (:func:`kvbench.plan.residualkv.RKVPlan.from_spec`'s
     JSON plus ``models``: ``[{name, dir, codec}]``, ``published``: the published-figures file).
 
     Raises:
@@ -99,7 +100,7 @@ def table_i(spec: dict, root: str | Path = ".") -> pd.DataFrame:
         name, notes = m["name"], []
         cells: dict = {"model": name, **_kv_fields(Path(root) / m["dir"] / "config.json")}
         if name == plan.model:
-            codec_json = Path(root) / plan.codec_dir("main") / "codec" / "codec.json"
+            codec_json = Path(root) / plan.codecs.dir("main") / "codec" / "codec.json"
             if not codec_json.is_file():
                 raise FileNotFoundError(f"Table I reads the main codec's {codec_json}, which is missing (build it: "
                                         f"snakemake {codec_json})")
@@ -110,8 +111,8 @@ def table_i(spec: dict, root: str | Path = ".") -> pd.DataFrame:
                              "checkpoint's")
             layers, label = main_row_layers(plan)
             cells["full_attention_layers"] = layers
-            cells["source"] = (f"config.json; {plan.codec_origin('main', root)}; full layers: Table III row {label!r}"
-                               if label else f"config.json; {plan.codec_origin('main', root)}; no Table III row has "
+            cells["source"] = (f"config.json; {plan.codecs.origin('main', root)}; full layers: Table III row {label!r}"
+                               if label else f"config.json; {plan.codecs.origin('main', root)}; no Table III row has "
                                "full_layers")
         else:
             cells.update({"d_c": None, "d_ff": None})

@@ -1,6 +1,6 @@
 """Every table target of both papers, by name (``kvbench report <name>``, the workflow's one ``table`` rule).
 
-Each paper's module holds its :class:`~kvbench.report.plan.Table` entries; this module only joins them.
+Each paper's module holds its :class:`~kvbench.plan.base.Table` entries; this module only joins them.
 """
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pandas as pd
 from kvbench.bench import table3
 from kvbench.report import conduit, conduit_diag, residualkv, rkv_generation, rkv_multimodal, rkv_scbench, rkv_table1
 from kvbench.report import conduit_rkv
-from kvbench.report.plan import Table
+from kvbench.plan.base import Table
 
 TABLES: dict[str, Table] = {**conduit.TABLES, **conduit_diag.TABLES, **table3.TABLES, **residualkv.TABLES,
                            **rkv_table1.TABLES, **rkv_multimodal.TABLES, **rkv_scbench.TABLES,

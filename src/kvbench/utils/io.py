@@ -176,3 +176,11 @@ def read_jsonl(path: str | os.PathLike) -> list[dict]:
                                  f"{_JSON_TYPES.get(type(row), type(row).__name__)}: {line.strip()[:60]}")
             rows.append(row)
     return rows
+
+
+def write_csv(df: Any, header: list[str], out: str) -> None:
+    """Write DataFrame ``df`` to ``out`` atomically under ``#`` header lines (read back with
+    ``pd.read_csv(path, comment="#")``): the one writer of the CONDUIT tables' CSVs."""
+    with atomic_path(out) as tmp, open(tmp, "w", encoding="utf-8") as f:
+        f.write("\n".join(header) + "\n")
+        df.to_csv(f, index=False)

@@ -1,23 +1,22 @@
-"""The plan layer: what Snakemake builds and the reports read, named once.
+"""The plan layer's vocabulary: runs, tables, and the protocol every plan implements.
 
 - :class:`Run`: one ``kvbench eval`` run, model x dataset x method spec -> its directory
-  ``results/runs/<profile>/<model>/<dataset>/[<group>/]<slug>``. Runs are grouped by the config section
-  that asks for them (``eval`` matrix: no group; ``conduit``; ``residualkv``).
-- :class:`Table`: one table target ``results/<name>.csv``: title, caption, the rows it compares and the
-  writer that builds it. Each paper's module holds its entries (:data:`kvbench.report.conduit.TABLES`,
-  :data:`kvbench.report.residualkv.TABLES`, :data:`kvbench.bench.table3.TABLES`); :data:`TABLES` joins them
-  for the workflow (one ``table`` rule) and for ``kvbench report <name>``. Adding a table is one entry plus
-  its config keys.
-
-The workflow's helpers (``workflow/rules/common.smk``) and the writers ask the same objects, so paths
-cannot drift apart.
+  ``results/runs/<profile>/<model>/<dataset>/[<group>/]<slug>``. Runs are grouped by the plan that asks for them
+  (:data:`GROUPS`).
+- :class:`Table`: one table target ``results/<name>.csv``: title, caption, the writer that builds it and the plan
+  that says what it reads. Each paper's report module holds its entries; :data:`kvbench.report.tables.TABLES` joins
+  them for the workflow (one ``table`` rule) and for ``kvbench report <name>``.
+- :class:`Plan`: what one config section asks Snakemake to build: its runs (and, per run, what it reads, its
+  threads and record limit) and its tables (what each reads, the JSON its writer gets). ``workflow/rules/common.smk``
+  loops over the config's plans (:func:`kvbench.plan.build_plans`) and asks them; the writers rebuild the same plan
+  from the JSON spec, so paths cannot drift apart.
 """
 from __future__ import annotations
 
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 #: Run groups: the config section that asks for a run -> its sub-directory under the run's dataset.
 GROUPS = {"eval": "", "conduit": "conduit", "residualkv": "residualkv",
@@ -69,9 +68,7 @@ class Table:
         caption: reStructuredText shown with the table in ``snakemake --report``.
         write: ``write(spec, out, root)`` builds the table from the workflow's JSON ``spec`` (the paper's config
             section and paths) and writes ``out`` atomically; returns the DataFrame.
-        rows: ``rows(plan)`` -> the methods a CONDUIT table compares (ResidualKV tables take theirs from the config
-            list of their own name, :meth:`kvbench.report.rkv_plan.RKVPlan.rows`), else None.
-        columns: which column group a CONDUIT table averages over (``multi_image``, ``single_image``, ``all``).
+        plan: the :attr:`Plan.name` of the plan that says what the table reads (default: ``section``).
         contrasts: ``contrasts(plan, scores)`` -> ``[(backbone, row a, row b)]`` whose paired difference a - b a
             CONDUIT table carries below its scores (Tables 1 and 5), else None.
         contrast_text: what the contrasts compare, for the CSV header.
@@ -83,10 +80,14 @@ class Table:
     title: str
     caption: str
     write: Callable[[str, dict, str, str], Any]
-    rows: Callable[[Any], list] | None = None
-    columns: str = ""
+    plan: str = ""
     contrasts: Callable[[Any, Any], list] | None = None
     contrast_text: str = ""
+
+    @property
+    def plan_name(self) -> str:
+        """The plan that says what this table reads (:attr:`plan`, else the section's)."""
+        return self.plan or self.section
 
     @property
     def key(self) -> str:
@@ -121,11 +122,65 @@ def load_spec(spec: str | dict, section: str) -> dict:
     return spec
 
 
-def write_csv(df: Any, header: list[str], out: str) -> None:
-    """Write DataFrame ``df`` to ``out`` atomically under ``#`` header lines (read back with
-    ``pd.read_csv(path, comment="#")``): the one writer of the CONDUIT tables' CSVs."""
-    from kvbench.utils.io import atomic_path
+class Plan:
+    """What one config section asks Snakemake to build; the protocol ``workflow/rules/common.smk`` loops over.
 
-    with atomic_path(out) as tmp, open(tmp, "w", encoding="utf-8") as f:
-        f.write("\n".join(header) + "\n")
-        df.to_csv(f, index=False)
+    A plan is built from the validated config while the DAG is built (:meth:`from_config`, whose errors name the
+    config key) and answers two questions with no per-table branch left to the workflow:
+
+    - its runs (:meth:`runs`, each a :class:`Run` of the one ``eval`` rule) and, per run, what it reads besides the
+      model and the split and the ``--method-params`` it passes (:meth:`resources`), its threads, record limit and
+      scheduler minutes;
+    - its tables (the :class:`Table` entries whose :attr:`Table.plan_name` is this plan's :attr:`name`): whether the
+      config builds each (:meth:`builds`), what each reads (:meth:`table_inputs`) and the JSON spec its writer gets
+      (:meth:`table_spec`).
+
+    The defaults describe a plan with no runs and no tables.
+    """
+
+    #: The plan's name: what :attr:`Table.plan` names and :func:`kvbench.plan.build_plans` keys it by.
+    name: ClassVar[str] = ""
+
+    @classmethod
+    def absent(cls, table: Table, config: dict) -> str:
+        """Why ``table`` cannot be built from ``config``, which lacks this plan (raised when it is asked for)."""
+        return (f"this config has no `{table.section}:` section, so it has no {table.paper} target {table.path} "
+                "(config/config.yaml shows one)")
+
+    def runs(self) -> list[Run]:
+        """Every run this plan's configured targets read, once each."""
+        return []
+
+    def resources(self, run: Run) -> tuple[dict[str, str], dict]:
+        """``(inputs, method params)`` of ``run``: files it reads besides the model and split (by name), and the
+        ``--method-params`` of ``kvbench eval``."""
+        return {}, {}
+
+    def threads(self, run: Run) -> int:
+        """Intra-op threads of ``run``."""
+        return 1
+
+    def limit(self, run: Run) -> int | None:
+        """Records ``run`` evaluates (None: every record of the split)."""
+        return None
+
+    def runtime(self, run: Run, zoo: bool) -> int:
+        """Scheduler minutes of ``run``: an hour on the zoo, else six."""
+        return 60 if zoo else 360
+
+    def builds(self, table: Table) -> bool:
+        """Whether this config builds ``table`` (one of this plan's, :attr:`Table.plan_name`) in its aggregates; a
+        table asked for by name is built whenever its plan exists."""
+        return False
+
+    def table_inputs(self, table: Table) -> list[str]:
+        """Files the ``table`` rule reads for ``table``.
+
+        Raises:
+            ValueError: the config cannot build it, naming the key to set.
+        """
+        raise ValueError(f"{table.name} is not a table of plan {self.name!r}")
+
+    def table_spec(self, table: Table) -> str:
+        """The JSON ``kvbench report <table> --spec`` reads."""
+        raise ValueError(f"{table.name} is not a table of plan {self.name!r}")
