@@ -5,7 +5,7 @@
 # workflow/rules/conduit.smk (conduit_cache), eval.smk (eval: CONDUIT Table 1 refresh runs full/reuse/conduit@0.1/
 # prophetkv@0.1, ResidualKV Table III runs Full cache/SnapKV/OmniKV/ResidualKV) and residualkv.smk
 # (rkv_codec_import of a random compressor in the authors' layout, a 2-step rkv_codec at 8,192 tokens) without
-# Snakemake (not on the GPU machine): src/kvbench/bench/gpu_paper.py. RANDOM WEIGHTS: wall time and memory are
+# Snakemake (not on the GPU machine): src/kvbench/gpu/paper.py. RANDOM WEIGHTS: wall time and memory are
 # real, every score is meaningless; the CSV header says so. Under 8 minutes: the jobs stop at 400 s of budget
 # (each capped, a job that would start with under 15 s left is skipped), the python step is cut at 450 s.
 #
@@ -35,7 +35,7 @@ if [ -e "$root" ] && { [ ! -d "$root" ] || [ -n "$(ls -A "$root")" ]; }; then
     exit 2
 fi
 rc=0
-timeout "$limit" "$py" -m kvbench.bench.gpu_paper run --device "$device" --out "$out" --root "$root" 2>&1 \
+timeout "$limit" "$py" -m kvbench.gpu.paper run --device "$device" --out "$out" --root "$root" 2>&1 \
     | tee -a "$out/$name.log" || rc=$?
 if [ -d "$root/work" ]; then
     (cd "$root" && find work/logs work/results work/codecs checkpoints -maxdepth 8 \

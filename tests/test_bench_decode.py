@@ -75,7 +75,7 @@ def test_rows_columns_and_header(run, tmp_path):
 
 
 def test_fig8_figure_reads_the_bench_csv(run, tmp_path):
-    from kvbench.report import rkv_figures
+    from kvbench.report.residualkv import figures as rkv_figures
 
     rows, header = run
     decode.write_csv(rows, header, decode.COLUMNS, tmp_path / "fig8.csv")

@@ -17,7 +17,7 @@ from kvbench.bench.latency import (
     serve_full,
 )
 from kvbench.bench.requests import bench_record, visual_tokens_per_page
-from kvbench.bench.table3 import build_table3, write_table3
+from kvbench.report.conduit.table3 import build_table3, write_table3
 from kvbench.bench.timing_model import build_timing_vlm, timing_config
 from kvbench.reuse import ImageKVStore, adapter_for, assemble, available_policies, refresh
 from kvbench.reuse.policies.cacheblend import linear_layer_counts

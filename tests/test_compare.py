@@ -19,7 +19,7 @@ def _published(paper: str, entry_id: str) -> dict:
     entries = yaml.safe_load((PUBLISHED / f"{paper}.yaml").read_text())["entries"]
     return next(e for e in entries if e["id"] == entry_id)
 
-# CONDUIT Table 1 as kvbench.report.conduit writes it (header lines, score rows, paired-difference rows); numbers made up.
+# CONDUIT Table 1 as kvbench.report.conduit.accuracy writes it (header lines, score rows, paired-difference rows); numbers made up.
 TABLE1 = """\
 # CONDUIT Table 1 (main results). kvbench smoke profile: tiny zoo (tiny-x) on smoke datasets; NOT the paper's numbers.
 # cells: mean per-record score x 100

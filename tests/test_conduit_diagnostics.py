@@ -1,4 +1,4 @@
-"""CONDUIT premise diagnostics (kvbench.reuse.diagnostics, kvbench.report.conduit_diag): captures and tables."""
+"""CONDUIT premise diagnostics (kvbench.reuse.diagnostics, kvbench.report.conduit.diagnostics): captures and tables."""
 from __future__ import annotations
 
 import pytest
@@ -80,7 +80,7 @@ def _synthetic(records: int = 20, n: int = 20, layers=(1, 2), seed: int = 0, sca
 
 
 def test_table11_orders_the_rules_as_the_objective_says():
-    from kvbench.report.conduit_diag import table11
+    from kvbench.report.conduit.diagnostics import table11
 
     t = table11(_synthetic(), [1, 2], [0.1, 0.5])
     assert len(t) == 4 and (t["records"] == 20).all()
@@ -96,7 +96,7 @@ def test_table11_orders_the_rules_as_the_objective_says():
 
 
 def test_table12_stability_and_independent_overlap():
-    from kvbench.report.conduit_diag import table12
+    from kvbench.report.conduit.diagnostics import table12
 
     t = table12(_synthetic(records=40), [1])
     mean = t[t["layer"] == "mean"].iloc[0]
@@ -109,7 +109,7 @@ def test_table12_stability_and_independent_overlap():
 def test_table13_normalising_by_the_image_scale_removes_a_pure_scale_difference():
     import pandas as pd
 
-    from kvbench.report.conduit_diag import table13
+    from kvbench.report.conduit.diagnostics import table13
 
     df = pd.concat([_synthetic(seed=1, dataset="docpages"), _synthetic(seed=2, scale=10.0, dataset="digitgrid")])
     t = table13(df, [1, 2], {"docpages": "page", "digitgrid": "grid"})

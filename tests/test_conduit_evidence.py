@@ -1,4 +1,4 @@
-"""CONDUIT Tables 14, 15 and Figure 4 (kvbench.report.conduit_evidence) on synthetic runs with audit records."""
+"""CONDUIT Tables 14, 15 and Figure 4 (kvbench.report.conduit.evidence) on synthetic runs with audit records."""
 from __future__ import annotations
 
 import json
@@ -10,8 +10,8 @@ from _zoo_fixtures import write_png, write_split
 
 from kvbench.report import tables
 from kvbench.plan.conduit import ConduitPlan
-from kvbench.report.conduit import report_fig4
-from kvbench.report.conduit_evidence import allocation, gap, page_tokens
+from kvbench.report.conduit.accuracy import report_fig4
+from kvbench.report.conduit.evidence import allocation, gap, page_tokens
 
 L = 4                          # layers of the synthetic model
 SPANS = [[10, 14], [20, 24]]   # two pages of 4 visual tokens (2x2 cells)

@@ -34,7 +34,7 @@ from kvbench.eval.registry import canonical, get_method, parse_method_spec, run_
 from kvbench.models.loader import load_model
 from kvbench.report import tables
 from kvbench.plan.conduit import ConduitPlan
-from kvbench.report.conduit import Runs, report_fig3, staleness_gap
+from kvbench.report.conduit.accuracy import Runs, report_fig3, staleness_gap
 from kvbench.report.paired import paired_bootstrap
 from kvbench.reuse import refresh
 from kvbench.utils.io import read_jsonl

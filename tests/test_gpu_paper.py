@@ -1,4 +1,4 @@
-"""The paper profile at real shapes on a GPU (scripts/gpu_paper.sh, kvbench.bench.gpu_paper; issue #16 item 3): the
+"""The paper profile at real shapes on a GPU (scripts/gpu_paper.sh, kvbench.gpu.paper; issue #16 item 3): the
 job-stats hook of `kvbench`, the exact configs of the random checkpoints, the job list against the rules, and the
 CPU dry run end to end on tiny shapes under an emulation of the bare GPU machine's missing packages."""
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from kvbench.bench import gpu_paper
+from kvbench.gpu import paper as gpu_paper
 from kvbench.cli import main
 from kvbench.utils import jobstats
 

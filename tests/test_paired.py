@@ -47,7 +47,7 @@ def test_runs_over_different_records_are_not_paired():
 
 
 def test_a_run_with_a_repeated_record_id_is_refused(tmp_path):
-    from kvbench.report.residualkv import bootstrap_settings, record_values
+    from kvbench.report.residualkv.tables import bootstrap_settings, record_values
     from kvbench.utils.io import write_jsonl
 
     write_jsonl(tmp_path / "predictions.jsonl", [{"id": "r1", "score": 1.0, "status": "ok"},
@@ -62,7 +62,7 @@ def test_a_run_with_a_repeated_record_id_is_refused(tmp_path):
 @pytest.mark.parametrize("score", [float("nan"), None, "1"])
 def test_a_record_without_a_numeric_score_is_named(tmp_path, score):
     """Review: one NaN score made every pair with its row NaN and listed it as 'cannot be told apart'."""
-    from kvbench.report.residualkv import record_values
+    from kvbench.report.residualkv.tables import record_values
     from kvbench.utils.io import write_jsonl
 
     write_jsonl(tmp_path / "predictions.jsonl", [{"id": "ok", "score": 1.0, "status": "ok"},

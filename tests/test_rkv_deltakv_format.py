@@ -305,7 +305,7 @@ ZOO_SHAPE = {"num_hidden_layers": 8, "hidden_size": 128, "num_attention_heads": 
 
 
 def test_plan_imports_the_main_codec_and_tables_name_each_codec(tmp_path):
-    from kvbench.report import residualkv
+    from kvbench.report.residualkv import tables as residualkv
     from kvbench.plan.residualkv import RKVPlan
     from test_rkv_report import CODEC_KW, SECTION
 

@@ -1,5 +1,5 @@
 """ResidualKV Fig. 13 (visual case): references of one image's visual tokens as the cache stores them
-(kvbench.compress.residualkv.visual_case), the CSV and figure (kvbench.report.rkv_fig13), and the workflow targets."""
+(kvbench.compress.residualkv.visual_case), the CSV and figure (kvbench.report.residualkv.fig13), and the workflow targets."""
 from __future__ import annotations
 
 import dataclasses
@@ -21,7 +21,7 @@ from kvbench.compress.residualkv.visual_case import (
     visual_case,
 )
 from kvbench.kernels import quant
-from kvbench.report import rkv_fig13
+from kvbench.report.residualkv import fig13 as rkv_fig13
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -1,4 +1,4 @@
-"""ResidualKV Table II (kvbench.report.rkv_multimodal): plan, writer, and the target in smoke and paper dry runs."""
+"""ResidualKV Table II (kvbench.report.residualkv.table_ii): plan, writer, and the target in smoke and paper dry runs."""
 from __future__ import annotations
 
 import json
@@ -94,7 +94,7 @@ def test_table_ii_cells_and_header(tmp_path):
 def test_cr_lower_bound_is_computed_from_the_rows_full_layers_and_the_runs_layer_count(tmp_path):
     """The header's CR caveat was only the paper's 7/36 (Qwen3-VL-8B, §V-A, Table I); each row that keeps full layers now gets its own
     bound beta = |full_layers| / layers, the layer count read from its runs' audit (bytes by layer)."""
-    from kvbench.report.rkv_multimodal import cr_bounds
+    from kvbench.report.residualkv.table_ii import cr_bounds
 
     rows = [{"label": "Full cache", "method": "fullkv"},
             {"label": "ResidualKV", "method": "residualkv:full_layers=0+1+5"}]

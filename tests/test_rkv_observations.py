@@ -1,5 +1,5 @@
 """ResidualKV Fig. 3's observations: max cosine to earlier tokens, match distance, reference residuals,
-spectra (kvbench.compress.residualkv.observations), the long CSV and the figure (kvbench.report.rkv_fig3)."""
+spectra (kvbench.compress.residualkv.observations), the long CSV and the figure (kvbench.report.residualkv.fig3)."""
 from __future__ import annotations
 
 import pandas as pd
@@ -14,7 +14,7 @@ from kvbench.compress.residualkv.observations import (
     observe,
     reference_residuals,
 )
-from kvbench.report import rkv_fig3
+from kvbench.report.residualkv import fig3 as rkv_fig3
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -9,7 +9,9 @@ import pytest
 
 from kvbench.eval.compress import CompressMethod
 from kvbench.eval.registry import get_method
-from kvbench.report import residualkv, rkv_report, tables
+from kvbench.report import tables
+from kvbench.report.residualkv import tables as residualkv
+from kvbench.report.residualkv import figure_entry as rkv_report
 from kvbench.plan.residualkv import RKVPlan, press_spec
 from kvbench.utils.io import write_jsonl
 
@@ -263,7 +265,7 @@ def test_full_cache_cr_is_exactly_one_with_or_without_a_question_chunk(tiny_lm):
 
 
 def test_fig5_counts_references_of_each_schedule(tmp_path):
-    from kvbench.report import rkv_figures
+    from kvbench.report.residualkv import figures as rkv_figures
 
     plan = RKVPlan(SECTION, "smoke")
     for row in plan.rows("fig5"):
@@ -276,7 +278,7 @@ def test_fig5_counts_references_of_each_schedule(tmp_path):
 
 
 def test_fig11_merges_throughput_per_variant(tmp_path):
-    from kvbench.report import rkv_figures
+    from kvbench.report.residualkv import figures as rkv_figures
 
     from kvbench.plan.codecs import FIGURE_VARIANTS
 
@@ -326,7 +328,7 @@ def _fake_variant(root, plan, variant, steps_done, i):
 
 
 def test_fig10_curves(tmp_path):
-    from kvbench.report import rkv_figures
+    from kvbench.report.residualkv import figures as rkv_figures
 
     plan = RKVPlan({**SECTION, "variants": {"base": {"steps": 3}, "separate": {"overrides": {"joint": False}, "steps": 3}}},
                    "smoke", **CODEC_KW)
@@ -341,7 +343,7 @@ def test_fig10_curves(tmp_path):
 def test_codec_figures_refuse_an_unfinished_codec(tmp_path):
     """Training can no longer end early; a summary of an unfinished codec (an older kvbench's budget cap) fails
     the figure, naming the directory to delete, instead of drawing it with an UNEQUAL TRAINING note."""
-    from kvbench.report import rkv_figures
+    from kvbench.report.residualkv import figures as rkv_figures
 
     plan = RKVPlan({**SECTION, "variants": {"base": {"steps": 3}, "separate": {"overrides": {"joint": False}, "steps": 3}}},
                    "smoke", **CODEC_KW)

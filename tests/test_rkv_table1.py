@@ -1,4 +1,4 @@
-"""ResidualKV Table I (kvbench.report.rkv_table1): checkpoint config.json + the main codec's codec.json + Table III's
+"""ResidualKV Table I (kvbench.report.residualkv.table_i): checkpoint config.json + the main codec's codec.json + Table III's
 ResidualKV row, beside the published values, on a fake checkpoint and codec."""
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import pandas as pd
 import pytest
 import yaml
 
-from kvbench.report import rkv_table1, tables
+from kvbench.report import tables
+from kvbench.report.residualkv import table_i as rkv_table1
 from kvbench.plan.residualkv import RKVPlan
 
 REPO = Path(__file__).resolve().parents[1]

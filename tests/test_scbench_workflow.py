@@ -99,7 +99,8 @@ def test_bad_scbench_lines_are_named(tmp_path, task, line, match):
 def test_table_iv_columns_kr_cr_and_header(tmp_path):
     from test_rkv_report import SECTION, _fake_run
 
-    from kvbench.report import rkv_scbench, tables
+    from kvbench.report import tables
+    from kvbench.report.residualkv import table_iv as rkv_scbench
     from kvbench.plan.residualkv import RKVPlan
 
     section = {**SECTION, "tableIV": [

@@ -214,14 +214,14 @@ def _replay(a: argparse.Namespace) -> int:
 
 
 def _analyze(a: argparse.Namespace) -> None:
-    """``kvbench analyze rkv-observations``: ResidualKV Fig. 3's data (:mod:`kvbench.report.rkv_fig3`);
-    ``kvbench analyze rkv-visual-case``: Fig. 13's (:mod:`kvbench.report.rkv_fig13`)."""
+    """``kvbench analyze rkv-observations``: ResidualKV Fig. 3's data (:mod:`kvbench.report.residualkv.fig3`);
+    ``kvbench analyze rkv-visual-case``: Fig. 13's (:mod:`kvbench.report.residualkv.fig13`)."""
     import torch
 
     from kvbench.compress.residualkv.observations import ReferenceSchedule, observe
     from kvbench.compress.residualkv.train import DTYPES
     from kvbench.models.loader import load_model
-    from kvbench.report import rkv_fig3
+    from kvbench.report.residualkv import fig3 as rkv_fig3
 
     splits = {}
     for item in a.split:
@@ -257,7 +257,7 @@ def _visual_case(a: argparse.Namespace, splits: dict, loaded: tuple) -> None:
 
     from kvbench.compress.residualkv.cache import ResidualKVPress
     from kvbench.compress.residualkv.visual_case import StoreSchedule, visual_case
-    from kvbench.report import rkv_fig13
+    from kvbench.report.residualkv import fig13 as rkv_fig13
     from kvbench.plan.residualkv import press_spec
     from kvbench.utils.io import read_jsonl
 
@@ -341,11 +341,12 @@ def _report(a: argparse.Namespace) -> None:
             spec["allow_missing"] = True
         tables.write(a.what, spec, a.out)
     elif a.what.startswith("residualkv-"):
-        from kvbench.report import rkv_figures, rkv_report
+        from kvbench.report.residualkv import figures as rkv_figures
+        from kvbench.report.residualkv import figure_entry as rkv_report
 
         what = a.what.removeprefix("residualkv-")
         if what == "fig3":  # the observations' CSV (kvbench analyze rkv-observations) -> PDF + headline summary
-            from kvbench.report import rkv_fig3
+            from kvbench.report.residualkv import fig3 as rkv_fig3
 
             if not a.raw or not a.data_out:
                 raise ValueError(f"{a.what} needs --raw (fig3.csv of `kvbench analyze rkv-observations`) and "
@@ -353,7 +354,7 @@ def _report(a: argparse.Namespace) -> None:
             rkv_fig3.plot(a.raw, a.out, a.data_out, published=a.published)
             return
         if what == "fig13":  # the visual case's CSV (kvbench analyze rkv-visual-case) + its split -> PDF + summary
-            from kvbench.report import rkv_fig13
+            from kvbench.report.residualkv import fig13 as rkv_fig13
 
             if not a.raw or not a.data_out or not a.split:
                 raise ValueError(f"{a.what} needs --raw (fig13.csv of `kvbench analyze rkv-visual-case`), --split (the "
@@ -379,7 +380,7 @@ def _report(a: argparse.Namespace) -> None:
     elif a.what == "zoo-figure":
         zoo.plot_training_curves(a.train, a.out)
     elif a.what in ("conduit-fig3", "conduit-fig4"):
-        from kvbench.report import conduit
+        from kvbench.report.conduit import accuracy as conduit
 
         if not a.conduit:
             raise ValueError(f"{a.what} needs --conduit (JSON: profile, conduit config section, splits)")
@@ -690,7 +691,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="rkv-observations: JSONL test splits of text records (context + question), their contexts "
                         "analysed; rkv-visual-case: one split of VLM records")
     s.add_argument("--out", required=True, help="the CSV, written atomically (rkv-observations: every panel, "
-                   "kvbench.report.rkv_fig3; rkv-visual-case: kvbench.report.rkv_fig13)")
+                   "kvbench.report.residualkv.fig3; rkv-visual-case: kvbench.report.residualkv.fig13)")
     s.add_argument("--profile", default="adhoc", help="profile name for the CSV header")
     s.add_argument("--zoo", action="store_true", help="the model is the tiny zoo LM (the header says so)")
     s.add_argument("--records-per-task", type=_positive_int, default=2, help="contexts per split (its first records)")

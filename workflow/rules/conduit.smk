@@ -8,7 +8,7 @@
 #   (results/conduit/table{1,2,4,5}.csv, staleness_gap.csv) are `table` jobs (tables.smk).
 #   conduit_fig3   figures/conduit/fig3.pdf (+ results/conduit/fig3.csv, the plotted numbers).
 #   conduit_fig4   figures/conduit/fig4.pdf (+ results/conduit/fig4.csv): the case study of Table 15.
-# Which runs a target reads is decided by kvbench.report.conduit.ConduitPlan, for the rules and the
+# Which runs a target reads is decided by kvbench.report.conduit.accuracy.ConduitPlan, for the rules and the
 # report alike (helpers: common.smk, "CONDUIT accuracy targets"). A config without a `conduit:`
 # section has no CONDUIT targets (asking for one fails naming the missing section).
 

@@ -3,7 +3,7 @@
 #   conduit_diag_capture  one per backbone x dataset: `kvbench conduit-diagnose` over the first
 #                         `conduit_diagnostics.n_records` records, reading the conduit_cache image caches
 #                         -> results/conduit/diag/<profile>/<model>/<dataset>.csv (per layer x visual token).
-#   Tables 11-13 are `table` jobs (tables.smk) over those captures (kvbench.report.conduit_diag).
+#   Tables 11-13 are `table` jobs (tables.smk) over those captures (kvbench.report.conduit.diagnostics).
 # A config without a `conduit_diagnostics:` section has no such targets.
 
 

@@ -1,5 +1,5 @@
 # Beyond both papers (issue #17, deliverable 7): CONDUIT over ResidualKV-compressed image caches
-# (kvbench.report.conduit_rkv.CompressedCachePlan; config `beyond.conduit_rkv_cache`).
+# (kvbench.report.beyond.conduit_rkv_cache.CompressedCachePlan; config `beyond.conduit_rkv_cache`).
 #
 #   conduit_rkv_cache  one per dataset of Table 1's columns: every image cache of the first `conduit.n_test` records
 #                      (rule conduit_cache's, read only) coded in ResidualKV's form with the backbone's VLM codec (rule

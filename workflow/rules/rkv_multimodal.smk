@@ -1,5 +1,5 @@
 # ResidualKV Table II (issue #17): the codec of each VLM backbone for its ResidualKV rows. Runs and the table are the
-# `eval` and `table` rules (common.smk, "Runs and tables"; kvbench.report.rkv_multimodal.MMPlan).
+# `eval` and `table` rules (common.smk, "Runs and tables"; kvbench.report.residualkv.table_ii.MMPlan).
 #
 #   rkv_mm_codec    one per backbone of `residualkv.tableII.models`: `kvbench codec-train --data vlm` on its own image
 #                   records (the tasks' train splits, or `tableII.codec.data_files`), visual tokens included

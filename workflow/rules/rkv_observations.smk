@@ -2,7 +2,7 @@
 #
 #   table (tables.smk)  results/residualkv/tableI.csv: each model's config.json (2 d_k, layers), the main codec's
 #                       codec.json (d_c, d_ff), Table III's ResidualKV row (full layers), the published values beside
-#                       them (kvbench.report.rkv_table1); its inputs and spec: rkv_observations_common.smk
+#                       them (kvbench.report.residualkv.table_i); its inputs and spec: rkv_observations_common.smk
 #   rkv_observations    results/residualkv/fig3.csv: `kvbench analyze rkv-observations` over the first contexts of the
 #                       `residualkv.fig3` tasks' test splits (kvbench.compress.residualkv.observations)
 #   rkv_fig3            figures/residualkv/fig3.pdf + results/residualkv/fig3_summary.csv (the two headline numbers

@@ -6,7 +6,7 @@
 - :mod:`~kvbench.bench.cost`: analytic cost of each refresh policy on a request;
 - :mod:`~kvbench.bench.clock`: device-synchronised wall clock, repeat statistics;
 - :mod:`~kvbench.bench.latency`: the benchmark (``kvbench bench conduit-latency``);
-- :mod:`~kvbench.bench.table3`: Table 3 from the raw measurements (``kvbench report conduit/table3``).
+- :mod:`~kvbench.report.conduit.table3`: Table 3 from the raw measurements (``kvbench report conduit/table3``).
 - :mod:`~kvbench.bench.settings`: settings of the ResidualKV profiling verbs (Figs. 6, 8 and 11), checked
   when built, shared by the CLI and the workflow's config check.
 

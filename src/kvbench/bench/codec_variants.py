@@ -2,7 +2,7 @@
 
 The paper (§V-C, Fig. 11) plots, for each of d_c, k, d_ff and the stride s, the NTP loss and the decode
 throughput relative to the default setting. The NTP loss comes from the trained variant codecs
-(:func:`kvbench.report.rkv_figures.fig11`); this module measures the throughput.
+(:func:`kvbench.report.residualkv.figures.fig11`); this module measures the throughput.
 
 Why a timing model and random codecs: the zoo LM is so small that a decode step is Python overhead
 (:mod:`kvbench.bench.timing_lm`), so its tokens/s cannot tell codec shapes apart. Each variant's codec

@@ -58,7 +58,7 @@ TIMING_LMS: dict[str, dict[str, Any]] = {
 }
 #: Llama-3.1-8B-Instruct's config.json fields that ``timing-llama-3.1-8b`` leaves out (they change no shape): the
 #: llama3 RoPE frequency scaling and the 128K positions. For random-weight checkpoints of the real architecture
-#: (:mod:`kvbench.bench.gpu_paper`); the special-token ids stay the tokenizer's (the zoo's).
+#: (:mod:`kvbench.gpu.paper`); the special-token ids stay the tokenizer's (the zoo's).
 LLAMA_3_1_8B_CHECKPOINT: dict[str, Any] = {
     "max_position_embeddings": 131072, "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
     "rope_parameters": {"rope_type": "llama3", "rope_theta": TIMING_LMS["timing-llama-3.1-8b"]["rope_theta"],

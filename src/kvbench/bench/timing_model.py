@@ -48,7 +48,7 @@ TIMING_MODELS: dict[str, dict[str, Any]] = {
 
 #: Qwen2.5-VL-3B-Instruct's config.json beyond the text-decoder shapes of ``timing-qwen2.5-vl-3b``: its vision
 #: tower (the timing model keeps the zoo's) and the text fields that change no timing shape. For random-weight
-#: checkpoints of the real architecture (:mod:`kvbench.bench.gpu_paper`); the special-token ids stay the
+#: checkpoints of the real architecture (:mod:`kvbench.gpu.paper`); the special-token ids stay the
 #: tokenizer's (the zoo's), so its 151,936-row embedding table is larger than the vocabulary.
 QWEN2_5_VL_3B_CHECKPOINT: dict[str, Any] = {
     "vision": dict(depth=32, hidden_size=1280, out_hidden_size=2048, intermediate_size=3420, num_heads=16,

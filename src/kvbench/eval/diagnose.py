@@ -3,7 +3,7 @@
 Each of the first ``n`` records is assembled from the read-only image cache the ``conduit_cache`` rule built
 (as a refresh run reads it) and :func:`kvbench.reuse.diagnostics.capture` records, per layer and visual token,
 the scoring pass's attention mass, the cached and fresh value norms, the cached key norm and the value drift.
-The rows go to one CSV (atomic), which :mod:`kvbench.report.conduit_diag` turns into the tables.
+The rows go to one CSV (atomic), which :mod:`kvbench.report.conduit.diagnostics` turns into the tables.
 """
 from __future__ import annotations
 

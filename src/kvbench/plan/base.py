@@ -20,9 +20,9 @@ from typing import Any, ClassVar
 
 #: Run groups: the config section that asks for a run -> its sub-directory under the run's dataset.
 GROUPS = {"eval": "", "conduit": "conduit", "residualkv": "residualkv",
-          # ResidualKV Table II's VLM runs (kvbench.report.rkv_multimodal): their own record limit, same directory name
+          # ResidualKV Table II's VLM runs (kvbench.report.residualkv.table_ii): their own record limit, same directory name
           "residualkv_mm": "residualkv",
-          # CONDUIT's Table 1 block on ResidualKV-compressed image caches (kvbench.report.conduit_rkv)
+          # CONDUIT's Table 1 block on ResidualKV-compressed image caches (kvbench.report.beyond.conduit_rkv_cache)
           "conduit_rkv": "conduit-rkv"}
 
 

@@ -20,7 +20,7 @@ records ``conduit.n_test`` as Table 1's); the raw side is Table 1's runs, and fu
 one run on both sides.
 
 This module plans the table (:class:`CompressedCachePlan`: its runs and compressed caches);
-:mod:`kvbench.report.conduit_rkv` writes it.
+:mod:`kvbench.report.beyond.conduit_rkv_cache` writes it.
 """
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ class CompressedCachePlan(Plan):
 
     Args:
         section: the config's ``beyond.conduit_rkv_cache`` mapping.
-        conduit: the config's :class:`~kvbench.report.conduit.ConduitPlan` (Table 1's rows, columns and runs).
+        conduit: the config's :class:`~kvbench.report.conduit.accuracy.ConduitPlan` (Table 1's rows, columns and runs).
 
     Raises:
         ValueError: ``model`` not in ``conduit.models``, ``r`` not one of ``conduit.budgets``, or a bad ``storage``
@@ -187,7 +187,7 @@ class CompressedCachePlan(Plan):
                 + [self.ws.split_file(d) for d in self.datasets])
 
     def table_spec(self, table: Table) -> str:
-        """The JSON :mod:`kvbench.report.conduit_rkv`'s writer reads."""
+        """The JSON :mod:`kvbench.report.beyond.conduit_rkv_cache`'s writer reads."""
         config = self.ws.config
         return json.dumps({"profile": self.conduit.profile, "conduit": config["conduit"], "beyond": config["beyond"],
                            "splits": {d: self.ws.split_file(d) for d in self.datasets},

@@ -3,12 +3,12 @@ staleness gap, Figures 3 and 4).
 
 :class:`ConduitPlan` owns every target's rows (:data:`TARGETS`: the methods it compares) and the column group it
 averages over; the Snakemake rules (through :mod:`kvbench.plan`'s protocol) and the writers
-(:mod:`kvbench.report.conduit`) ask the same object, so paths cannot drift apart. Runs are
+(:mod:`kvbench.report.conduit.accuracy`) ask the same object, so paths cannot drift apart. Runs are
 ``results/runs/<profile>/<model>/<dataset>/conduit/<slug>/`` (run group ``conduit``); each refresh run reads the
 image cache ``cache/conduit/<profile>/<model>/<dataset>/`` (rule ``conduit_cache``).
 
 Table 14's evidence runs and Table 15's case study (paper §D.4) are planned here too (:func:`evidence_specs`,
-:func:`case_rows`); their writers are :mod:`kvbench.report.conduit_evidence`.
+:func:`case_rows`); their writers are :mod:`kvbench.report.conduit.evidence`.
 """
 from __future__ import annotations
 
@@ -263,7 +263,7 @@ class ConduitPlan(Plan):
         return runs + sorted({self.ws.split_file(d) for _, d, _ in self.target_runs(target)})
 
     def report_spec(self, target: str) -> str:
-        """The JSON the CONDUIT writers read (:func:`kvbench.report.conduit.plan_and_runs`): profile, the section,
+        """The JSON the CONDUIT writers read (:func:`kvbench.report.conduit.accuracy.plan_and_runs`): profile, the section,
         split paths, zoo model names."""
         splits = {d: self.ws.split_file(d) for _, d, _ in self.target_runs(target)}
         return json.dumps({"profile": self.profile, "conduit": self.cfg, "splits": splits,

@@ -2,7 +2,7 @@
 
 Table V runs the ``residualkv.tableV`` rows on another backbone than the other tables (a model that generates long
 answers) with that backbone's own codec, so it has its own :class:`~kvbench.plan.residualkv.RKVPlan` built from the
-section as :func:`generation_section` reads it; :mod:`kvbench.report.rkv_generation` writes the table.
+section as :func:`generation_section` reads it; :mod:`kvbench.report.residualkv.table_v` writes the table.
 """
 from __future__ import annotations
 

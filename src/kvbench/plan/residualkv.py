@@ -1,6 +1,6 @@
 """Which codecs and runs each ResidualKV target needs, from the config's ``residualkv:`` section.
 
-The Snakemake rules (workflow/rules/residualkv.smk) and the report (:mod:`kvbench.report.residualkv`) ask
+The Snakemake rules (workflow/rules/residualkv.smk) and the report (:mod:`kvbench.report.residualkv.tables`) ask
 the same :class:`RKVPlan`, so paths cannot drift apart.
 
 Layout: codec variants under ``codecs/<profile>/<model>/`` (:mod:`kvbench.plan.codecs`, the plan's :attr:`RKVPlan.codecs`);
@@ -28,7 +28,7 @@ from kvbench.utils.spec import MethodSpec, parse
 #: ``{label, method}``: a new table needs no line here.
 SWEEP_TARGETS = ("tableVI", "fig5")
 #: Targets run on the section's ``long_generation`` backbone and task, not on ``model``/``tasks`` (Table V: long
-#: generation, :mod:`kvbench.report.rkv_generation` builds their plan); a section with ``long_generation`` leaves
+#: generation, :mod:`kvbench.report.residualkv.table_v` builds their plan); a section with ``long_generation`` leaves
 #: them out of its own :meth:`RKVPlan.targets`.
 GENERATION_TARGETS = ("tableV",)
 #: Header wording of each evaluation protocol (:attr:`kvbench.compress.cache.Press.protocol`).

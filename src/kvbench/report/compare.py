@@ -218,7 +218,7 @@ def _rkv_cells(ours: Ours) -> None:
 
 
 def _table_i_cells(ours: Ours) -> None:
-    """ResidualKV Table I (:mod:`kvbench.report.rkv_table1`): each model's 2d_k, d_c and d_ff as the published
+    """ResidualKV Table I (:mod:`kvbench.report.residualkv.table_i`): each model's 2d_k, d_c and d_ff as the published
     ``codec`` column's metrics of the same names (method ``codec``, unit ``dims``)."""
     for _, row in ours.df.iterrows():
         for col in ("2d_k", "d_c", "d_ff"):

@@ -3,7 +3,7 @@
 Two rows of a table are runs of two methods on the same records, so their difference is paired by record id: per
 record ``a − b``, pooled over a table's columns (each column's records once; not the average of the columns), and a
 95% percentile-bootstrap CI of its mean. ``told_apart`` says the CI excludes 0. CONDUIT's Tables 1 and 5 carry this
-(:mod:`kvbench.report.conduit`); ResidualKV's tables carry it for every pair of rows (:func:`pair_rows`), on the
+(:mod:`kvbench.report.conduit.accuracy`); ResidualKV's tables carry it for every pair of rows (:func:`pair_rows`), on the
 score and on the measured KR and CR, so ``kvbench report compare`` can judge each published ordering of the papers
 instead of printing "no CI".
 

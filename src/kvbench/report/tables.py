@@ -8,14 +8,14 @@ from pathlib import Path
 
 import pandas as pd
 
-from kvbench.bench import table3
-from kvbench.report import conduit, conduit_diag, residualkv, rkv_generation, rkv_multimodal, rkv_scbench, rkv_table1
-from kvbench.report import conduit_rkv
 from kvbench.plan.base import Table
+from kvbench.report.beyond import conduit_rkv_cache
+from kvbench.report.conduit import accuracy, diagnostics, table3
+from kvbench.report.residualkv import table_i, table_ii, table_iv, table_v, tables
 
-TABLES: dict[str, Table] = {**conduit.TABLES, **conduit_diag.TABLES, **table3.TABLES, **residualkv.TABLES,
-                           **rkv_table1.TABLES, **rkv_multimodal.TABLES, **rkv_scbench.TABLES,
-                           **rkv_generation.TABLES, **conduit_rkv.TABLES}
+TABLES: dict[str, Table] = {**accuracy.TABLES, **diagnostics.TABLES, **table3.TABLES, **tables.TABLES,
+                           **table_i.TABLES, **table_ii.TABLES, **table_iv.TABLES, **table_v.TABLES,
+                           **conduit_rkv_cache.TABLES}
 
 
 def write(name: str, spec: str | dict, out: str | Path, root: str | Path = ".") -> pd.DataFrame:

@@ -16,7 +16,7 @@ same request (the fresh K/V a refresh would write), and returns one row per (lay
   layer, token) from ``seed`` and shared by every selection rule, so rules are compared on the same draws
   (paired).
 
-The report (:mod:`kvbench.report.conduit_diag`) builds Tables 11-13 from these rows. Our reading of the
+The report (:mod:`kvbench.report.conduit.diagnostics`) builds Tables 11-13 from these rows. Our reading of the
 summary's protocol (the paper text is not in this repository): the projected residual error of a refresh set
 S at layer l is the diagonal form of §C.1, R_l(S) = Σ_{t ∉ S} α_l(t)² · ŝ_l(t), with ŝ the MC drift estimate;
 docs/decisions/conduit.md, "Diagnostics, Tables 11-13", records the choices.

@@ -1,11 +1,11 @@
-"""Entry point of ``kvbench report residualkv-fig<N>``: a ResidualKV figure (:mod:`kvbench.report.rkv_figures`) from
+"""Entry point of ``kvbench report residualkv-fig<N>``: a ResidualKV figure (:mod:`kvbench.report.residualkv.figures`) from
 the workflow's JSON spec. Tables are ``kvbench report residualkv/table<N>`` (:mod:`kvbench.report.tables`)."""
 from __future__ import annotations
 
 from pathlib import Path
 
-from kvbench.report import rkv_figures
-from kvbench.report.residualkv import TABLES
+from kvbench.report.residualkv import figures as rkv_figures
+from kvbench.report.residualkv.tables import TABLES
 from kvbench.plan.residualkv import RKVPlan
 
 

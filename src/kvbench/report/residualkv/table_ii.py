@@ -5,7 +5,7 @@ Runs are ``kvbench eval`` jobs of a press spec on a VLM x an image task (:mod:`k
 ``residualkv_mm``: its own record limit ``tableII.n_test``). The table (``results/residualkv/tableII.csv``) has one row
 per backbone x method: the score per task (mean per-record score x 100), ``avg`` (unweighted mean over tasks, the
 paper's average), ``KR_packed %`` / ``KR_resident %`` (bytes the cache holds at the end of each request over the full
-FP16 cache, from the audit rows, as Table III: :func:`kvbench.report.residualkv.run_summary`), ``CR %`` (keys attention
+FP16 cache, from the audit rows, as Table III: :func:`kvbench.report.residualkv.tables.run_summary`), ``CR %`` (keys attention
 read / keys visible after the context chunk) and ``kept %`` (share of the prompt's tokens whose K/V the cache still
 holds). A cell is computed or empty with its reason in ``notes``.
 
@@ -34,7 +34,7 @@ from kvbench.plan.base import Table, load_spec
 from kvbench.plan.multimodal import KEY, MMPlan
 from kvbench.plan.residualkv import press_spec
 from kvbench.report import paired
-from kvbench.report.residualkv import _mean, _read_run, bootstrap_settings, paired_rows, run_summary, with_paired
+from kvbench.report.residualkv.tables import _mean, _read_run, bootstrap_settings, paired_rows, run_summary, with_paired
 from kvbench.utils.io import write_csv
 
 def cr_bounds(plan: MMPlan, root: str | Path = ".") -> str:
@@ -96,7 +96,7 @@ def score_table(plan: MMPlan, root: str | Path = ".") -> pd.DataFrame:
 
 
 def paired_by_model(plan: MMPlan, df: pd.DataFrame, boot: dict, root: str | Path = ".") -> tuple[pd.DataFrame, list[str]]:
-    """``df`` with every pair of each backbone's rows below it (:func:`kvbench.report.residualkv.paired_rows`, a
+    """``df`` with every pair of each backbone's rows below it (:func:`kvbench.report.residualkv.tables.paired_rows`, a
     ``model`` column naming the backbone) and the header lines saying how."""
     pairs = []
     for model in plan.models:

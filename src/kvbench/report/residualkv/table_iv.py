@@ -5,7 +5,7 @@ as the paper's SCBench runs, §V-A), every row under the ``shared_context`` prot
 ``residualkv.target_tasks.tableIV`` (multi-query splits: the smoke ``*_1k_mq`` tasks, or SCBench's SCDQ files
 converted by ``kvbench scbench-convert`` on the paper profile), each the mean over records of the mean score of a
 record's queries x 100 (= SCBench's mean over queries when records hold equal numbers of queries), ``avg`` the
-unweighted mean over tasks, then KR and CR measured as in Table III (:func:`kvbench.report.residualkv.score_table`):
+unweighted mean over tasks, then KR and CR measured as in Table III (:func:`kvbench.report.residualkv.tables.score_table`):
 KR from the bytes the cache holds after each query (mean over queries and records), CR over each query's own chunk
 and decode steps.
 
@@ -21,7 +21,7 @@ from pathlib import Path
 import pandas as pd
 
 from kvbench.plan.base import Table
-from kvbench.report.residualkv import codec_header, paired_table, score_table, selection_header, write_csv
+from kvbench.report.residualkv.tables import codec_header, paired_table, score_table, selection_header, write_csv
 from kvbench.plan.residualkv import RKVPlan, check_table_iv
 
 KEY = "tableIV"

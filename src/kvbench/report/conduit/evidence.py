@@ -23,7 +23,7 @@ The case study (Table 15, Figure 4) is the first record of the configured column
 any run is read, not by its outcome).
 
 Which runs Tables 14 and 15 read is planned by :mod:`kvbench.plan.conduit`; this module writes them from a plan and
-:class:`kvbench.report.conduit.Runs` (taken as ``Any``: that module imports this one).
+:class:`kvbench.report.conduit.accuracy.Runs` (taken as ``Any``: that module imports this one).
 """
 from __future__ import annotations
 

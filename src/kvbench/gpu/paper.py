@@ -185,7 +185,7 @@ def write_checkpoint(model: str, root: Path, tokenizer_dir: Path, device: str, t
     n = sum(p.numel() for p in net.parameters())
     write_json(out / "kvbench_random_weights.json",
                {"random_weights": True, "architecture": cfg.architectures[0], "parameters": n, "tiny": tiny,
-                "note": RANDOM_NOTE, "source": "kvbench.bench.gpu_paper.write_checkpoint"})
+                "note": RANDOM_NOTE, "source": "kvbench.gpu.paper.write_checkpoint"})
     print(f"{model}: {n / 1e9:.3f}B random parameters -> {out}")
     return out
 
@@ -291,7 +291,7 @@ def _kvbench(*args: Any) -> tuple[str, ...]:
 
 
 def _prepare(*args: Any) -> tuple[str, ...]:
-    return ("-m", "kvbench.bench.gpu_paper", "prepare", *map(str, args))
+    return ("-m", "kvbench.gpu.paper", "prepare", *map(str, args))
 
 
 def jobs(plan: Plan, root: Path) -> list[Job]:
@@ -471,7 +471,7 @@ def run(plan: Plan, out: Path, root: Path, budget_s: float | None = None) -> lis
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m kvbench.bench.gpu_paper run --device cuda|cpu --out DIR --root DIR`` (the orchestrator:
+    """``python -m kvbench.gpu.paper run --device cuda|cpu --out DIR --root DIR`` (the orchestrator:
     exit 0 when every job is ok, else 1), or ``prepare checkpoint|data|compressor ...`` (one preparation job)."""
     p = argparse.ArgumentParser(prog="gpu_paper", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)

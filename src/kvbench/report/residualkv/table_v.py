@@ -12,7 +12,7 @@ Every row compresses during decoding: ResidualKV codes each generated token as i
 :mod:`kvbench.compress.presses.snapkv_decoding`, kvpress's ``DecodingPress``); OmniKV keeps every token and selects at
 every decode step over all of them (KR 100% by construction, :mod:`kvbench.compress.presses.omnikv`).
 
-Columns: Table III's (:func:`~kvbench.report.residualkv.score_table`): one per task and ``avg`` (mean per-record
+Columns: Table III's (:func:`~kvbench.report.residualkv.tables.score_table`): one per task and ``avg`` (mean per-record
 final-answer score x 100: :func:`kvbench.eval.metrics.final_answer`; with several sampled records per problem, pass@1
 = their mean), ``KR_packed %`` / ``KR_resident %`` (bytes the cache holds at the end of a request over the full FP16
 cache of the whole sequence, prompt and generated tokens), ``CR %`` (keys attention read / keys visible, over the
@@ -28,7 +28,7 @@ from pathlib import Path
 import pandas as pd
 
 from kvbench.plan.base import Table, load_spec
-from kvbench.report.residualkv import (
+from kvbench.report.residualkv.tables import (
     _mean,
     _read_run,
     codec_header,
@@ -52,7 +52,7 @@ def _samples_per_problem(split: Path) -> int | None:
 
 
 def table_v(plan: RKVPlan, root: str | Path = ".") -> pd.DataFrame:
-    """Table III's columns (:func:`~kvbench.report.residualkv.score_table`: scores, KR packed/resident, CR, KR formula,
+    """Table III's columns (:func:`~kvbench.report.residualkv.tables.score_table`: scores, KR packed/resident, CR, KR formula,
     packed bytes by part, notes) per configured method, plus ``generated tokens`` and ``sequence tokens`` (means per
     record)."""
     df = score_table(plan, "tableV", root)

@@ -30,7 +30,7 @@ import pandas as pd
 from kvbench.plan.base import Table, load_spec
 from kvbench.eval.registry import canonical, parse_method_spec
 from kvbench.plan.conduit import Column, ConduitPlan, Row, targets
-from kvbench.report import conduit_evidence as evidence
+from kvbench.report.conduit import evidence
 from kvbench.report.paired import paired_bootstrap, paired_stats
 from kvbench.utils.io import atomic_path, read_jsonl, write_csv
 
@@ -522,7 +522,7 @@ def _gap(key: str, spec: str | dict, out: str | Path, root: str | Path = ".") ->
 
 
 def _evidence_table(key: str, spec: str | dict, out: str | Path, root: str | Path = ".") -> pd.DataFrame:
-    """Tables 14 and 15 (:mod:`kvbench.report.conduit_evidence`) with the profile header."""
+    """Tables 14 and 15 (:mod:`kvbench.report.conduit.evidence`) with the profile header."""
     plan, runs = plan_and_runs(spec, root)
     if key == "table14":
         cfg = {**evidence.EVIDENCE_DEFAULTS, **plan.cfg.get("evidence", {})}
@@ -545,7 +545,7 @@ def _evidence_table(key: str, spec: str | dict, out: str | Path, root: str | Pat
 
 def report_fig4(spec: str | dict, out: str | Path, out_csv: str | Path, root: str | Path = ".") -> pd.DataFrame:
     """Entry point of ``kvbench report conduit-fig4``: the case study's refreshed tokens, page by page
-    (:func:`kvbench.report.conduit_evidence.draw_fig4`); the plotted numbers go to ``out_csv``."""
+    (:func:`kvbench.report.conduit.evidence.draw_fig4`); the plotted numbers go to ``out_csv``."""
     plan, runs = plan_and_runs(spec, root)
     col, rid = evidence.case_record(plan, runs, plan.cfg.get("case_study", {}))
     df = evidence.fig4_data(plan, runs)

@@ -21,7 +21,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
 from kvbench.compress.residualkv import references  # noqa: E402
-from kvbench.report.residualkv import model_shape, run_summary, write_csv  # noqa: E402
+from kvbench.report.residualkv.tables import model_shape, run_summary, write_csv  # noqa: E402
 from kvbench.plan.codecs import DEFAULT_VARIANT, FIG11_PANELS, FIGURE_VARIANTS
 from kvbench.plan.residualkv import RKVPlan, press_spec  # noqa: E402
 from kvbench.utils.io import atomic_path  # noqa: E402

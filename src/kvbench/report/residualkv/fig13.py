@@ -190,7 +190,7 @@ def plot(data: str | Path, split: str | Path, out: str | Path, summary_out: str 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from kvbench.report.rkv_figures import _save
+    from kvbench.report.residualkv.figures import _save
 
     head = [ln.rstrip("\n") for ln in Path(data).read_text(encoding="utf-8").splitlines() if ln.startswith("#")]
     df = pd.read_csv(data, comment="#")

@@ -31,7 +31,7 @@ from kvbench.eval.registry import parse_method_spec
 from kvbench.plan.base import Table, load_spec
 from kvbench.plan.compressed_cache import KEY, CompressedCachePlan
 from kvbench.plan.conduit import Column, ConduitPlan
-from kvbench.report.conduit import Runs, _mean, note_errors
+from kvbench.report.conduit.accuracy import Runs, _mean, note_errors
 from kvbench.report.paired import paired_stats
 from kvbench.utils.io import write_csv
 
