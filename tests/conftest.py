@@ -1,9 +1,24 @@
-"""Shared fixtures: the zoo tokenizer (built once per session) and random-weight zoo checkpoints."""
+"""Shared fixtures: the zoo tokenizer (built once per session) and random-weight zoo checkpoints.
+
+The suite runs on two pytest-xdist workers (``addopts`` in pyproject.toml): each worker computes on one intra-op
+thread, so the two share the machine's two cores instead of oversubscribing them, and the long end-to-end tests
+(marked ``slow``) are handed out first, so that they run beside the short ones instead of after them.
+"""
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
 import transformers
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Slow tests first (a stable sort: the rest keep their order), so a worker starts each long one early."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
 @pytest.fixture(scope="session")
