@@ -1,12 +1,9 @@
-"""Beyond both papers: CONDUIT's Table 1 block over ResidualKV-compressed image caches (issue #17, deliverable 7).
+"""The plan of the table beyond both papers: CONDUIT's Table 1 block over ResidualKV-compressed image caches.
 
 CONDUIT's Limitations name the storage of the cached visual K/V as its remaining cost. Here each image's cache is
 stored in ResidualKV's form (:mod:`kvbench.beyond.compressed_store`: references + codes, restored when a request
-reuses the image) and Table 1's rows at one budget ``r`` run again on the restored caches. The table
-(``results/beyond/conduit_rkv_cache.csv``) has per row the score on the raw caches (Table 1's own run), on the
-compressed caches, their paired difference (compressed − raw, per record, with a 95% paired-bootstrap CI) and the
-cache bytes per image raw vs compressed; below, CONDUIT minus ProphetKV and minus the strongest other budgeted row on
-either cache form (does the ordering survive compression?). No paper reports this: no published number exists.
+reuses the image) and Table 1's rows at one budget ``r`` run again on the restored caches;
+:mod:`kvbench.report.beyond.conduit_rkv_cache` writes the table.
 
 Config (``beyond.conduit_rkv_cache``)::
 
@@ -18,9 +15,6 @@ Runs: the compressed-cache runs are ``kvbench eval`` refresh runs of Table 1's s
 the compressed store (run group ``conduit_rkv``: ``results/runs/<profile>/<model>/<dataset>/conduit-rkv/<slug>``,
 records ``conduit.n_test`` as Table 1's); the raw side is Table 1's runs, and full prefill (which reads no cache) is
 one run on both sides.
-
-This module plans the table (:class:`CompressedCachePlan`: its runs and compressed caches);
-:mod:`kvbench.report.beyond.conduit_rkv_cache` writes it.
 """
 from __future__ import annotations
 

@@ -1,13 +1,8 @@
-"""ResidualKV Table II (multimodal): compression presses on VLMs, from the config's ``residualkv.tableII`` mapping.
+"""ResidualKV Table II's plan (multimodal): compression presses on VLMs, from the config's ``residualkv.tableII`` mapping.
 
 Runs are ``kvbench eval`` jobs of a press spec on a VLM x an image task (:mod:`kvbench.eval.compress`, images through
 :mod:`kvbench.compress.generate_vlm`), in ``results/runs/<profile>/<model>/<task>/residualkv/<slug>/`` (run group
-``residualkv_mm``: its own record limit ``tableII.n_test``). The table (``results/residualkv/tableII.csv``) has one row
-per backbone x method: the score per task (mean per-record score x 100), ``avg`` (unweighted mean over tasks, the
-paper's average), ``KR_packed %`` / ``KR_resident %`` (bytes the cache holds at the end of each request over the full
-FP16 cache, from the audit rows, as Table III: :func:`kvbench.report.residualkv.tables.run_summary`), ``CR %`` (keys attention
-read / keys visible after the context chunk) and ``kept %`` (share of the prompt's tokens whose K/V the cache still
-holds). A cell is computed or empty with its reason in ``notes``.
+``residualkv_mm``: its own record limit ``tableII.n_test``); :mod:`kvbench.report.residualkv.table_ii` writes the table.
 
 Config (``residualkv.tableII``)::
 
@@ -22,9 +17,6 @@ Config (``residualkv.tableII``)::
 A ResidualKV row reads one codec per backbone, trained by ``kvbench codec-train --data vlm`` on the backbone's own
 image records (the smoke tasks' train splits, or ``codec.data_files``), visual tokens included
 (:mod:`kvbench.compress.residualkv.vlm_data`).
-
-This module plans the table (:class:`MMPlan`: rows, runs, each backbone's codec); :mod:`kvbench.report.residualkv.table_ii`
-writes it.
 """
 from __future__ import annotations
 

@@ -1,23 +1,10 @@
-"""Beyond both papers: CONDUIT's Table 1 block over ResidualKV-compressed image caches (issue #17, deliverable 7).
+"""Beyond both papers: CONDUIT's Table 1 block over ResidualKV-compressed image caches; the writer.
 
-CONDUIT's Limitations name the storage of the cached visual K/V as its remaining cost. Here each image's cache is
-stored in ResidualKV's form (:mod:`kvbench.beyond.compressed_store`: references + codes, restored when a request
-reuses the image) and Table 1's rows at one budget ``r`` run again on the restored caches. The table
-(``results/beyond/conduit_rkv_cache.csv``) has per row the score on the raw caches (Table 1's own run), on the
-compressed caches, their paired difference (compressed − raw, per record, with a 95% paired-bootstrap CI) and the
+The table (``results/beyond/conduit_rkv_cache.csv``) has per row the score on the raw caches (Table 1's own run), on
+the compressed caches, their paired difference (compressed − raw, per record, with a 95% paired-bootstrap CI) and the
 cache bytes per image raw vs compressed; below, CONDUIT minus ProphetKV and minus the strongest other budgeted row on
-either cache form (does the ordering survive compression?). No paper reports this: no published number exists.
-
-Config (``beyond.conduit_rkv_cache``)::
-
-    model: tiny-qwen2.5-vl          # a conduit.models backbone; its VLM codec is rule rkv_mm_codec's
-    r: 0.1                          # the Table 1 block (conduit.budgets)
-    storage: {full_layers: [0, 1], full_kv_bits: 4, bits: 4, n_sink: 0}   # CacheCodec fields
-
-Runs: the compressed-cache runs are ``kvbench eval`` refresh runs of Table 1's specs whose method parameters select
-the compressed store (run group ``conduit_rkv``: ``results/runs/<profile>/<model>/<dataset>/conduit-rkv/<slug>``,
-records ``conduit.n_test`` as Table 1's); the raw side is Table 1's runs, and full prefill (which reads no cache) is
-one run on both sides.
+either cache form (does the ordering survive compression?). No paper reports this: no published number exists. What it
+reads (``beyond.conduit_rkv_cache``, the runs, the compressed caches): :mod:`kvbench.plan.compressed_cache`.
 """
 from __future__ import annotations
 

@@ -1,27 +1,12 @@
-"""ResidualKV Table II (multimodal): compression presses on VLMs, from the config's ``residualkv.tableII`` mapping.
+"""ResidualKV Table II (multimodal, §V-B): compression presses on VLMs; the writer.
 
-Runs are ``kvbench eval`` jobs of a press spec on a VLM x an image task (:mod:`kvbench.eval.compress`, images through
-:mod:`kvbench.compress.generate_vlm`), in ``results/runs/<profile>/<model>/<task>/residualkv/<slug>/`` (run group
-``residualkv_mm``: its own record limit ``tableII.n_test``). The table (``results/residualkv/tableII.csv``) has one row
-per backbone x method: the score per task (mean per-record score x 100), ``avg`` (unweighted mean over tasks, the
-paper's average), ``KR_packed %`` / ``KR_resident %`` (bytes the cache holds at the end of each request over the full
-FP16 cache, from the audit rows, as Table III: :func:`kvbench.report.residualkv.tables.run_summary`), ``CR %`` (keys attention
-read / keys visible after the context chunk) and ``kept %`` (share of the prompt's tokens whose K/V the cache still
-holds). A cell is computed or empty with its reason in ``notes``.
-
-Config (``residualkv.tableII``)::
-
-    models: [tiny-qwen2.5-vl]          # VLM backbones (``models:`` entries of kind vlm)
-    tasks: [docpages, digitgrid]       # VLM datasets (``datasets:``)
-    n_test: 100                        # records per task (null: all)
-    protocol: shared_context           # added to every row's spec unless it spells its own
-    codec: {config: {d_c: 32, ...}, train: {steps: 300, lr: 0.001}, data_files: [...]}   # ResidualKV rows' codec
-    rows: [{label: Full cache, method: fullkv}, {label: SnapKV, method: "snapkv:keep=0.1"}, ...]
-                                       # a row's optional `models` restricts it to some backbones
-
-A ResidualKV row reads one codec per backbone, trained by ``kvbench codec-train --data vlm`` on the backbone's own
-image records (the smoke tasks' train splits, or ``codec.data_files``), visual tokens included
-(:mod:`kvbench.compress.residualkv.vlm_data`).
+The table (``results/residualkv/tableII.csv``) has one row per backbone x method: the score per task (mean per-record
+score x 100), ``avg`` (unweighted mean over tasks, the paper's average), ``KR_packed %`` / ``KR_resident %`` (bytes the
+cache holds at the end of each request over the full FP16 cache, from the audit rows, as Table III:
+:func:`kvbench.report.residualkv.tables.run_summary`), ``CR %`` (keys attention read / keys visible after the context
+chunk) and ``kept %`` (share of the prompt's tokens whose K/V the cache still holds). A cell is computed or empty with
+its reason in ``notes``. What it reads (the ``residualkv.tableII`` mapping, its runs and codecs):
+:mod:`kvbench.plan.multimodal`.
 """
 from __future__ import annotations
 
