@@ -67,7 +67,8 @@ def citing_texts(root=REPO) -> dict[str, str]:
     """``{relative path: text}`` of every text file that may cite the docs, line breaks inside comments joined."""
     paths = [root / f for f in CITING_FILES]
     for d in CITING:
-        paths += [p for p in (root / d).rglob("*") if p.is_file() and "__pycache__" not in p.parts]
+        paths += [p for p in (root / d).rglob("*") if p.is_file() and "__pycache__" not in p.parts
+                  and not any(part.endswith(".egg-info") for part in p.parts)]  # pip's build metadata, not ours
     out = {}
     for p in paths:
         if p.suffix not in TEXT_SUFFIXES or not p.exists():
