@@ -186,10 +186,10 @@ def table_spec(wc):
     return _table_plan(table).table_spec(table)
 
 
-def plan_of(name, what):
-    """The config's plan ``name``; raises (at DAG time) naming the section ``what`` needs when the config lacks it."""
+def plan_of(name, targets):
+    """The config's plan ``name`` for a rule of its ``targets``; raises (at DAG time) naming the missing section."""
     if name not in PLANS:
-        raise ValueError(f"this config has no `{what}` section, so it has no such targets (config/config.yaml shows one)")
+        raise ValueError(f"this config has no `{name}:` section, so it has no {targets} (config/config.yaml shows one)")
     return PLANS[name]
 
 
@@ -204,10 +204,7 @@ CONDUIT = PLANS.get("conduit")
 
 def conduit_plan():
     """The config's ConduitPlan; raises (at DAG time) when the config has no `conduit:` section."""
-    if CONDUIT is None:
-        raise ValueError("this config has no `conduit:` section, so it has no CONDUIT accuracy targets "
-                         "(config/config.yaml shows one)")
-    return CONDUIT
+    return plan_of("conduit", "CONDUIT accuracy targets")
 
 
 def conduit_cache_dir(wc):
@@ -265,10 +262,8 @@ def import_variant(wc):
 
 
 def rkv_plan():
-    if RKV is None:
-        raise ValueError("this config has no `residualkv:` section, so it has no ResidualKV targets "
-                         "(config/config.yaml shows one)")
-    return RKV
+    """The config's main RKVPlan; raises (at DAG time) when the config has no `residualkv:` section."""
+    return plan_of("residualkv", "ResidualKV targets")
 
 
 def rkv_run_inputs(target):
