@@ -71,3 +71,26 @@ def test_fig3_names_a_bad_model_or_task(tmp_path):
         path.write_text(yaml.safe_dump(bad))
         r = snakemake(tmp_path, "-n", "--configfile", str(path))
         assert r.returncode != 0 and needle in r.stdout, r.stdout[-2000:]
+
+
+def test_a_vlm_dataset_under_residualkv_tasks_fails_the_plan():
+    """Review finding: a VLM dataset in `residualkv.tasks` built a plan that ran the LM on image records; only Fig. 3's
+    check (naming `residualkv.fig3.tasks`) caught it, and not when `fig3.tasks` was set. The plan refuses it, naming the key."""
+    import pytest
+    from snakemake.utils import validate
+
+    from kvbench.plan import Workspace, build_plans
+    from test_workflow import CONFIG, REPO
+
+    for where in ("tasks", "target_tasks"):
+        cfg = yaml.safe_load(CONFIG.read_text())
+        cfg["residualkv"]["fig3"] = {"tasks": ["niah_1k"]}
+        if where == "tasks":
+            cfg["residualkv"]["tasks"] = [*cfg["residualkv"]["tasks"], "docpages"]
+            needle = "config residualkv.tasks: 'docpages' is a `vlm` dataset"
+        else:
+            cfg["residualkv"]["target_tasks"] = {"tableIII": ["docpages"]}
+            needle = "config residualkv.target_tasks.tableIII: 'docpages' is a `vlm` dataset"
+        validate(cfg, str(REPO / "workflow" / "schemas" / "config.schema.yaml"))  # the Snakefile's defaults
+        with pytest.raises(ValueError, match=re.escape(needle)):
+            build_plans(Workspace(cfg))

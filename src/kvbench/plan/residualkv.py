@@ -349,13 +349,15 @@ class RKVPlan(Plan):
         model = section["model"]
         if model not in ws.models or ws.models[model]["kind"] != "lm":
             raise ValueError(f"config residualkv.model: {model!r} must be an `lm` model defined under `models`")
-        for task in section["tasks"]:
-            if task not in ws.datasets:
-                raise ValueError(f"config residualkv.tasks: {task!r} is not defined under `datasets`")
-        for target, tasks in (section.get("target_tasks") or {}).items():
+        keyed = [("tasks", section["tasks"])] + [(f"target_tasks.{t}", ts)
+                                                 for t, ts in (section.get("target_tasks") or {}).items()]
+        for key, tasks in keyed:
             for task in tasks:
                 if task not in ws.datasets:
-                    raise ValueError(f"config residualkv.target_tasks.{target}: {task!r} is not defined under `datasets`")
+                    raise ValueError(f"config residualkv.{key}: {task!r} is not defined under `datasets`")
+                if ws.dataset_kind(task) == "vlm":   # the backbone is an LM (checked above)
+                    raise ValueError(f"config residualkv.{key}: {task!r} is a `vlm` dataset; the LM backbone {model!r} "
+                                     "needs `text` tasks (residualkv.tableII runs presses on VLMs)")
         try:
             shape = ws.model_shape(model)
             check_table_i(model, ws.models[model], shape)

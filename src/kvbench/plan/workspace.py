@@ -144,6 +144,11 @@ class Workspace:
         """The conversion of SCBench's own file of dataset ``task`` (``scbench:``; rule ``scbench_convert``)."""
         return f"data/{self.profile}/{task}-scbench/test.jsonl"
 
+    def dataset_kind(self, task: str) -> str | None:
+        """``text`` or ``vlm``: the dataset's ``kind``, else its smoke generator's (None: a JSONL file that names none)."""
+        kind = self.datasets[task].get("kind")
+        return kind or (TASKS[task].kind if "smoke" in self.datasets[task] and task in TASKS else None)
+
     def published(self, paper: str) -> str:
         """``config/published/<paper>.yaml`` (anchored at the workflow, so ``--directory`` works)."""
         return os.path.join(self.basedir, "config", "published", f"{paper}.yaml")
