@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 from _reuse_fixtures import prepared_request, record, tiny_vlm
+from _tolerance import arith_atol
 
 from kvbench.reuse import (
     ImageKVStore,
@@ -176,7 +177,8 @@ def test_scoring_pass_projects_queries_for_the_trailing_rows_only(vlm, req, monk
     monkeypatch.setattr(_ScoringSchedule, "observe", former_observe)
     every = scoring_pass(vlm, req)
     assert set(seen) == {len(req.text_index)} and len(req.query_index) < len(req.text_index)
-    torch.testing.assert_close(every.attn, want.attn, rtol=0, atol=1e-6)
+    # the same masses summed from queries projected in batches of another shape: softmax over the request's keys
+    torch.testing.assert_close(every.attn, want.attn, rtol=0, atol=arith_atol(want.attn, req.seq_len))
     seen.clear()
     monkeypatch.undo()
     monkeypatch.setattr(type(vlm), "queries", counted)
