@@ -14,7 +14,7 @@ import sys
 
 from kvbench.plan import PLAN_TYPES, Workspace, build_plans
 from kvbench.plan.codecs import DEFAULT_VARIANT, FIGURE_VARIANTS
-from kvbench.plan.residualkv import RKVPlan
+from kvbench.plan.residualkv import FIGURES as RKV_FIGURES, RKVPlan
 from kvbench.report.published import load_published
 from kvbench.report.tables import TABLES
 
@@ -221,10 +221,8 @@ def conduit_limit():
 def conduit_targets():
     """Every CONDUIT accuracy target this config can build, for the `conduit` aggregate. A table whose column group
     is empty (e.g. no `conduit.single_image` for Table 2) is left out; asked for by name, it fails naming the key."""
-    built = conduit_plan().built_targets()
-    tables = [t.path for t in TABLES.values() if t.plan_name == "conduit" and t.key in built]
-    diagnostics = [t.path for t in TABLES.values() if t.plan_name == "conduit_diagnostics" and t.name in TABLE_PLANS]
-    return tables + diagnostics + ["figures/conduit/fig3.pdf", "figures/conduit/fig4.pdf"]
+    tables = [TABLES[t].path for t in configured_tables() if TABLE_PLANS[t].name in ("conduit", "conduit_diagnostics")]
+    return tables + ["figures/conduit/fig3.pdf", "figures/conduit/fig4.pdf"]
 
 
 def diag_capture_args():
@@ -293,7 +291,7 @@ def mm_check_codec(wc):
 # Short target names (targets.smk).
 # ResidualKV figures with a producing rule (its Fig. 9 is not built; `figures/fig9.pdf` then has no rule). CONDUIT has
 # no Figure 13, so `figures/fig13.pdf` is ResidualKV's (rkv_fig13.smk; it needs `residualkv.fig13`).
-RESIDUALKV_ONLY_FIGURES = ["5", "6", "8", "10", "11", "12", "13"]
+RESIDUALKV_ONLY_FIGURES = list(RKV_FIGURES)
 AMBIGUOUS_FIGURES = ["3", "4"]
 
 
@@ -403,21 +401,8 @@ def report_items():
     (targets.smk) are not listed: they repeat these.
     """
     items = [[f] for f in zoo_report_targets()] if REPORT_ZOO_MODELS else []
-    items += [[f] for f in (conduit_targets() if CONDUIT else []) if f.endswith(".csv")]
-    items += [[table_of(t).path] for t in configured_tables() if table_of(t).section != "conduit"]
-    if CONDUIT:
-        items.append(["figures/conduit/fig3.pdf", "results/conduit/fig3.csv"])
-        items.append(["figures/conduit/fig4.pdf", "results/conduit/fig4.csv"])
-    if RKV:
-        items += [["results/residualkv/fig11_throughput.csv"], ["results/residualkv/fig3.csv"]]
-        items.append(["figures/residualkv/fig3.pdf", "results/residualkv/fig3_summary.csv", "results/residualkv/fig3.csv"])
-        for n in RESIDUALKV_ONLY_FIGURES:
-            item = [f"figures/residualkv/fig{n}.pdf", f"results/residualkv/fig{n}.csv"]
-            item += {"11": ["results/residualkv/fig11_throughput.csv"],
-                     "13": ["results/residualkv/fig13_summary.csv"]}.get(n, [])   # Fig. 13's shares per layer
-            items += [item]
-            if n in ("6", "8"):
-                items.append([f"results/residualkv/fig{n}.csv"])
+    items += [[table_of(t).path] for t in configured_tables()]
+    items += [item for plan in PLANS.values() for item in plan.report_figures()]
     items.append(["results/parity/kvpress.csv"])  # any config: the parity target needs no config section
     # ours beside the published figures (compare.smk): each table's compare CSV, and the page over them
     items += [[f"results/{t}.compare.csv"] for t in profile_compare_tables()] + [["results/compare.md"]]

@@ -173,6 +173,11 @@ class Plan:
         table asked for by name is built whenever its plan exists."""
         return False
 
+    def report_figures(self) -> list[list[str]]:
+        """The figures this plan's rules can build for ``snakemake --report``, each with the report-marked files its
+        job also writes (the figure, the CSV of its numbers)."""
+        return []
+
     def table_inputs(self, table: Table) -> list[str]:
         """Files the ``table`` rule reads for ``table``.
 

@@ -118,6 +118,9 @@ class GenerationPlan(RKVPlan):
     def builds(self, table) -> bool:
         return True
 
+    def report_figures(self) -> list[list[str]]:
+        return []   # the figures are the main plan's
+
     def report_spec(self) -> str:
         """:meth:`RKVPlan.report_spec` plus the evaluated splits (records per problem)."""
         spec = json.loads(super().report_spec())

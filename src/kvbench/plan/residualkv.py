@@ -394,6 +394,19 @@ class RKVPlan(Plan):
     def builds(self, table: Table) -> bool:
         return self.configured(table.key) or table.key in MODEL_TABLES
 
+    def report_figures(self) -> list[list[str]]:
+        """Fig. 3 (with its summary), then :data:`FIGURES` (each with its CSV; Fig. 11 with its throughput CSV, Fig. 13
+        with its per-layer shares), and the measurement CSVs of Figs. 6, 8 and 11."""
+        out = [["results/residualkv/fig11_throughput.csv"], ["results/residualkv/fig3.csv"],
+               ["figures/residualkv/fig3.pdf", "results/residualkv/fig3_summary.csv", "results/residualkv/fig3.csv"]]
+        for n in FIGURES:
+            out.append([f"figures/residualkv/fig{n}.pdf", f"results/residualkv/fig{n}.csv"]
+                       + {"11": ["results/residualkv/fig11_throughput.csv"],
+                          "13": ["results/residualkv/fig13_summary.csv"]}.get(n, []))
+            if n in ("6", "8"):
+                out.append([f"results/residualkv/fig{n}.csv"])
+        return out
+
     def report_spec(self) -> str:
         """The JSON the ResidualKV writers read (:meth:`from_spec`)."""
         return json.dumps({"profile": self.profile, "residualkv": self.s, "zoo": self.zoo, "seed": self.seed,
@@ -428,6 +441,9 @@ class RKVPlan(Plan):
 
 #: ResidualKV tables built from checkpoints and codecs, not from runs (no config list of rows).
 MODEL_TABLES = ("tableI",)
+#: ResidualKV figures with a producing rule besides Fig. 3 (its Fig. 9 is not built). CONDUIT has no Figure 5-13, so
+#: their short names ``figures/fig<N>.pdf`` are unambiguous (targets.smk); Fig. 13 needs ``residualkv.fig13``.
+FIGURES = ("5", "6", "8", "10", "11", "12", "13")
 
 
 def check_table_iv(plan: RKVPlan) -> None:
