@@ -145,12 +145,13 @@ def test_full_kv_bits_store_full_layers_kivi_style(tiny_lm, tmp_path):
     codec_dir = _identity_codec(tiny_lm, tmp_path / "id", n_sink=2, window=4, stride=5)
     base = dict(codec_dir=str(codec_dir), selector=OmniKVPress(keep=0.5), full_layers=(0, 1))
     _, c16 = _run(tiny_lm, ResidualKVPress(**base), IDS, CUTS)
-    _, c4 = _run(tiny_lm, ResidualKVPress(**base, full_kv_bits=4), IDS, CUTS)
+    _, c4 = _run(tiny_lm, ResidualKVPress(**base, full_kv_bits=4, full_kv_form="kivi"), IDS, CUTS)
     _, kivi = _run(tiny_lm, KIVIPress(bits=4), IDS, CUTS)
     assert [type(x) for x in c16.layers[:2]] == [StoreLayer, StoreLayer]
     assert [type(x) for x in c4.layers[:2]] == [QuantizedFullLayer, QuantizedFullLayer]
     assert [x.after_commit is not None for x in c4.layers[:3]] == [False, True, False]   # layer 1 filters
-    # FP16 full layer: 60 tokens x d_kv 64 x 2 bytes; 4-bit: exactly KIVI-4's bytes, reported as the full_layer part
+    # FP16 full layer: 60 tokens x d_kv 64 x 2 bytes; 4-bit in KIVI's form: exactly KIVI-4's bytes, reported as the
+    # full_layer part
     assert c16.layers[0].packed_bytes() == StoredBytes(layer=0, full_layer=60 * 64 * 2)
     for i in (0, 1):
         assert c4.layers[i].packed_bytes() == StoredBytes(layer=i, full_layer=kivi.layers[i].stored_bytes().packed())
@@ -166,6 +167,73 @@ def test_full_kv_bits_store_full_layers_kivi_style(tiny_lm, tmp_path):
     assert c4.selections != c16.selections
     with pytest.raises(ValueError, match="full_kv_bits must be 2, 4, 8 .* got 3"):
         ResidualKVPress(**base, full_kv_bits=3)
+    with pytest.raises(ValueError, match="full_kv_form must be one of .* got 'engine'"):
+        ResidualKVPress(**base, full_kv_bits=4, full_kv_form="engine")
+    with pytest.raises(ValueError, match="full_kv_form=before .* full_kv_bits is 16"):
+        ResidualKVPress(**base, full_kv_form="before")
+
+
+IDS_LONG = torch.randint(0, 256, (1, 150), generator=torch.Generator().manual_seed(1))
+CUTS_LONG = [100, 120, *range(121, 150)]   # context, question, then decode steps
+
+
+def test_full_layer_authors_form_keeps_sinks_raw_and_32_to_63_raw_tokens(tiny_lm, tmp_path):
+    """The authors' full-layer form (CURRENTF/Sparse-vLLM: engine and HF reference): the codec's n_sink sinks
+    stay exact, and K and V alike keep 32-63 raw tokens, the oldest quantised in blocks of 32 once 64 are raw."""
+    from kvbench.compress.accounting import StoredBytes
+
+    codec_dir = _identity_codec(tiny_lm, tmp_path / "id", n_sink=2, window=4, stride=5)
+    base = dict(codec_dir=str(codec_dir), selector=OmniKVPress(keep=0.5), full_layers=(0, 1), full_kv_bits=4)
+    _, full = _run(tiny_lm, Press(), IDS_LONG, CUTS_LONG)
+    caches = {}
+    for form in ("after", "before"):
+        press = ResidualKVPress(**base, full_kv_form=form)
+        for end, want in ((100, (64, 34)), (129, (64, 63)), (130, (96, 32))):   # quantised, raw after `end` tokens
+            _, cache = _run(tiny_lm, press, IDS_LONG[:, :end], [c for c in CUTS_LONG if c < end])
+            assert (len(cache.layers[0].kq), cache.layers[0].k_raw.shape[0]) == want
+        _, cache = _run(tiny_lm, press, IDS_LONG, CUTS_LONG)
+        caches[form] = cache
+        for i in (0, 1):
+            layer = cache.layers[i]
+            # 150 = 2 sinks + 96 quantised (3 blocks of 32) + 52 raw, K and V alike
+            assert (layer.n_sinks, len(layer.kq), layer.k_raw.shape[0], len(layer.vq), layer.v_raw.shape[0]) == \
+                (2, 96, 52, 96, 52)
+            stored, exact = layer.history(), full.layers[i]._stored
+            if i == 0:   # layer 0's K/V do not depend on how the cache stores them: sinks and raw tail exact
+                torch.testing.assert_close(stored.keys[:, :, :2], exact.keys[:, :, :2], rtol=0, atol=0)
+                torch.testing.assert_close(stored.values[:, :, 98:], exact.values[:, :, 98:], rtol=0, atol=0)
+                assert not torch.equal(stored.keys[:, :, 2:98], exact.keys[:, :, 2:98])
+            # hand count (C = 2 KV heads x 16 = 32 channels each for K and V, 4 bits): codes 96 x 32 x 0.5 B each;
+            # key scales one fp16 (min, scale) pair per channel and 32-token block; value scales per token and
+            # 16-channel group; sinks and raw tail at FP16
+            codes, k_scales, v_scales = 2 * 96 * 32 // 2, 3 * 32 * 4, 96 * 2 * 4
+            raw = (2 + 52) * 32 * 2 * 2
+            assert layer.packed_bytes() == StoredBytes(layer=i, full_layer=codes + k_scales + v_scales + raw)
+    # the two forms store layer 0 alike; they differ in when: the engine's prefill attends exact K/V (its
+    # first chunk's logits equal the full cache's), the HF reference's prefill reads its own rows quantised
+    for a, b in zip(caches["after"].layers[0].kq.codes, caches["before"].layers[0].kq.codes):
+        assert torch.equal(a.q, b.q)
+    first = {form: _run(tiny_lm, ResidualKVPress(**base, full_kv_form=form), IDS_LONG[:, :100], [])[0]
+             for form in ("after", "before")}
+    want = _run(tiny_lm, Press(), IDS_LONG[:, :100], [])[0]
+    torch.testing.assert_close(first["after"], want, atol=2e-5, rtol=1e-4)
+    assert (first["before"] - want).abs().max() > 1e-3
+
+
+def test_kivi_raw_sinks(tiny_lm):
+    """KIVIPress(sinks=s): the first s tokens stay exact, the key groups start at token s."""
+    from kvbench.compress.presses.kivi import KIVIPress
+
+    _, full = _run(tiny_lm, Press(), IDS_LONG, [100])
+    _, plain = _run(tiny_lm, KIVIPress(bits=2), IDS_LONG, [100])
+    _, sunk = _run(tiny_lm, KIVIPress(bits=2, sinks=4), IDS_LONG, [100])
+    layer, exact = sunk.layers[0], full.layers[0]._stored
+    assert (layer.n_sinks, len(layer.kq), layer.k_raw.shape[0]) == (4, 128, 18)   # 150 - 4 = 4 blocks of 32 + 18
+    torch.testing.assert_close(layer.history().keys[:, :, :4], exact.keys[:, :, :4], rtol=0, atol=0)
+    assert not torch.equal(plain.layers[0].history().keys[:, :, :4], exact.keys[:, :, :4])
+    assert layer.packed_bytes().sinks == 2 * 4 * 32 * 2
+    with pytest.raises(ValueError, match="sinks .* got -1"):
+        KIVIPress(sinks=-1)
 
 
 def test_mean_only_stores_a_zero_code_and_restores_the_reference_mean(tiny_lm, tmp_path):

@@ -16,11 +16,12 @@ Per decoder layer, over the image's own visual tokens (image-local positions ``0
   with its ``k`` reference indices (int16, ``-1`` marks a slot without a visible reference: the validity mask
   is not stored). All tokens are coded: there is no raw recent window, since no token of a stored image is
   recent. Restored as ``kv̂ = f_d(z̃) + mean`` (the codec's ``restore``) from the SAME FP8 references;
-- **full layers** (``full_layers``): FP16 at ``full_kv_bits = 16``; else KIVI-style as ResidualKV's deployment
-  stores them (:class:`~kvbench.compress.residualkv.cache.QuantizedFullLayer`): keys per channel over groups of
+- **full layers** (``full_layers``): FP16 at ``full_kv_bits = 16``; else KIVI-style in KIVI's rule
+  (:class:`~kvbench.compress.residualkv.cache.QuantizedFullLayer`'s ``kivi`` form): keys per channel over groups of
   32 tokens, values per token in groups of ``min(32, head_dim)`` channels, at ``full_kv_bits``; the keys of the
-  last incomplete 32-token group stay FP16 (KIVI's raw residual). Keys here are pre-RoPE (the image cache's
-  form), where KIVI quantises post-RoPE keys.
+  last incomplete 32-token group stay FP16 (KIVI's raw residual). No raw sinks or raw recent tokens as in the
+  authors' serving form: a stored image has neither. Keys here are pre-RoPE (the image cache's form), where KIVI
+  quantises post-RoPE keys.
 
 Files (as the raw store): ``<root>/manifest.json`` (model, template, codec identity and storage settings),
 ``<root>/<key>.safetensors`` (packed codes ``code.<l>`` uint8, ``zmin.<l>``/``scale.<l>`` fp16, references

@@ -519,9 +519,16 @@ class Press:
             (the authors' LongBench run, ``benchmark/long_bench/pred.py`` at ``CURRENTF/Sparse-vLLM@b5169d6``;
             Tables III, VII, VIII). A press whose scoring needs the context alone (:attr:`context_pass`,
             KVzip) prefills context then question under both.
+        decode_tail: the question's last ``decode_tail`` tokens (at most all of its tokens) are fed one per step
+            as decode steps after the prefill, under either protocol and for each query of a multi-query record
+            (keyword-only; 0, the default, feeds none). With the zoo's one-token answers (the key is the
+            question's last token) this makes the answer read the compressed cache as a decoded token does, so
+            a decode-time selector (OmniKV) selects for it and quantised or coded stores serve it; the full cache
+            is unchanged by it (the same attention, chunked). Beyond the papers, whose LongBench answers are
+            long enough to decode through the cache: docs/decisions/residualkv.md, "Prompt protocols".
 
     Raises:
-        ValueError: ``protocol`` not in :data:`PROTOCOLS`.
+        ValueError: ``protocol`` not in :data:`PROTOCOLS`; ``decode_tail`` not an int >= 0.
     """
 
     name = "full"
@@ -536,10 +543,14 @@ class Press:
     serves: ClassVar[tuple[str, ...]] = ("text", "vlm")
 
     protocol: str = field(default="shared_context", kw_only=True)
+    decode_tail: int = field(default=0, kw_only=True)
 
     def __post_init__(self) -> None:
         if self.protocol not in PROTOCOLS:
             raise ValueError(f"protocol must be one of {PROTOCOLS}, got {self.protocol!r}")
+        tail = self.decode_tail
+        if not isinstance(tail, int) or isinstance(tail, bool) or tail < 0:
+            raise ValueError(f"decode_tail (question tokens fed as decode steps) must be an int >= 0, got {tail!r}")
 
     def first_chunk(self, n_prompt: int, split: int) -> int:
         """Where the first prefill chunk of a prompt of ``n_prompt`` tokens ends, given the first question

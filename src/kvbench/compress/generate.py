@@ -94,13 +94,15 @@ def final_question_ids(tok: Any, record: dict) -> tuple[list[int], int] | None:
 @torch.inference_mode()
 def greedy_generate(model: Any, press: Press, ids: torch.Tensor, split: int, max_new_tokens: int,
                     eos: set[int], sampling: Sampling = GREEDY,
-                    then: tuple[list[int], int] | None = None) -> tuple[list[int], PressCache]:
-    """Prefill ``ids[:, :split]`` then ``ids[:, split:]`` through ``press``'s cache, then decode greedily (or as
-    ``sampling`` says).
+                    then: tuple[list[int], int] | None = None, tail: int = 0) -> tuple[list[int], PressCache]:
+    """Prefill ``ids[:, :split]`` then ``ids[:, split:T - tail]`` through ``press``'s cache, feed the last ``tail``
+    ids one per step (decode steps), then decode greedily (or as ``sampling`` says).
 
     Args:
         ids: int64 ``[1, T]`` prompt ids; ``split``: first id of the second chunk (0 or T: one chunk; the
             caller applies the protocol, :meth:`~kvbench.compress.cache.Press.first_chunk`).
+        tail: prompt ids fed as decode steps (:attr:`~kvbench.compress.cache.Press.decode_tail`, clamped by the
+            caller to the question), ``0 <= tail < T`` and ``T - tail >= split`` when ``split < T``.
         max_new_tokens: decode budget; decoding stops after an id in ``eos`` (kept in the output).
         sampling: :class:`Sampling` (default greedy).
         then: optional ``(question ids, budget)`` (:func:`final_question_ids`): after the answer, the question's
@@ -111,16 +113,22 @@ def greedy_generate(model: Any, press: Press, ids: torch.Tensor, split: int, max
         ``(new_ids, cache)``: the generated ids (with ``then``: answer, question ids, final answer) and the cache
         (for its audit: stored bytes, attended counts, OmniKV selections).
     """
+    n = ids.shape[1]
+    head = n - tail
+    if not 0 <= tail < n or (split < n and split > head):
+        raise ValueError(f"tail must be in [0, {n}) and leave the first chunk ({split} ids) whole, got {tail}")
     cache = press.new_cache(model)
-    chunks = [c for c in (ids[:, :split], ids[:, split:]) if c.shape[1]]
     out: list[int] = []
     with press_attention(model, cache):
         pos = 0
-        for i, chunk in enumerate(chunks):
-            logits = forward_chunk(model, cache, chunk, pos)
-            pos += chunk.shape[1]
-            if i == 0 and len(chunks) > 1:
-                press.after_context(model, cache, chunk)
+        for end in sorted({c for c in (split, head) if 0 < c <= head}):
+            logits = forward_chunk(model, cache, ids[:, pos:end], pos)
+            if end == split < n:
+                press.after_context(model, cache, ids[:, :end])
+            pos = end
+        for pos in range(head, n):
+            logits = forward_chunk(model, cache, ids[:, pos:pos + 1], pos)
+        pos = n
         pos, logits = _decode(model, cache, logits, pos, max_new_tokens, eos, sampling, out)
         if then is not None:
             question, budget = then

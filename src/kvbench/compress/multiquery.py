@@ -92,7 +92,8 @@ class QueryAnswer:
 
 @torch.inference_mode()
 def answer_queries(model: Any, press: Press, context_ids: torch.Tensor, queries: list[torch.Tensor],
-                   max_new_tokens: list[int], eos: set[int], audit: Any = None) -> tuple[list[QueryAnswer], PressCache]:
+                   max_new_tokens: list[int], eos: set[int], audit: Any = None,
+                   tail: int = 0) -> tuple[list[QueryAnswer], PressCache]:
     """Prefill ``context_ids`` once through ``press``'s cache, then answer each query from the post-context cache.
 
     Args:
@@ -101,6 +102,8 @@ def answer_queries(model: Any, press: Press, context_ids: torch.Tensor, queries:
         queries: int64 ``[1, n_q]`` each, n_q >= 1: prefilled as one chunk at positions ``n_context ..``.
         max_new_tokens: decode budget per query (>= 1 each); decoding stops after an id in ``eos`` (kept).
         audit: optional ``audit(cache) -> Any`` called after each query's last step.
+        tail: each query's last ``min(tail, n_q)`` ids are fed one per step as decode steps after the rest of
+            its chunk (:attr:`~kvbench.compress.cache.Press.decode_tail`); 0 feeds none.
 
     Returns:
         ``(answers, cache)``: one :class:`QueryAnswer` per query, in order, and the cache (as after the last query).
@@ -110,6 +113,8 @@ def answer_queries(model: Any, press: Press, context_ids: torch.Tensor, queries:
     """
     if context_ids.dim() != 2 or context_ids.shape[1] < 1:
         raise ValueError(f"context_ids must be [1, n_context >= 1], got {tuple(context_ids.shape)}")
+    if not isinstance(tail, int) or tail < 0:
+        raise ValueError(f"tail must be an int >= 0, got {tail!r}")
     if len(max_new_tokens) != len(queries) or any(int(m) < 1 for m in max_new_tokens):
         raise ValueError(f"max_new_tokens must be one positive int per query ({len(queries)}), got {max_new_tokens}")
     for i, q in enumerate(queries):
@@ -126,7 +131,11 @@ def answer_queries(model: Any, press: Press, context_ids: torch.Tensor, queries:
             if i:
                 snap.restore()
             first = len(cache.attended)
-            logits = forward_chunk(model, cache, q, n_ctx)
+            head = q.shape[1] - min(tail, q.shape[1])
+            if head:
+                logits = forward_chunk(model, cache, q[:, :head], n_ctx)
+            for j in range(head, q.shape[1]):
+                logits = forward_chunk(model, cache, q[:, j:j + 1], n_ctx + j)
             pos, out = n_ctx + q.shape[1], []
             while True:
                 nxt = int(logits[0, -1].argmax())

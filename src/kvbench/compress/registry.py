@@ -36,6 +36,7 @@ class FullKV(Press):
     ----------
     protocol : str, default "shared_context" — how a record's prompt meets the cache (every press has it;
         :class:`~kvbench.compress.cache.Press`).
+    decode_tail : int, default 0 — the question's last tokens fed as decode steps (every press has it).
     """
 
     name = "fullkv"

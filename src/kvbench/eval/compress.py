@@ -110,6 +110,9 @@ class CompressMethod(EvalMethod):
         two = press.protocol == "shared_context" or press.context_pass
         prefill = ("two chunks: the context (then compressed), then the question reading the compressed cache"
                    if two else "one chunk: context + question (exact); decoding reads the compressed cache")
+        if press.decode_tail:
+            prefill += (f"; the question's last {press.decode_tail} token(s) (at most the whole question) are fed as "
+                        "decode steps after the prefill")
         out = {**super().protocol(), "press_protocol": press.protocol, "prefill": prefill}
         if self._multi:  # only for such splits, so the recorded protocol of single-query runs is unchanged
             out["queries"] = ("multi-query records (multi_turns): the context prefilled once as its own chunk, then "
@@ -136,6 +139,11 @@ class CompressMethod(EvalMethod):
         if bad is not None:  # stop before the first sample, not with every sample failing
             raise ValueError(f"method {self.spec!r} answers {' and '.join(serves)} records only, but record "
                              f"{bad.get('id')!r} is {bad.get('kind')!r}")
+        if self.press().decode_tail:
+            bad = next((r for r in records if r.get("kind") == "vlm"), None)
+            if bad is not None:
+                raise ValueError(f"record {bad.get('id')!r}: decode_tail (question tokens fed as decode steps) is "
+                                 "implemented for text records only; drop decode_tail for VLM tasks")
         bad = next((r for r in records if r.get("final") and (is_multi(r) or r.get("kind") == "vlm")), None)
         if bad is not None:  # only the single-query text path asks a record's final question after its answer
             raise ValueError(f"record {bad.get('id')!r}: a final question ('final') is implemented for single-query "
@@ -172,12 +180,15 @@ class CompressMethod(EvalMethod):
             ids = inputs["input_ids"]
             new, cache = greedy_generate_vlm(model, self.press(), inputs, split, int(record["max_new_tokens"]),
                                              eos_ids(model, proc))
+            tail = 0
         else:
-            ids, split = split_prompt(tok, record)
-            split = self.press().first_chunk(ids.shape[1], split)
+            ids, q_start = split_prompt(tok, record)
+            tail = min(self.press().decode_tail, ids.shape[1] - q_start)   # the question's last tokens
+            split = self.press().first_chunk(ids.shape[1], q_start)
             new, cache = greedy_generate(model, self.press(), ids, split, int(record["max_new_tokens"]),
-                                         eos_ids(model, proc), self._sampling, then=final_question_ids(tok, record))
-        self._audit = self._request_audit(model, cache, ids.shape[1], split)
+                                         eos_ids(model, proc), self._sampling, then=final_question_ids(tok, record),
+                                         tail=tail)
+        self._audit = self._request_audit(model, cache, ids.shape[1], split, tail)
         self._audit["n_generated"] = len(new)   # Table V's mean generated tokens
         self._n += 1
         return self.decode(proc, record, torch.tensor(new))
@@ -210,10 +221,13 @@ class CompressMethod(EvalMethod):
         ids = inputs["input_ids"]
         return inputs, self.press().first_chunk(ids.shape[1], question_start(proc, record, ids))
 
-    def _request_audit(self, model: Any, cache: Any, n_prompt: int, split: int) -> dict:
-        """The audit row of one single-query request whose prompt of ``n_prompt`` tokens was split at ``split``."""
-        return self._audit_row(model, cache, n_prompt, question_chunk=0 < split < n_prompt,
-                               n_context=split if 0 < split else n_prompt)
+    def _request_audit(self, model: Any, cache: Any, n_prompt: int, split: int, tail: int = 0) -> dict:
+        """The audit row of one single-query request whose prompt of ``n_prompt`` tokens was split at ``split``, its
+        last ``tail`` tokens fed as decode steps (``decode_tail``: the ids they ran as, in the row)."""
+        head = n_prompt - tail
+        row = self._audit_row(model, cache, head, question_chunk=0 < split < head,
+                              n_context=min(split, head) if 0 < split else head)
+        return {**row, "decode_tail": tail}
 
     def _predict_queries(self, model: Any, proc: Any, tok: Any, record: dict) -> list[str]:
         """A multi-query record (:mod:`kvbench.eval.multiquery`): the context prefilled once as its own chunk
@@ -225,10 +239,12 @@ class CompressMethod(EvalMethod):
         context, queries = query_ids(tok, record)
         n_ctx = context.shape[1]
         per_query: list[dict] = []
+        tail = self.press().decode_tail
         answers, _ = answer_queries(model, self.press(), context, queries, turn_budgets(record), eos_ids(model, proc),
-                                    audit=lambda cache: self._audit_row(model, cache, n_ctx, n_context=n_ctx))
+                                    audit=lambda cache: self._audit_row(model, cache, n_ctx, n_context=n_ctx), tail=tail)
         for a in answers:
-            row = dict(a.audit, cr=_compute_ratio(a.attended, n_ctx + a.n_query))
+            head = a.n_query - min(tail, a.n_query)   # the query chunk's tokens; the rest ran as decode steps
+            row = dict(a.audit, cr=_compute_ratio(a.attended, n_ctx + head if head else n_ctx + 1))
             per_query.append(row)
         keys = ("n_tokens", "kr_packed", "kr_resident", "kept", "cr")
         mean = {k: _mean_or_none([q[k] for q in per_query]) for k in keys}

@@ -252,15 +252,28 @@ class RKVPlan(Plan):
         return rows
 
     def with_protocol(self, spec: str) -> str:
-        """``spec`` with the section's ``protocol`` (default ``one_pass``) unless it spells its own, so every run
-        name says how its prompt met the cache."""
-        if "protocol" in press_spec(spec).params:
-            return spec
-        return with_params(spec, protocol=self.s.get("protocol", "one_pass"))
+        """``spec`` with the section's ``protocol`` (default ``one_pass``) and a non-zero ``decode_tail``, each unless
+        it spells its own, so every run name says how its prompt met the cache."""
+        params = press_spec(spec).params
+        if "protocol" not in params:
+            spec = with_params(spec, protocol=self.s.get("protocol", "one_pass"))
+        if "decode_tail" not in params and self.s.get("decode_tail", 0):
+            spec = with_params(spec, decode_tail=int(self.s["decode_tail"]))
+        return spec
 
     def protocols(self, target: str) -> list[str]:
         """The protocols ``target``'s rows ran under (sorted)."""
         return sorted({press_spec(r.spec).params["protocol"] for r in self.rows(target)})
+
+    def protocol_note(self, target: str) -> str:
+        """The header's protocol wording of ``target``'s rows (:data:`PROTOCOL_NOTES`, and their ``decode_tail``)."""
+        note = "; ".join(PROTOCOL_NOTES[p] for p in self.protocols(target))
+        tails = sorted({int(press_spec(r.spec).params.get("decode_tail", 0)) for r in self.rows(target)})
+        if tails != [0]:
+            note += (f"; decode_tail={'/'.join(map(str, tails))}: the question's last token(s) (the key) are fed as "
+                     "decode steps after the prefill, so a one-token answer reads the compressed cache (decode-time "
+                     "selection, quantised full layers and restoration act on it; the full cache is unchanged)")
+        return note
 
     def _row_spec(self, target: str, row: dict) -> str:
         """The canonical press spec of one configured row (with :meth:`with_protocol`); errors name the table
@@ -320,8 +333,7 @@ class RKVPlan(Plan):
                 f"model {self.model} (local checkpoint); tasks {tasks} (local benchmark files)")
         return [f"# kvbench ResidualKV {title}, profile {self.profile!r}: {what}; "
                 + ("not the paper's numbers" if self.zoo else "computed by this pipeline, not copied from the paper"),
-               ] + ([f"# protocol: {'; '.join(PROTOCOL_NOTES[p] for p in self.protocols(target))} "
-                     "(kvbench.compress.generate)"] if target else [])
+               ] + ([f"# protocol: {self.protocol_note(target)} (kvbench.compress.generate)"] if target else [])
 
     # --- the workflow's protocol (kvbench.plan.base.Plan) -------------------------------------------
     @classmethod

@@ -82,15 +82,20 @@ class KIVILayer(StoreLayer):
         group: tokens per key group (per channel) and channels per value group (per token; ``min(group,
             head_dim)`` when the head is narrower, so a group never spans two heads).
         residual: the full-precision residual length R (a multiple of ``group``).
+        sinks: leading tokens kept raw for the whole request (attention sinks), never quantised; 0 = KIVI's
+            form (jy-yuan/KIVI quantises the first tokens with their group). The tokens after them are
+            quantised as above, their key groups starting at token ``sinks``.
 
-    Raises ValueError for bits not in {2, 4, 8, 16}, group < 1, residual not a positive multiple of group,
-    or (at the first commit) a head_dim not a multiple of the value group.
+    Raises ValueError as :func:`check_config`, or (at the first commit) for a head_dim not a multiple of the
+    value group.
     """
 
-    def __init__(self, ctx: LayerContext, cache: PressCache, bits: int = 4, group: int = 32, residual: int = 32):
+    def __init__(self, ctx: LayerContext, cache: PressCache, bits: int = 4, group: int = 32, residual: int = 32,
+                 sinks: int = 0):
         super().__init__(ctx, cache)
-        check_config(bits, group, residual)
-        self.bits, self.group, self.residual = bits, group, residual
+        check_config(bits, group, residual, sinks)
+        self.bits, self.group, self.residual, self.sinks = bits, group, residual, sinks
+        self.n_sinks = 0   # leading tokens held raw so far (at most ``sinks``), before the first quantised row
         self.kq, self.vq = _Quantized(), _Quantized()
         self.k_raw: torch.Tensor | None = None   # [n, C] raw keys not yet quantised (C = H_kv · D)
         self.v_raw: torch.Tensor | None = None   # [n, C] latest raw values
@@ -126,10 +131,10 @@ class KIVILayer(StoreLayer):
 
     def _kernel_step(self, chunk: KVView) -> bool:
         """Whether this step runs :func:`kvbench.kernels.kivi_attend`: a one-token step after the first commit, codes
-        at 2/4/8 bits, and Triton chosen for the device by ``KVBENCH_KERNELS`` (``auto``: CUDA tensors; ``triton``
+        at 2/4/8 bits, no raw sinks, and Triton chosen for the device by ``KVBENCH_KERNELS`` (``auto``: CUDA tensors; ``triton``
         also on the CPU under ``TRITON_INTERPRET=1``)."""
-        if len(chunk) != 1 or self.bits == 16 or not self.heads:
-            return False
+        if len(chunk) != 1 or self.bits == 16 or not self.heads or self.n_sinks:
+            return False   # raw sinks: the kernel's layout (codes, then the raw residual) has no place for them
         return kernels.use_triton(chunk.keys.device)
 
     def _layout(self, chunk: KVView):
@@ -172,20 +177,40 @@ class KIVILayer(StoreLayer):
 
     def commit(self, chunk: KVView, query: torch.Tensor) -> None:
         super().commit(chunk, query)   # the store holds the chunk's exact K/V until they are quantised
-        _, h, _, d = chunk.keys.shape
+        self._take(chunk)
+        self._flush()
+
+    def _take(self, chunk: KVView) -> None:
+        """Append ``chunk``'s K/V to the raw residual, after the first ``sinks`` tokens (which stay raw)."""
+        _, h, t, d = chunk.keys.shape
         self.heads, self.head_dim = h, d
         flat = lambda x: x[0].transpose(0, 1).reshape(x.shape[-2], h * d)  # noqa: E731  [1,H,n,D] -> [n, H·D]
-        self.k_raw = _cat(self.k_raw, flat(chunk.keys))
-        self.v_raw = _cat(self.v_raw, flat(chunk.values))
+        skip = min(self.sinks - self.n_sinks, t)
+        self.n_sinks += skip
+        self.k_raw = _cat(self.k_raw, flat(chunk.keys)[skip:])
+        self.v_raw = _cat(self.v_raw, flat(chunk.values)[skip:])
+
+    def _flush(self) -> None:
+        """KIVI's residual rule (module docstring): keys in whole blocks of ``residual`` tokens, leaving
+        ``T mod residual`` raw; values all but the latest ``residual``."""
         n_k = (self.k_raw.shape[0] // self.residual) * self.residual
         if n_k:
-            for start in range(0, n_k, self.group):
-                self._quantize_keys(self.k_raw[start:start + self.group])
-            self.k_raw = self.k_raw[n_k:].clone()   # a copy: a view would keep the quantised rows' storage
+            self._quantize_key_rows(n_k)
         n_v = self.v_raw.shape[0] - self.residual
         if n_v > 0:
-            self._quantize_values(self.v_raw[:n_v])
-            self.v_raw = self.v_raw[n_v:].clone()
+            self._quantize_value_rows(n_v)
+
+    def _quantize_key_rows(self, n: int) -> None:
+        """Quantise the ``n`` oldest raw keys (a multiple of ``group``) and drop them from the raw residual."""
+        assert n % self.group == 0, (n, self.group)
+        for start in range(0, n, self.group):
+            self._quantize_keys(self.k_raw[start:start + self.group])
+        self.k_raw = self.k_raw[n:].clone()   # a copy: a view would keep the quantised rows' storage
+
+    def _quantize_value_rows(self, n: int) -> None:
+        """Quantise the ``n`` oldest raw values and drop them from the raw residual."""
+        self._quantize_values(self.v_raw[:n])
+        self.v_raw = self.v_raw[n:].clone()
 
     def _quantize_keys(self, block: torch.Tensor) -> None:
         """Per-channel: one group = one channel over ``group`` tokens (``block`` ``[group, C]``)."""
@@ -194,7 +219,7 @@ class KIVILayer(StoreLayer):
             return
         codes = quant.quantize(block.float().T.contiguous(), self.bits, block.shape[0],   # rows = channels
                                check=checks.ENABLED)
-        self._dequantised.append((True, len(self.kq), quant.dequantize(codes).T))
+        self._dequantised.append((True, self.n_sinks + len(self.kq), quant.dequantize(codes).T))
         self.kq.add(codes, len(block))
 
     def _quantize_values(self, rows: torch.Tensor) -> None:
@@ -206,26 +231,27 @@ class KIVILayer(StoreLayer):
         if self.head_dim % vg:
             raise ValueError(f"head_dim {self.head_dim} must be a multiple of the value group {vg}")
         codes = quant.quantize(rows.float(), self.bits, vg, check=checks.ENABLED)
-        self._dequantised.append((False, len(self.vq), quant.dequantize(codes)))
+        self._dequantised.append((False, self.n_sinks + len(self.vq), quant.dequantize(codes)))
         self.vq.add(codes, len(rows))
 
     def reset(self) -> None:
         """Empty the layer for a new request (transformers' ``Cache.reset``): the base store, the codes, the raw
         residual and the rows waiting to be written; a composed selector's ``after_commit`` is kept."""
         after = self.after_commit
-        KIVILayer.__init__(self, self.ctx, self.cache, self.bits, self.group, self.residual)
+        KIVILayer.__init__(self, self.ctx, self.cache, self.bits, self.group, self.residual, self.sinks)
         self.after_commit = after
 
     def packed_bytes(self) -> StoredBytes:
-        """Packed codes, fp16 min/scale per group, and the raw residual keys and values at FP16."""
+        """Packed codes, fp16 min/scale per group, the raw residual keys and values and the raw sinks at FP16."""
         kp, ks = self.kq.bytes()
         vp, vs = self.vq.bytes()
         raw = sum(0 if x is None else x.numel() * FP16_BYTES for x in (self.k_raw, self.v_raw))
-        return StoredBytes(layer=self.ctx.layer_idx, codes=kp + vp, scales=ks + vs, raw_window=raw)
+        sinks = 2 * self.n_sinks * self.heads * self.head_dim * FP16_BYTES
+        return StoredBytes(layer=self.ctx.layer_idx, codes=kp + vp, scales=ks + vs, raw_window=raw, sinks=sinks)
 
     def read_bytes(self) -> int:
         """Bytes a decode step must read from this layer in its packed form (int): the packed codes and fp16
-        min/scale of every quantised key and value, and the raw residual keys and values at the width held,
+        min/scale of every quantised key and value, and the raw sinks and residual keys and values at the width held,
         as a dequantising attention kernel (``kernels.kivi_attend``) reads them; after the latest commit.
         The torch path here reads the dequantised store instead (:meth:`StoreLayer.read_bytes`'s view), which
         the bench's achieved bandwidth therefore understates. At bits 16 nothing is packed: the view, as the
@@ -235,6 +261,8 @@ class KIVILayer(StoreLayer):
         kp, ks = self.kq.bytes()
         vp, vs = self.vq.bytes()
         raw = sum(0 if x is None else x.numel() * x.element_size() for x in (self.k_raw, self.v_raw))
+        if self.n_sinks:   # raw sinks: read from the store at the model's width
+            raw += 2 * self.n_sinks * self.heads * self.head_dim * self._buf.keys.data.element_size()
         return kp + ks + vp + vs + raw
 
     def held_tensors(self):
@@ -257,9 +285,11 @@ def _cat(a: torch.Tensor | None, b: torch.Tensor) -> torch.Tensor:
     return b if a is None else torch.cat([a, b])
 
 
-def check_config(bits: int, group: int, residual: int) -> None:
-    """Raise ValueError for bits not in {2, 4, 8, 16}, group < 1, or residual not a positive multiple
-    of group (KIVI quantises the residual in whole key groups)."""
+def check_config(bits: int, group: int, residual: int, sinks: int = 0) -> None:
+    """Raise ValueError for bits not in {2, 4, 8, 16}, group < 1, residual not a positive multiple
+    of group (KIVI quantises the residual in whole key groups), or sinks not an int >= 0."""
+    if not isinstance(sinks, int) or isinstance(sinks, bool) or sinks < 0:
+        raise ValueError(f"sinks (leading tokens kept raw) must be an int >= 0, got {sinks!r}")
     if bits not in BITS:
         raise ValueError(f"bits must be one of {BITS}, got {bits}")
     if group < 1:
@@ -278,6 +308,9 @@ class KIVIPress(Press):
     group : int, 32 — G, quantisation group (tokens for keys, channels for values).
     residual : int, 32 — R, the full-precision residual (ResidualKV authors' KIVI config; the KIVI
         paper uses 128).
+    sinks : int, 0 — leading tokens kept raw (:class:`KIVILayer`); 0 is KIVI's own form (the baseline's).
+        Beyond KIVI: the full-layer-form table (``kvbench.report.residualkv.full_layer_form``) sets 8 to
+        measure what raw sinks change.
 
     Raises ValueError as :func:`check_config`.
     """
@@ -287,13 +320,14 @@ class KIVIPress(Press):
     bits: int = 2
     group: int = 32
     residual: int = 32
+    sinks: int = 0
 
     def __post_init__(self):
         super().__post_init__()
-        check_config(self.bits, self.group, self.residual)
+        check_config(self.bits, self.group, self.residual, self.sinks)
 
     def make_layer(self, ctx: LayerContext, cache: PressCache) -> StoreLayer:
-        return KIVILayer(ctx, cache, self.bits, self.group, self.residual)
+        return KIVILayer(ctx, cache, self.bits, self.group, self.residual, self.sinks)
 
     def compute_ratio(self, n_layers: int) -> float | None:
         """1.0: every token is attended (dequantised)."""

@@ -70,6 +70,14 @@ def _load_codec(path: str) -> ResidualCodec:
 #: KIVI's group G (keys: tokens per channel group; values: channels per token group, at most head_dim) of the
 #: quantised full-attention layers (:class:`QuantizedFullLayer`), also the KR formula's q_full group
 FULL_KV_GROUP = 32
+#: forms of the quantised full-attention layers (:class:`QuantizedFullLayer`), with the wording table headers use
+FULL_KV_FORMS = {
+    "after": "the authors' engine form (full_kv_form=after: the codec's n_sink sinks raw, 32-63 raw tokens, K and V "
+             "quantised in 32-token blocks after the chunk's attention, so a one-chunk prefill attends exact K/V)",
+    "before": "the authors' HF-reference form (full_kv_form=before: sinks raw, 32-63 raw tokens, quantised before "
+              "the chunk's attention, so the prefill already reads its own rows quantised)",
+    "kivi": "jy-yuan/KIVI's rule (full_kv_form=kivi: no raw sinks, T mod 32 raw keys, the latest 32 values raw)",
+}
 
 
 class ResidualKVLayer(StoreLayer):
@@ -552,12 +560,74 @@ class ResidualKVLayer(StoreLayer):
 
 
 class QuantizedFullLayer(KIVILayer):
-    """A ResidualKV full-attention layer stored KIVI-style (paper §V-A deployment: 4-bit full layers).
+    """A ResidualKV full-attention layer stored KIVI-style at 2/4/8 bits (paper §V-A deployment: 4-bit full layers),
+    in one of three forms (``form``):
 
-    Storage as :class:`~kvbench.compress.presses.kivi.KIVILayer` (group 32, 32 raw recent tokens); its
-    packed bytes (codes, scales, raw residual) are reported as one ``full_layer`` part, the audit's category
-    for full-attention layers; its resident bytes are KIVI's.
+    - ``after`` (the authors' engine, ``CURRENTF/Sparse-vLLM`` ``deltakv_less_memory.py``, its ``keep_positions``):
+      the codec's ``n_sink`` sinks stay raw; after them the raw tokens (K and V alike) are quantised in whole
+      blocks of ``group`` when ``window + group`` of them have accumulated, the oldest ``⌊(raw − window) /
+      group⌋ · group`` at once, so ``window`` to ``window + group − 1`` (32-63) stay raw; quantisation happens
+      after the chunk's attention, so a one-chunk prefill attends exact K/V and later steps read the rows
+      dequantised.
+    - ``before`` (the authors' HF reference, ``cache_pipeline.py``'s full-layer KIVI round trip): the same
+      storage, but the chunk joins the raw tokens and the quantisation runs before the chunk's attention, so the
+      prefill's own attention already reads the quantised rows dequantised.
+    - ``kivi`` (jy-yuan/KIVI's rule, :class:`~kvbench.compress.presses.kivi.KIVILayer`; this project's form
+      before issue #32): no raw sinks, ``T mod 32`` raw keys and the latest 32 raw values, quantised after the
+      chunk's attention. Kept for the full-layer-form table (``results/residualkv/full_layer_form.csv``).
+
+    Keys per channel over ``group`` tokens, values per token over ``min(group, head_dim)`` channels (KIVI's
+    layout, :mod:`kvbench.kernels.quant`). Its packed bytes (codes, scales, raw residual, raw sinks) are
+    reported as one ``full_layer`` part, the audit's category for full-attention layers; its resident bytes are
+    KIVI's. The Triton decode kernel (:func:`kvbench.kernels.kivi_attend`) serves the ``kivi`` form only (its
+    layout has no raw sinks, and ``before`` has already quantised the step's own rows); the others read the
+    dequantised store.
+
+    Args:
+        bits: 2, 4 or 8.
+        form: ``after``, ``before`` or ``kivi`` (above).
+        sinks: raw sink tokens (the codec's ``n_sink``; ignored by ``kivi``).
+        window: raw tokens kept after the sinks at least (32 in both authors' paths).
+        group: KIVI's group G (:data:`FULL_KV_GROUP`).
+
+    Raises ValueError for a form not in :data:`FULL_KV_FORMS`, and as
+    :func:`~kvbench.compress.presses.kivi.check_config`.
     """
+
+    def __init__(self, ctx: LayerContext, cache: PressCache, bits: int, form: str = "after", sinks: int = 0,
+                 window: int = FULL_KV_GROUP, group: int = FULL_KV_GROUP):
+        if form not in FULL_KV_FORMS:
+            raise ValueError(f"full_kv_form must be one of {tuple(FULL_KV_FORMS)}, got {form!r}")
+        super().__init__(ctx, cache, bits=bits, group=group, residual=window, sinks=0 if form == "kivi" else sinks)
+        self.form = form
+
+    def _flush(self) -> None:
+        """``kivi``: KIVI's rule. Else the authors' block rule (class docstring), K and V together."""
+        if self.form == "kivi":
+            return super()._flush()
+        raw = self.k_raw.shape[0]
+        n = (raw - self.residual) // self.group * self.group if raw >= self.residual + self.group else 0
+        if n:
+            self._quantize_key_rows(n)
+            self._quantize_value_rows(n)
+
+    def _kernel_step(self, chunk: KVView) -> bool:
+        return self.form == "kivi" and super()._kernel_step(chunk)
+
+    def view_with(self, chunk: KVView) -> KVView:
+        """``before``: stage the chunk, then quantise (the chunk's own rows included) and write the dequantised
+        rows into the view this step's attention reads. Else KIVI's view (quantised rows written at the next read)."""
+        view = super().view_with(chunk)
+        if self.form == "before":
+            self._take(chunk)
+            self._flush()
+            self._write_dequantised()
+        return view
+
+    def commit(self, chunk: KVView, query: torch.Tensor) -> None:
+        if self.form != "before":
+            return super().commit(chunk, query)
+        StoreLayer.commit(self, chunk, query)   # taken and quantised in view_with; the store now counts it
 
     def packed_bytes(self) -> StoredBytes:
         return StoredBytes(layer=self.ctx.layer_idx, full_layer=super().packed_bytes().packed())
@@ -587,6 +657,11 @@ class ResidualKVPress(Press):
         full_kv_bits: the full-attention layers' storage: 16 = exact (FP16 in KR; the smoke tables), 2/4/8 =
             KIVI-style (keys per channel, values per token, group 32, 32 raw recent tokens; the paper's
             deployment quantises them to 4 bits, §V-A). A filter layer scores with the dequantised keys.
+        full_kv_form: how the 2/4/8-bit full layers are stored (:class:`QuantizedFullLayer`): ``after`` (default;
+            the authors' engine: the codec's ``n_sink`` sinks raw, 32-63 raw tokens, quantised after the chunk's
+            attention), ``before`` (the authors' HF reference: the same, quantised before it) or ``kivi``
+            (jy-yuan/KIVI's rule: no raw sinks, ``T mod 32`` raw keys, 32 raw values). Basis for the default:
+            docs/decisions/residualkv.md, "The 4-bit full layers".
         use_codec: False = the raw residual kv − mean stored at full width 2·d_k (quantised at ``bits``),
             restored as z̃ + mean: the authors' "origin" codec, Table III's ResidualKV† row. KR grows with it
             (at ``bits=16`` it is above the full cache's).
@@ -623,6 +698,7 @@ class ResidualKVPress(Press):
     mean_only: bool = False
     ref_fp8: bool = True
     full_kv_bits: int = 16
+    full_kv_form: str = "after"
     codec: str = "main"
     alpha: float | None = None
     stride: int | None = None
@@ -651,6 +727,9 @@ class ResidualKVPress(Press):
         if self.full_kv_bits not in (2, 4, 8, 16):
             raise ValueError(f"full_kv_bits must be 2, 4, 8 (KIVI-style full layers) or 16 (exact), "
                              f"got {self.full_kv_bits!r}")
+        if self.full_kv_form not in FULL_KV_FORMS:
+            raise ValueError(f"full_kv_form must be one of {tuple(FULL_KV_FORMS)} (the authors' engine, their HF "
+                             f"reference, jy-yuan/KIVI's rule), got {self.full_kv_form!r}")
         self.full_layers = layer_list("full_layers", self.full_layers)
         if isinstance(self.selector, OmniKVPress):
             if not self.full_layers:
@@ -664,6 +743,9 @@ class ResidualKVPress(Press):
         if self.full_kv_bits != 16 and not self.full_layers:
             raise ValueError(f"full_kv_bits={self.full_kv_bits} quantises the full layers, but full_layers is empty; "
                              f"set full_layers (e.g. full_layers=0+1) or drop full_kv_bits")
+        if self.full_kv_form != "after" and self.full_kv_bits == 16:
+            raise ValueError(f"full_kv_form={self.full_kv_form} is how quantised full layers are stored, but "
+                             f"full_kv_bits is 16 (exact); set full_kv_bits=2, 4 or 8 or drop full_kv_form")
         stride, alpha = self.stride, self.alpha
         if stride is not None and (not isinstance(stride, int) or isinstance(stride, bool) or stride < 1):
             raise ValueError(f"stride (reference stride s_0) must be an int >= 1, got {stride!r}")
@@ -795,8 +877,8 @@ class ResidualKVPress(Press):
         evicts coded tokens after the context chunk."""
         i = ctx.layer_idx
         if i in self.full_layers:
-            layer = (QuantizedFullLayer(ctx, cache, bits=self.full_kv_bits, group=FULL_KV_GROUP) if self.full_kv_bits < 16
-                     else StoreLayer(ctx, cache))
+            layer = (QuantizedFullLayer(ctx, cache, bits=self.full_kv_bits, form=self.full_kv_form, sinks=self.n_sink)
+                     if self.full_kv_bits < 16 else StoreLayer(ctx, cache))
             if isinstance(self.selector, OmniKVPress) and i + 1 < ctx.n_layers and i + 1 not in self.full_layers:
                 layer.after_commit = self._filter.filter
             return layer

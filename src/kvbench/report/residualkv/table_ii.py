@@ -19,7 +19,15 @@ from kvbench.plan.base import Table, load_spec
 from kvbench.plan.multimodal import KEY, MMPlan
 from kvbench.plan.residualkv import press_spec
 from kvbench.report import paired
-from kvbench.report.residualkv.tables import _mean, _read_run, bootstrap_settings, paired_rows, run_summary, with_paired
+from kvbench.report.residualkv.tables import (
+    _mean,
+    _read_run,
+    bootstrap_settings,
+    full_layer_header,
+    paired_rows,
+    run_summary,
+    with_paired,
+)
 from kvbench.utils.io import write_csv
 
 def cr_bounds(plan: MMPlan, root: str | Path = ".") -> str:
@@ -101,7 +109,7 @@ def _write(key: str, spec: str | dict, out: str | Path, root: str | Path = ".") 
     df, lines = paired_by_model(plan, score_table(plan, root), bootstrap_settings(spec), root)
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     bound = cr_bounds(plan, root)
-    write_csv(df, plan.header() + ([bound] if bound else []) + lines, str(out))
+    write_csv(df, plan.header() + full_layer_header(plan.rows) + ([bound] if bound else []) + lines, str(out))
     return df
 
 

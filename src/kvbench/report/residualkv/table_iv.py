@@ -21,7 +21,14 @@ from pathlib import Path
 import pandas as pd
 
 from kvbench.plan.base import Table
-from kvbench.report.residualkv.tables import codec_header, paired_table, score_table, selection_header, write_csv
+from kvbench.report.residualkv.tables import (
+    codec_header,
+    full_layer_header,
+    paired_table,
+    score_table,
+    selection_header,
+    write_csv,
+)
 from kvbench.plan.residualkv import RKVPlan, check_table_iv
 
 KEY = "tableIV"
@@ -50,7 +57,7 @@ def write_table_iv(plan: RKVPlan, out: str | Path, root: str | Path = ".") -> pd
         "KR_resident %: every tensor held, as held; CR %: keys read / keys visible over each query's chunk and "
         "decode steps; KR formula %: paper §V-A; the paper's Table IV has no full-cache row (§V-B): ours is "
         "the reference the others are read against",
-    ] + lines + selection_header(plan, KEY) + codec_header(plan, KEY, root)
+    ] + lines + selection_header(plan, KEY) + full_layer_header(plan.rows(KEY)) + codec_header(plan, KEY, root)
     write_csv(df, header, out)
     return df
 

@@ -32,6 +32,7 @@ from kvbench.report.residualkv.tables import (
     _mean,
     _read_run,
     codec_header,
+    full_layer_header,
     paired_table,
     run_summary,
     score_table,
@@ -93,7 +94,7 @@ def header(plan: RKVPlan, root: str | Path = ".", splits: dict[str, str] | None 
         "# score: final answer exact (kvbench.eval.metrics.final_answer) x 100; KR_packed/KR_resident %: bytes held at "
         "the end of a request / full FP16 cache of the whole sequence (prompt + generated); CR %: keys read / keys "
         "visible over the decode steps; generated/sequence tokens: means per record",
-    ] + selection_header(plan, "tableV") + codec_header(plan, "tableV", root)
+    ] + selection_header(plan, "tableV") + full_layer_header(plan.rows("tableV")) + codec_header(plan, "tableV", root)
 
 
 def _write(key: str, spec: str | dict, out: str | Path, root: str | Path = ".") -> pd.DataFrame:

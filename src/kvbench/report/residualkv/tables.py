@@ -30,6 +30,7 @@ import pandas as pd
 from kvbench.compress.presses.omnikv import OmniKVPress
 from kvbench.report import paired
 from kvbench.compress.residualkv import references
+from kvbench.compress.residualkv.cache import FULL_KV_FORMS, ResidualKVPress
 from kvbench.plan.base import Table
 from kvbench.plan.residualkv import RKVPlan, known_model_shape, press_spec
 from kvbench.utils.io import atomic_path, read_jsonl
@@ -270,6 +271,19 @@ def selection_header(plan: RKVPlan, target: str) -> list[str]:
     return [f"# OmniKV selection ({', '.join(labels)}): {form}" for form, labels in forms.items()]
 
 
+def full_layer_header(rows) -> list[str]:
+    """``#`` lines naming how the ResidualKV rows among ``rows`` (:class:`~kvbench.plan.residualkv.Row`) with
+    quantised full-attention layers store them (bits and :data:`~kvbench.compress.residualkv.cache.FULL_KV_FORMS`),
+    one per distinct setting, with the rows' labels; none when no row quantises them."""
+    forms: dict[tuple[int, str], list[str]] = {}
+    for row in rows:
+        press = press_spec(row.spec).build()
+        if isinstance(press, ResidualKVPress) and press.full_kv_bits < 16:
+            forms.setdefault((press.full_kv_bits, press.full_kv_form), []).append(row.label)
+    return [f"# full-attention layers ({', '.join(labels)}): KIVI-style {bits}-bit, {FULL_KV_FORMS[form]}"
+            for (bits, form), labels in forms.items()]
+
+
 def codec_header(plan: RKVPlan, target: str, root: str | Path = ".") -> list[str]:
     """``#`` lines naming the codec each row of ``target`` read (:meth:`RKVPlan.codec_origin`: trained here with its
     recipe, or imported from the authors' checkpoint with its weights' sha256 prefix), one per codec variant."""
@@ -282,7 +296,8 @@ def codec_header(plan: RKVPlan, target: str, root: str | Path = ".") -> list[str
 
 
 def write_table(plan: RKVPlan, target: str, out: str | Path, root: str | Path = ".") -> pd.DataFrame:
-    """Compute and write ``target`` (a key of :data:`TABLES`: tableIII, tableVI, tableVII, tableVIII)."""
+    """Compute and write ``target`` (a key of :data:`TABLES`: tableIII, tableVI, tableVII, tableVIII,
+    table_full_layer_form)."""
     if target == "tableVI":  # one row per alpha of one method: no pair of methods to tell apart
         df, lines = table_vi(plan, root), []
     else:
@@ -292,7 +307,7 @@ def write_table(plan: RKVPlan, target: str, out: str | Path, root: str | Path = 
         "measured, incl. sinks, raw window, indices); KR_resident %: bytes of every tensor held, as held (unpacked "
         "codes, masks, positions, dequantised copies, model dtype); CR %: keys read / keys visible after the first "
         "chunk; KR formula %: paper §V-A; full layers/codes+scales/references/indices/window+sinks %: KR_packed by part"
-    ] + lines + selection_header(plan, target) + codec_header(plan, target, root)
+    ] + lines + selection_header(plan, target) + full_layer_header(plan.rows(target)) + codec_header(plan, target, root)
     write_csv(df, header, out)
     return df
 
@@ -342,4 +357,13 @@ TABLES: dict[str, Table] = {t.name: t for t in (
           "`use_codec=false` is the other form, the raw residual stored at full width) and without references. "
           f"{_CELLS}",
           _write),
+    Table("residualkv/table_full_layer_form", "ResidualKV", "residualkv",
+          "Full-layer form (4-bit full layers: KIVI's rule vs the authors' two forms; raw sinks for KIVI-2)",
+          "**The full-layer form** (issue #32; not a paper table): what the storage form of ResidualKV's 4-bit "
+          "full-attention layers (§V-A deployment) costs on its own. Layers 0-1 KIVI-4 in three forms with every other "
+          "layer exact (`residualkv` standalone with `use_codec=false,bits=32,ref_fp8=false`: the raw residual and "
+          "references stored in float32): jy-yuan/KIVI's rule (`full_kv_form=kivi`, this project's form before), the "
+          "authors' engine (`after`: the codec's sinks raw, 32-63 raw tokens, quantised after the chunk's attention) "
+          "and their HF reference (`before`: quantised before it); and KIVI-2 on every layer with and without 8 raw "
+          f"sinks (`kivi:bits=2,sinks=8`). Each under both protocols. {_CELLS}", _write),
 )}
