@@ -50,8 +50,8 @@ def test_kernel_cache_path_equals_the_torch_path(tiny_lm, tmp_path, monkeypatch,
     lambda codec_dir: KIVIPress(bits=2, group=8, residual=8),
     lambda codec_dir: KIVIPress(bits=4, group=8, residual=16),
     lambda codec_dir: ResidualKVPress(codec_dir=codec_dir, bits=4, selector=OmniKVPress(keep=0.4), full_layers=(0, 1),
-                                      full_kv_bits=4, latent_v=False),
-], ids=["kivi2", "kivi4-r16", "residualkv-full-layers-4bit"])
+                                      full_kv_bits=4, full_kv_form="kivi", latent_v=False),
+], ids=["kivi2", "kivi4-r16", "residualkv-full-layers-4bit-kivi-form"])
 def test_kivi_kernel_path_equals_the_torch_path(tiny_lm, tmp_path, monkeypatch, interpreter, make,  # noqa: F811
                                                 record_property):
     """The KIVI layers' one-token steps through ``kivi_attend`` (packed codes dequantised in the kernel) give the
@@ -77,3 +77,22 @@ def test_kivi_kernel_path_equals_the_torch_path(tiny_lm, tmp_path, monkeypatch, 
     assert cache.attended == ref_cache.attended
     mirror = cache.layers[0]._mirror
     assert mirror is not None and len(mirror["kc"]) == len(cache.layers[0].kq.codes)
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="runs the tiny LM on the CPU under the interpreter")
+@pytest.mark.parametrize("form", ["after", "before"])
+def test_the_authors_full_layer_forms_read_the_store_not_the_kernel(tiny_lm, tmp_path, monkeypatch, interpreter,  # noqa: F811
+                                                                    form):
+    """The kernel's layout has no raw-sink segment (and ``before`` has quantised a step's own rows): the authors'
+    forms never take it, even where Triton is chosen, and give the torch path's logits exactly."""
+    ResidualCodec.for_model(tiny_lm, seed=3, d_c=32, d_ff=64, n_sink=2, window=4, stride=5).save(tmp_path / "c")
+    make = lambda: ResidualKVPress(codec_dir=str(tmp_path / "c"), bits=4, selector=OmniKVPress(keep=0.4),  # noqa: E731
+                                   full_layers=(0, 1), full_kv_bits=4, full_kv_form=form)
+    ids, cuts = IDS[:, :49], [30, 45, 46, 47, 48]
+    monkeypatch.setenv("KVBENCH_KERNELS", "torch")
+    want, _ = _run(tiny_lm, make(), ids, cuts)
+    monkeypatch.setenv("KVBENCH_KERNELS", "triton")
+    monkeypatch.setattr(ResidualKVLayer, "_kernel_step", lambda self, chunk: False)   # the sparse layers' own kernel
+    monkeypatch.setattr(KIVILayer, "_layout", lambda self, chunk: pytest.fail("the kernel ran"))
+    got, _ = _run(tiny_lm, make(), ids, cuts)
+    torch.testing.assert_close(got, want, atol=0, rtol=0)

@@ -472,3 +472,27 @@ def test_audit_row_reports_packed_resident_and_what_was_kept(tiny_lm):
     assert row["kr_resident"] > row["kr_packed"]                   # float32 K/V and int64 per-head positions
     assert row["full_bytes"] == 2 * 2 * 3 * 204 * 2 * 16
     assert sum(b["resident"] for b in row["bytes"]) == pytest.approx(row["kr_resident"] * row["full_bytes"])
+
+
+def test_attribution_and_full_layer_headers_name_what_each_row_changes():
+    """Each ResidualKV-family row's header line names exactly the parameters it changes against the row labelled
+    ResidualKV (issue #32: no header claims more than a row shows), and the 4-bit rows' full-layer form."""
+    from kvbench.plan.residualkv import Row, press_spec
+    from kvbench.report.residualkv.tables import attribution_header, full_layer_header
+
+    spec = lambda s: press_spec(s).canonical  # noqa: E731
+    rows = [Row("Full cache", spec("fullkv")),
+            Row("ResidualKV", spec("residualkv+omnikv:full_layers=0+1,keep=0.2,full_kv_bits=4,protocol=one_pass")),
+            Row("FP16", spec("residualkv+omnikv:full_layers=0+1,keep=0.2,protocol=one_pass")),
+            Row("HF", spec("residualkv+omnikv:full_layers=0+1,keep=0.2,full_kv_bits=4,full_kv_form=before")),
+            Row("alone", spec("residualkv:full_layers=0+1,full_kv_bits=4"))]
+    got = attribution_header(rows)
+    assert got == ["# FP16 vs ResidualKV: changes only full_kv_bits=16 (ResidualKV: 4)",
+                   "# HF vs ResidualKV: changes only full_kv_form=before (ResidualKV: after)",
+                   "# alone vs ResidualKV: changes only method residualkv (ResidualKV: residualkv+omnikv); keep=None "
+                   "(ResidualKV: 0.2)"]
+    assert attribution_header(rows[:1]) == []   # no ResidualKV row: nothing to attribute
+    forms = full_layer_header(rows)
+    assert [line.split(":")[0] for line in forms] == ["# full-attention layers (ResidualKV, alone)",
+                                                      "# full-attention layers (HF)"]
+    assert "engine form" in forms[0] and "HF-reference form" in forms[1]

@@ -38,3 +38,30 @@ def test_supervision_leaves_the_forward_pass_unchanged_and_restores_sdpa(tokeniz
 def test_loss_without_a_forward_pass_is_an_error():
     with pytest.raises(RuntimeError, match="inside supervise_heads"):
         heads.head_supervision_loss(torch.zeros(1, 4, dtype=torch.long), torch.ones(1, 4))
+
+
+def test_head_layers_move_the_supervised_heads(tokenizer):
+    """``head_layers`` (issue #32): the heads supervised sit in the layers named, so the supervision's gradient reaches
+    the query projections up to the induction layer and none after it; a recipe field that the recipe hash leaves out
+    at its default."""
+    from kvbench.train.recipes import apply_overrides, lm_recipe, phase_fields
+
+    torch.manual_seed(0)
+    model = transformers.Qwen2ForCausalLM(build_config("tiny-qwen2-lm", tokenizer))
+    ids = torch.randint(10, 200, (1, 24))
+    ids[:, 12:] = ids[:, :12]
+    mask = torch.ones_like(ids)
+    with heads.supervise_heads(model, layers=(3, 4)):
+        model(input_ids=ids, attention_mask=mask)
+        heads.head_supervision_loss(ids, mask).backward()
+    grads = [layer.self_attn.q_proj.weight.grad for layer in model.model.layers]
+    assert [i for i, g in enumerate(grads) if g is not None and g.abs().sum() > 0] == [0, 1, 2, 3, 4]
+    for bad in [(1, 1), (4, 3), (0, 8)]:
+        with pytest.raises(ValueError, match="head_layers must be"):
+            with heads.supervise_heads(model, layers=bad):
+                pass
+    moved = apply_overrides(lm_recipe(), {"phases": {"copy32": {"head_layers": [3, 4]}}})
+    assert moved[0].head_layers == (3, 4) and phase_fields(moved[0])["head_layers"] == (3, 4)
+    assert "head_layers" not in phase_fields(lm_recipe()[0])   # default: the trained models keep their hash
+    with pytest.raises(ValueError, match="head_layers must be two layer indices"):
+        apply_overrides(lm_recipe(), {"phases": {"copy32": {"head_layers": [2]}}})

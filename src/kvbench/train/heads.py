@@ -32,18 +32,23 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-#: ``(layer, query head)`` supervised to attend to the previous position.
-PREVIOUS_TOKEN_HEAD = (0, 0)
+#: Default layers of the supervised heads: ``(previous-token head's layer, induction head's layer)``
+#: (:attr:`kvbench.train.recipes.Phase.head_layers` sets others).
+HEAD_LAYERS = (0, 1)
+#: ``(layer, query head)`` supervised to attend to the previous position (at the default layers).
+PREVIOUS_TOKEN_HEAD = (HEAD_LAYERS[0], 0)
 #: ``(layer, query head)`` supervised to attend to the position after the latest earlier
 #: occurrence of the current token (the induction pattern ``[.. a b .. a] -> b``).
-INDUCTION_HEAD = (1, 0)
+INDUCTION_HEAD = (HEAD_LAYERS[1], 0)
 #: ``(layer, query head)`` optionally supervised to attend to the position after the latest earlier occurrence of
-#: the *previous* token (``[.. a b .. a x] -> b``; :func:`skip_targets`).
-SKIP_HEAD = (1, 1)
+#: the *previous* token (``[.. a b .. a x] -> b``; :func:`skip_targets`): head 1 of the induction head's layer.
+SKIP_HEAD = (HEAD_LAYERS[1], 1)
 ATTN_NAME = "kvbench_head_supervision"
 
 _watch: dict[int, tuple[int, ...]] = {}
 _captured: dict[tuple[int, int], torch.Tensor] = {}
+#: the heads :func:`supervise_heads` watches now: ``{"previous": (layer, head), "induction": ..., "skip": ...}``
+_heads: dict[str, tuple[int, int]] = {}
 
 
 def _supervised_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -95,16 +100,27 @@ def skip_targets(input_ids: torch.Tensor) -> torch.Tensor:
 
 
 @contextmanager
-def supervise_heads(model: Any, skip: bool = False) -> Iterator[None]:
-    """Within the block, forward passes of ``model`` capture the supervised heads' attention (with ``skip``, also
-    :data:`SKIP_HEAD`'s).
+def supervise_heads(model: Any, skip: bool = False, layers: tuple[int, int] = HEAD_LAYERS) -> Iterator[None]:
+    """Within the block, forward passes of ``model`` capture the supervised heads' attention: query head 0 of
+    ``layers[0]`` (previous token) and of ``layers[1]`` (induction), with ``skip`` also head 1 of ``layers[1]``.
 
     Restores the model's attention implementation on exit (the saved
     checkpoint keeps SDPA).
+
+    Raises:
+        ValueError: ``layers`` not two layer indices of the model with the previous-token head's before the
+            induction head's (the induction head reads what the previous-token head wrote).
     """
+    n = model.config.get_text_config().num_hidden_layers
+    prev, ind = (int(x) for x in layers)
+    if not 0 <= prev < ind < n:
+        raise ValueError(f"head_layers must be (previous-token layer, induction layer) with 0 <= previous < induction "
+                         f"< {n} (the model's layers), got {tuple(layers)}")
     old = model.config._attn_implementation
     _watch.clear()
-    for layer, head in (PREVIOUS_TOKEN_HEAD, INDUCTION_HEAD) + ((SKIP_HEAD,) if skip else ()):
+    _heads.clear()
+    _heads.update(previous=(prev, 0), induction=(ind, 0), **({"skip": (ind, 1)} if skip else {}))
+    for layer, head in _heads.values():
         _watch[layer] = _watch.get(layer, ()) + (head,)
     model.set_attn_implementation(ATTN_NAME)
     try:
@@ -112,6 +128,7 @@ def supervise_heads(model: Any, skip: bool = False) -> Iterator[None]:
     finally:
         _watch.clear()
         _captured.clear()
+        _heads.clear()
         model.set_attn_implementation(old)
 
 
@@ -125,20 +142,24 @@ def head_supervision_loss(input_ids: torch.Tensor, attention_mask: torch.Tensor)
     Raises:
         RuntimeError: no forward pass ran inside :func:`supervise_heads`.
     """
-    return _nll({PREVIOUS_TOKEN_HEAD: previous_token_targets(input_ids), INDUCTION_HEAD: induction_targets(input_ids)},
+    if not _heads:
+        raise RuntimeError("head_supervision_loss needs a forward pass inside supervise_heads(model)")
+    return _nll({_heads["previous"]: previous_token_targets(input_ids), _heads["induction"]: induction_targets(input_ids)},
                 attention_mask, "head_supervision_loss")
 
 
 def skip_supervision_loss(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     """Mean NLL of :data:`SKIP_HEAD`'s attention on :func:`skip_targets`, after a forward pass inside
     ``supervise_heads(model, skip=True)`` (arguments and errors as :func:`head_supervision_loss`)."""
-    return _nll({SKIP_HEAD: skip_targets(input_ids)}, attention_mask, "skip_supervision_loss")
+    if "skip" not in _heads:
+        raise RuntimeError("skip_supervision_loss needs a forward pass inside supervise_heads(model, skip=True)")
+    return _nll({_heads["skip"]: skip_targets(input_ids)}, attention_mask, "skip_supervision_loss")
 
 
 def _nll(targets: dict[tuple[int, int], torch.Tensor], attention_mask: torch.Tensor, caller: str) -> torch.Tensor:
     if not all(head in _captured for head in targets):
         raise RuntimeError(f"{caller} needs a forward pass inside supervise_heads(model"
-                           f"{', skip=True' if SKIP_HEAD in targets else ''})")
+                           f"{', skip=True' if 'skip' in _heads and _heads['skip'] in targets else ''})")
     loss = torch.zeros(())
     for head, target in targets.items():
         logp = _captured.pop(head)

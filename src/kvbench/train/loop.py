@@ -125,7 +125,7 @@ def task_loss(model: Any, batch: dict, labels: torch.Tensor, phase: Phase,
     hide = batch.pop("hide_block", None)
     with contextlib.ExitStack() as stack:
         if phase.head_supervision:
-            stack.enter_context(supervise_heads(model, skip=bool(phase.skip_supervision)))
+            stack.enter_context(supervise_heads(model, skip=bool(phase.skip_supervision), layers=phase.head_layers))
         if hide is not None:
             stack.enter_context(hide_prompt(model, hide, batch.get("attention_mask")))
         hidden = model.model(**batch).last_hidden_state

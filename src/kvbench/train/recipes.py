@@ -50,6 +50,10 @@ class Phase:
     head_supervision : float — weight of the attention-supervision term
         (:mod:`kvbench.train.heads`: a previous-token head and an induction head)
         added to the loss; 0 turns it off. Text models only.
+    head_layers : tuple — ``(previous-token head's layer, induction head's layer)`` of the supervised heads
+        (query head 0 of each; the skip head is head 1 of the induction layer); default ``(0, 1)``. Where the
+        induction head sits decides which layer's keys retrieval reads (issue #32: the layers a compressed cache
+        keeps full or compresses).
     skip_supervision : float — weight of the skip head's attention-supervision term (:data:`kvbench.train.heads.SKIP_HEAD`:
         the induction lookup of the token before the current one, which the chain-pairs task's alternation needs);
         0 turns it off. Needs ``head_supervision``.
@@ -89,6 +93,7 @@ class Phase:
     freeze_vision: bool = False
     head_supervision: float = 0.0
     skip_supervision: float = 0.0
+    head_layers: tuple = (0, 1)
     cell_reading: float = 0.0
     cell_target: str = "instruction"
     hide_prompt: str = ""
@@ -243,14 +248,15 @@ def zoo_recipe(name: str, kind: str, overrides: dict, *, seed: int, threads: int
 
 #: Phase fields added after zoo models were trained, with the value those models had: left out of the recipe
 #: while they hold it, so that adding a field does not rename (and retrain) every trained model.
-LATER_FIELDS = {"stale_pages": 0.0, "skip_supervision": 0.0}
+LATER_FIELDS = {"stale_pages": 0.0, "skip_supervision": 0.0, "head_layers": (0, 1)}
 
 
 def phase_fields(phase: Phase | dict) -> dict:
     """The phase's fields as they enter the recipe hash and a saved training state's recipe (:data:`LATER_FIELDS`
     at their old value left out, so a state saved before such a field existed still resumes)."""
     d = asdict(phase) if isinstance(phase, Phase) else phase
-    return {k: v for k, v in d.items() if not (k in LATER_FIELDS and v == LATER_FIELDS[k])}
+    old = lambda k, v: k in LATER_FIELDS and (tuple(v) if isinstance(v, list) else v) == LATER_FIELDS[k]  # noqa: E731
+    return {k: v for k, v in d.items() if not old(k, v)}
 
 
 def apply_overrides(phases: list[Phase], overrides: dict) -> list[Phase]:
@@ -285,6 +291,12 @@ def apply_overrides(phases: list[Phase], overrides: dict) -> list[Phase]:
             raise ValueError(f"phase {p.name!r}: stale_pages must be a share in [0, 1], got {p.stale_pages!r}")
         if not (isinstance(p.skip_supervision, (int, float)) and p.skip_supervision >= 0):
             raise ValueError(f"phase {p.name!r}: skip_supervision must be a weight >= 0, got {p.skip_supervision!r}")
+        if not (isinstance(p.head_layers, (list, tuple)) and len(p.head_layers) == 2
+                and all(isinstance(x, int) and not isinstance(x, bool) for x in p.head_layers)
+                and 0 <= p.head_layers[0] < p.head_layers[1]):
+            raise ValueError(f"phase {p.name!r}: head_layers must be two layer indices (previous-token layer, "
+                             f"induction layer), the first below the second, got {p.head_layers!r}")
+        p = replace(p, head_layers=tuple(p.head_layers))
         if p.skip_supervision and not p.head_supervision:
             raise ValueError(f"phase {p.name!r}: skip_supervision needs head_supervision (the skip head reads the "
                              "supervised previous-token head)")

@@ -22,6 +22,7 @@ import pandas as pd
 
 from kvbench.plan.base import Table
 from kvbench.report.residualkv.tables import (
+    attribution_header,
     codec_header,
     full_layer_header,
     paired_table,
@@ -57,7 +58,8 @@ def write_table_iv(plan: RKVPlan, out: str | Path, root: str | Path = ".") -> pd
         "KR_resident %: every tensor held, as held; CR %: keys read / keys visible over each query's chunk and "
         "decode steps; KR formula %: paper §V-A; the paper's Table IV has no full-cache row (§V-B): ours is "
         "the reference the others are read against",
-    ] + lines + selection_header(plan, KEY) + full_layer_header(plan.rows(KEY)) + codec_header(plan, KEY, root)
+    ] + lines + selection_header(plan, KEY) + full_layer_header(plan.rows(KEY)) + attribution_header(
+        plan.rows(KEY)) + codec_header(plan, KEY, root)
     write_csv(df, header, out)
     return df
 

@@ -31,6 +31,7 @@ from kvbench.plan.base import Table, load_spec
 from kvbench.report.residualkv.tables import (
     _mean,
     _read_run,
+    attribution_header,
     codec_header,
     full_layer_header,
     paired_table,
@@ -94,7 +95,8 @@ def header(plan: RKVPlan, root: str | Path = ".", splits: dict[str, str] | None 
         "# score: final answer exact (kvbench.eval.metrics.final_answer) x 100; KR_packed/KR_resident %: bytes held at "
         "the end of a request / full FP16 cache of the whole sequence (prompt + generated); CR %: keys read / keys "
         "visible over the decode steps; generated/sequence tokens: means per record",
-    ] + selection_header(plan, "tableV") + full_layer_header(plan.rows("tableV")) + codec_header(plan, "tableV", root)
+    ] + selection_header(plan, "tableV") + full_layer_header(plan.rows("tableV")) + attribution_header(
+        plan.rows("tableV")) + codec_header(plan, "tableV", root)
 
 
 def _write(key: str, spec: str | dict, out: str | Path, root: str | Path = ".") -> pd.DataFrame:

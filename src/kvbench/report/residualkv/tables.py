@@ -21,6 +21,7 @@ Fig. 8 (decode tokens/s vs context, from the profiling CSV), Fig. 6 (codec cost,
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -284,6 +285,38 @@ def full_layer_header(rows) -> list[str]:
             for (bits, form), labels in forms.items()]
 
 
+def attribution_header(rows, reference: str = "ResidualKV") -> list[str]:
+    """``#`` lines saying what each ResidualKV-family row among ``rows`` changes against the row labelled
+    ``reference`` (the spec parameters that differ, the reference's value in brackets; the protocol excluded), so a
+    reader knows what a difference between the two isolates; none without such a row."""
+    ref = next((r for r in rows if r.label == reference), None)
+    if ref is None:
+        return []
+    base = press_spec(ref.spec)
+    out = []
+    for row in rows:
+        spec = press_spec(row.spec)
+        if row is ref or spec.cls is not base.cls:
+            continue
+        keys = sorted((set(spec.params) | set(base.params)) - {"protocol", "decode_tail"})
+        value = lambda sp, k: sp.params.get(k, _default(sp, k))  # noqa: E731
+        diff = [f"{k}={value(spec, k)} ({reference}: {value(base, k)})" for k in keys if value(spec, k) != value(base, k)]
+        if spec.name != base.name:
+            diff.insert(0, f"method {spec.name} ({reference}: {base.name})")
+        if diff:
+            out.append(f"# {row.label} vs {reference}: changes only {'; '.join(diff)}")
+    return out
+
+
+def _default(spec, key: str):
+    """The dataclass default of parameter ``key`` of a parsed press spec (storage or selector field)."""
+    for cls in (spec.cls, spec.selector_cls):
+        for f in dataclasses.fields(cls) if cls is not None else ():
+            if f.name == key:
+                return f.default
+    return None
+
+
 def codec_header(plan: RKVPlan, target: str, root: str | Path = ".") -> list[str]:
     """``#`` lines naming the codec each row of ``target`` read (:meth:`RKVPlan.codec_origin`: trained here with its
     recipe, or imported from the authors' checkpoint with its weights' sha256 prefix), one per codec variant."""
@@ -297,7 +330,7 @@ def codec_header(plan: RKVPlan, target: str, root: str | Path = ".") -> list[str
 
 def write_table(plan: RKVPlan, target: str, out: str | Path, root: str | Path = ".") -> pd.DataFrame:
     """Compute and write ``target`` (a key of :data:`TABLES`: tableIII, tableVI, tableVII, tableVIII,
-    table_full_layer_form)."""
+    table_full_layer_form, table_layer_flow)."""
     if target == "tableVI":  # one row per alpha of one method: no pair of methods to tell apart
         df, lines = table_vi(plan, root), []
     else:
@@ -307,7 +340,8 @@ def write_table(plan: RKVPlan, target: str, out: str | Path, root: str | Path = 
         "measured, incl. sinks, raw window, indices); KR_resident %: bytes of every tensor held, as held (unpacked "
         "codes, masks, positions, dequantised copies, model dtype); CR %: keys read / keys visible after the first "
         "chunk; KR formula %: paper §V-A; full layers/codes+scales/references/indices/window+sinks %: KR_packed by part"
-    ] + lines + selection_header(plan, target) + full_layer_header(plan.rows(target)) + codec_header(plan, target, root)
+    ] + lines + selection_header(plan, target) + full_layer_header(plan.rows(target)) + attribution_header(
+        plan.rows(target)) + codec_header(plan, target, root)
     write_csv(df, header, out)
     return df
 
@@ -357,6 +391,14 @@ TABLES: dict[str, Table] = {t.name: t for t in (
           "`use_codec=false` is the other form, the raw residual stored at full width) and without references. "
           f"{_CELLS}",
           _write),
+    Table("residualkv/table_layer_flow", "ResidualKV", "residualkv",
+          "Layer flow (score with one layer's coded tokens restored as their reference mean, the others exact)",
+          "**Where the task flows** (issue #32; not a paper table): one row per decoder layer, in which every coded "
+          "token (not the codec's sinks or raw window) is restored as the mean of its references only (`mean_only`, "
+          "Table VIII's \"without f_c, f_d\"; references float32, no codes) while every other layer is kept exact "
+          "(`full_layers` = all the others). The drop from the full cache measures how much of the task reads that "
+          "layer's K/V beyond what its references carry: the layers ResidualKV compresses must carry the task for "
+          f"its codec to be tested (Table VIII). {_CELLS}", _write),
     Table("residualkv/table_full_layer_form", "ResidualKV", "residualkv",
           "Full-layer form (4-bit full layers: KIVI's rule vs the authors' two forms; raw sinks for KIVI-2)",
           "**The full-layer form** (issue #32; not a paper table): what the storage form of ResidualKV's 4-bit "
