@@ -369,3 +369,22 @@ def test_bad_table_v_config_is_refused_in_the_dry_run(tmp_path, change, match):
     with pytest.raises(Exception) as e:
         _dry_run(write_config(tmp_path / "c.yaml", cfg), ["results/residualkv/tableV.csv"], tmp_path / "work")
     assert re.search(match, _chain(e.value)), _chain(e.value)
+
+
+def test_decode_tail_reaches_every_row_but_table_v_s():
+    """The section's decode_tail is added to every row (unless a row spells its own) and named in the header's
+    protocol line; Table V's long_generation plan does not inherit it (its answers decode through the cache)."""
+    from kvbench.plan.generation import generation_plan
+    from kvbench.plan.residualkv import RKVPlan, press_spec
+
+    section = {**GEN_SECTION, "decode_tail": 1,
+               "tableIII": [{"label": "Full cache", "method": "fullkv"},
+                            {"label": "own", "method": "snapkv:keep=0.3,decode_tail=0"}]}
+    plan = RKVPlan(section, "smoke")
+    tails = [press_spec(r.spec).params.get("decode_tail", 0) for r in plan.rows("tableIII")]
+    assert tails == [1, 0]
+    note = plan.protocol_note("tableIII")
+    assert note.startswith("one_pass:") and "decode_tail=0/1: the question's last token(s)" in note
+    assert "decode_tail" not in RKVPlan(GEN_SECTION, "smoke").protocol_note("tableIII")
+    gen = generation_plan(section, "smoke", seed=0, model_dir="zoo/smoke/chain")
+    assert all("decode_tail" not in press_spec(r.spec).params for r in gen.rows("tableV"))

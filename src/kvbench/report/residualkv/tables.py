@@ -373,7 +373,8 @@ TABLES: dict[str, Table] = {t.name: t for t in (
           "**ResidualKV Table III** (paper §V-B, main long-context results): every compression method (SnapKV, "
           "PyramidKV, KVzip, Quest, OmniKV, KIVI, Palu, ResidualKV with and without its codec) against the full KV "
           "cache, per task. ResidualKV stores its full-attention layers KIVI-style 4-bit (`full_kv_bits=4`), the "
-          "paper's deployment (§V-A); a row labelled `(full layers FP16)`, where the config has one, keeps them FP16, "
+          "paper's deployment (§V-A), in the authors' engine form (sinks and 32-63 tokens raw; the header names the "
+          "form); a row labelled `(full layers FP16)`, where the config has one, keeps them FP16, "
           f"and so does the ResidualKV† row (as config/paper.yaml runs it). {_CELLS}", _write),
     Table("residualkv/tableVI", "ResidualKV", "residualkv", "Table VI (dynamic stride alpha: references and score)",
           "**ResidualKV Table VI** (paper §V-C, dynamic reference stride): per α, the number and share of reference "
