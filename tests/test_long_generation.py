@@ -282,20 +282,22 @@ def test_an_imported_main_codec_is_not_inherited_by_another_backbone():
     own = {**section, "long_generation": {**section["long_generation"], "codec": {"import": "compressors/chain"}}}
     assert generation_section(own)["codec"] == {"import": "compressors/chain"}
 
+
 def test_table_v_smoke_dry_run(tmp_path):
     """On the tiny zoo Table V is in the default profile. Its chain model is `on_demand`: Table V's target trains it,
     the default target (the zoo report) does not, and its floor error names Table V (it named Tables III/VI-VIII)."""
-    from test_workflow import planned_jobs, snakemake
+    from test_workflow import CONFIG, load, planned_jobs, snakemake
 
     r = snakemake(tmp_path, "-n", "-p", "results/residualkv/tableV.csv")
     assert r.returncode == 0, r.stdout[-3000:]
     jobs = planned_jobs(r.stdout)
-    assert jobs["eval"] == 4 and jobs["rkv_codec"] == 1 and jobs["train"] == 1 and jobs["table"] == 1
+    n_rows = len(load(CONFIG)["residualkv"]["tableV"])   # 4 methods and 3 attribution rows (issue #32)
+    assert jobs["eval"] == n_rows == 7 and jobs["rkv_codec"] == 1 and jobs["train"] == 1 and jobs["table"] == 1
     assert "kvbench train --model tiny-qwen2-lm-chain " in r.stdout and '"chain_pairs_64": 0.5' in r.stdout
     assert "--feeds 'the targets that name it (ResidualKV Table V when it is residualkv.long_generation.model)'" in r.stdout
     assert re.search(r"--out codecs/smoke/tiny-qwen2-lm-chain/main-[0-9a-f]{8} .*--data chain ", r.stdout)
     assert not re.search(r"zoo/smoke/tiny-qwen2-lm-[0-9a-f]{8}", r.stdout)   # Table V never touches the main zoo LM
-    assert r.stdout.count("--split data/smoke/chain_pairs_64-") == 4 and "--limit 50" in r.stdout
+    assert r.stdout.count("--split data/smoke/chain_pairs_64-") == n_rows and "--limit 50" in r.stdout
     default = snakemake(tmp_path, "-n", "-p")
     assert default.returncode == 0, default.stdout[-3000:]
     assert "tiny-qwen2-lm-chain" not in default.stdout and "kvbench train --model tiny-qwen2-lm " in default.stdout
