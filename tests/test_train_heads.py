@@ -65,3 +65,14 @@ def test_head_layers_move_the_supervised_heads(tokenizer):
     assert "head_layers" not in phase_fields(lm_recipe()[0])   # default: the trained models keep their hash
     with pytest.raises(ValueError, match="head_layers must be two layer indices"):
         apply_overrides(lm_recipe(), {"phases": {"copy32": {"head_layers": [2]}}})
+
+
+def test_head_layers_outside_the_model_are_refused_before_training(tokenizer_dir, tmp_path):
+    """A later phase's head_layers past the model's 8 layers fails before the first step, naming the phase
+    (it failed only when that phase started, after the earlier phases had trained)."""
+    from kvbench.train.zoo import train_zoo_model
+
+    with pytest.raises(ValueError, match=r"phase 'tasks1024': head_layers \(0, 9\) names layer 9, but the model has 8"):
+        train_zoo_model("tiny-qwen2-lm", tokenizer_dir=tokenizer_dir, out_dir=tmp_path / "out",
+                        workdir=tmp_path / "work", overrides={"phases": {"tasks1024": {"head_layers": [0, 9]}}})
+    assert not (tmp_path / "work" / "state").exists()

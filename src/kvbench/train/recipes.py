@@ -53,7 +53,8 @@ class Phase:
     head_layers : tuple — ``(previous-token head's layer, induction head's layer)`` of the supervised heads
         (query head 0 of each; the skip head is head 1 of the induction layer); default ``(0, 1)``. Where the
         induction head sits decides which layer's keys retrieval reads (issue #32: the layers a compressed cache
-        keeps full or compresses).
+        keeps full or compresses). A phase field like the others: to move the heads for a whole run, set it in
+        every phase (``overrides = {"phases": {name: {"head_layers": [1, 2]} for every phase name}}``).
     skip_supervision : float — weight of the skip head's attention-supervision term (:data:`kvbench.train.heads.SKIP_HEAD`:
         the induction lookup of the token before the current one, which the chain-pairs task's alternation needs);
         0 turns it off. Needs ``head_supervision``.
@@ -249,6 +250,15 @@ def zoo_recipe(name: str, kind: str, overrides: dict, *, seed: int, threads: int
 #: Phase fields added after zoo models were trained, with the value those models had: left out of the recipe
 #: while they hold it, so that adding a field does not rename (and retrain) every trained model.
 LATER_FIELDS = {"stale_pages": 0.0, "skip_supervision": 0.0, "head_layers": (0, 1)}
+
+
+def check_head_layers(phases: list[Phase], n_layers: int) -> None:
+    """Raise ValueError naming the phase whose supervised heads (``head_layers``, when it supervises heads) lie
+    outside a model of ``n_layers`` decoder layers: checked before training, not when that phase starts."""
+    for p in phases:
+        if p.head_supervision and not p.head_layers[1] < n_layers:
+            raise ValueError(f"phase {p.name!r}: head_layers {tuple(p.head_layers)} names layer {p.head_layers[1]}, but "
+                             f"the model has {n_layers} decoder layers (0..{n_layers - 1})")
 
 
 def phase_fields(phase: Phase | dict) -> dict:

@@ -22,7 +22,7 @@ from kvbench.models.tiny import build_config, build_processor, zoo_spec
 from kvbench.train.batches import PROBE_CLASSES
 from kvbench.train.floors import Scorer, check_floor_values, check_floors, validation_scores
 from kvbench.train.loop import run_phases
-from kvbench.train.recipes import RECIPES, apply_overrides
+from kvbench.train.recipes import RECIPES, apply_overrides, check_head_layers
 from kvbench.utils.io import write_json
 
 
@@ -60,8 +60,8 @@ def train_zoo_model(
 
     Raises:
         KeyError: unknown zoo name.
-        ValueError: bad overrides, a slice <= 0, ``floors`` without ``score``, or a ``workdir`` state of another
-            model or recipe.
+        ValueError: bad overrides, a slice <= 0, ``floors`` without ``score``, a phase's ``head_layers`` outside the
+            model's layers, or a ``workdir`` state of another model or recipe.
         BelowFloor: a validation score below its floor (nothing written).
         SliceEnded: the slice ended before the last step (state saved; rerun resumes).
         FileNotFoundError: ``tokenizer_dir`` is not a directory.
@@ -79,6 +79,7 @@ def train_zoo_model(
     tok = load_tokenizer_dir(tokenizer_dir)
     proc = build_processor(tok) if spec.kind == "vlm" else tok
     config = build_config(name, tok)
+    check_head_layers(phases, config.get_text_config().num_hidden_layers)   # before any step, not at its phase
     model = getattr(transformers, spec.architecture)(config)
     extra = {}
     if spec.kind == "vlm":
