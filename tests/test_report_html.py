@@ -133,6 +133,9 @@ def _item_name(path: str) -> str:
     stem = Path(path).stem.removesuffix(".compare")  # a table's comparison with the published figures names it
     if stem == "compare":
         return "Ours beside the published figures"
+    beyond = {"table_full_layer_form": "full-layer form", "table_layer_flow": "Where the task flows"}
+    if stem in beyond:   # ResidualKV tables beyond the paper (issue #32)
+        return beyond[stem]
     if m := re.fullmatch(r"table(\w+)", stem):
         return f"Table {m.group(1)}"
     if m := re.fullmatch(r"fig(\d+)(_throughput|_summary)?", stem):

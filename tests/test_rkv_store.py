@@ -210,11 +210,14 @@ def test_a_decode_step_reads_nothing_back(tiny_lm, codec_dir, monkeypatch, spec)
         assert len(cache.selections) == 4 and len(cache.layers[1].codes) > 0
 
 
-def test_a_quantised_filter_layer_scores_the_keys_its_attention_read(tiny_lm, codec_dir):
+@pytest.mark.parametrize("form, n_quantised", [("kivi", 64), ("after", 32)])
+def test_a_quantised_filter_layer_scores_the_keys_its_attention_read(tiny_lm, codec_dir, form, n_quantised):
     """KIVI-style full layers overwrite quantised rows of the store attention reads; the overwrite waits for the
     next step, so OmniKV's filter step (after the commit) scores the keys this step's attention read, also at the
-    step whose commit quantises a key block (token 63: 32 raw keys 32..63)."""
-    press = ResidualKVPress(codec_dir=str(codec_dir), selector=OmniKVPress(keep=0.5), full_layers=(0,), full_kv_bits=4)
+    step whose commit quantises a key block (KIVI's rule, token 63: 32 raw keys 32..63; the authors' engine form,
+    token 65: 2 raw sinks and 64 raw tokens, of which the oldest 32 are quantised)."""
+    press = ResidualKVPress(codec_dir=str(codec_dir), selector=OmniKVPress(keep=0.5), full_layers=(0,), full_kv_bits=4,
+                            full_kv_form=form)
     cache = press.new_cache(tiny_lm)
     layer, same = cache.layers[0], []
     commit, hook = layer.commit, layer.after_commit
@@ -225,7 +228,7 @@ def test_a_quantised_filter_layer_scores_the_keys_its_attention_read(tiny_lm, co
         for start, end in ((0, 30), *((p, p + 1) for p in range(30, 70))):
             tiny_lm(input_ids=ids[:, start:end], position_ids=torch.arange(start, end).view(1, -1), cache=cache,
                     use_cache=True)
-    assert len(same) == 41 and all(same) and len(layer.kq) == 64
+    assert len(same) == 41 and all(same) and len(layer.kq) == n_quantised
 
 
 @pytest.mark.parametrize("fp8", [True, False])

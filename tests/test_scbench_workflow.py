@@ -21,8 +21,8 @@ def test_smoke_table_iv_plans_its_runs(tmp_path):
     assert jobs["eval"] == len(rows) * len(tasks) and jobs["data"] == len(tasks) and jobs["table"] == 1
     assert jobs["residualkv_table_alias"] == 1 and jobs["rkv_codec"] == 1
     for task in tasks:   # the multi-query smoke splits, every row under shared_context
-        assert f"results/runs/smoke/tiny-qwen2-lm/{task}/residualkv/fullkv_protocol-shared_context" in r.stdout
-    assert "alpha-0.0_full_kv_bits-4_full_layers-0.1_keep-0.2_protocol-shared_context" in r.stdout
+        assert f"results/runs/smoke/tiny-qwen2-lm/{task}/residualkv/fullkv_decode_tail-1_protocol-shared_context" in r.stdout
+    assert "alpha-0.0_decode_tail-1_full_kv_bits-4_full_layers-0.1_keep-0.2_protocol-shared_context" in r.stdout
 
 
 def test_paper_table_iv_reads_converted_scbench_files(tmp_path):
