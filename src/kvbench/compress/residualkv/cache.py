@@ -574,7 +574,7 @@ class QuantizedFullLayer(KIVILayer):
       prefill's own attention already reads the quantised rows dequantised.
     - ``kivi`` (jy-yuan/KIVI's rule, :class:`~kvbench.compress.presses.kivi.KIVILayer`; this project's form
       before issue #32): no raw sinks, ``T mod 32`` raw keys and the latest 32 raw values, quantised after the
-      chunk's attention. Kept for the full-layer-form table (``results/residualkv/full_layer_form.csv``).
+      chunk's attention. Kept for the full-layer-form table (``results/residualkv/table_full_layer_form.csv``).
 
     Keys per channel over ``group`` tokens, values per token over ``min(group, head_dim)`` channels (KIVI's
     layout, :mod:`kvbench.kernels.quant`). Its packed bytes (codes, scales, raw residual, raw sinks) are
@@ -654,8 +654,8 @@ class ResidualKVPress(Press):
         bits: residual-code bits (4 = paper text default, 2 = multimodal, 16 = unquantised fp16,
             32 = stored exactly in float32: for the identity-codec invariant only).
         ref_fp8: references stored FP8 e4m3 (paper §V-A deployment); False keeps them float32.
-        full_kv_bits: the full-attention layers' storage: 16 = exact (FP16 in KR; the smoke tables), 2/4/8 =
-            KIVI-style (keys per channel, values per token, group 32, 32 raw recent tokens; the paper's
+        full_kv_bits: the full-attention layers' storage: 16 = exact (FP16 in KR), 2/4/8 = KIVI-style (keys per
+            channel, values per token, group 32; which tokens stay raw is ``full_kv_form``'s; the paper's
             deployment quantises them to 4 bits, §V-A). A filter layer scores with the dequantised keys.
         full_kv_form: how the 2/4/8-bit full layers are stored (:class:`QuantizedFullLayer`): ``after`` (default;
             the authors' engine: the codec's ``n_sink`` sinks raw, 32-63 raw tokens, quantised after the chunk's
