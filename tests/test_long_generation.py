@@ -292,7 +292,7 @@ def test_table_v_smoke_dry_run(tmp_path):
     assert r.returncode == 0, r.stdout[-3000:]
     jobs = planned_jobs(r.stdout)
     n_rows = len(load(CONFIG)["residualkv"]["tableV"])   # 4 methods and 3 attribution rows (issue #32)
-    assert jobs["eval"] == n_rows == 7 and jobs["rkv_codec"] == 1 and jobs["train"] == 1 and jobs["table"] == 1
+    assert jobs["eval"] == n_rows and jobs["rkv_codec"] == 1 and jobs["train"] == 1 and jobs["table"] == 1
     assert "kvbench train --model tiny-qwen2-lm-chain " in r.stdout and '"chain_pairs_64": 0.5' in r.stdout
     assert "--feeds 'the targets that name it (ResidualKV Table V when it is residualkv.long_generation.model)'" in r.stdout
     assert re.search(r"--out codecs/smoke/tiny-qwen2-lm-chain/main-[0-9a-f]{8} .*--data chain ", r.stdout)

@@ -33,6 +33,10 @@ def test_short_name_of_table_i_and_the_residualkv_aggregate(tmp_path):
     assert r.returncode == 0, r.stdout[-3000:]
     jobs = planned_jobs(r.stdout)
     assert jobs["rkv_fig3"] == 1 and "output: results/residualkv/tableI.csv" in r.stdout
+    # the tables beyond the paper are in the aggregate under their canonical names only: no Roman short name
+    assert "output: results/residualkv/table_layer_flow.csv" in r.stdout
+    r = snakemake(tmp_path, "-n", "results/table_layer_flow.csv")
+    assert r.returncode != 0 and "No rule to produce results/table_layer_flow.csv" in r.stdout
 
 
 def test_paper_table_i_and_fig3_resolve(tmp_path):

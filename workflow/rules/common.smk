@@ -131,11 +131,16 @@ def run_threads(wc):
     return plan.threads(run)
 
 
-def run_limit(wc):
-    """`--limit N` arguments (none: every record), each quoted in the command (`{params.limit:q}`)."""
-    plan, run = run_of(wc)
-    n = plan.limit(run)
+def limit_args(n):
+    """`--limit N` arguments for a record limit ``n`` (None: every record, no argument), each quoted in the command
+    (`{params.limit:q}`)."""
     return [] if n is None else ["--limit", str(n)]
+
+
+def run_limit(wc):
+    """`--limit` arguments of one run (its plan's limit)."""
+    plan, run = run_of(wc)
+    return limit_args(plan.limit(run))
 
 
 def run_runtime(wc):
@@ -213,9 +218,8 @@ def conduit_cache_dir(wc):
 
 
 def conduit_limit():
-    """`--limit N` arguments for `conduit.n_test` (none: every record), each quoted in the command (`{params.limit:q}`)."""
-    n = config.get("conduit", {}).get("n_test")
-    return [] if n is None else ["--limit", str(n)]
+    """`--limit` arguments of the image-cache builds: the CONDUIT plan's records per split (`conduit.n_test`)."""
+    return limit_args(conduit_plan().n_test)
 
 
 def conduit_targets():
@@ -296,8 +300,9 @@ AMBIGUOUS_FIGURES = ["3", "4"]
 
 
 def residualkv_table_numerals():
-    """Roman numerals of the ResidualKV tables (`results/table<ROMAN>.csv` short names)."""
-    return [t.key.removeprefix("table") for t in TABLES.values() if t.paper == "ResidualKV"]
+    """Roman numerals of the paper's ResidualKV tables (`results/table<ROMAN>.csv` short names); the tables beyond the
+    paper (`table_full_layer_form`, ...) have only their canonical names."""
+    return [m.group(1) for t in TABLES.values() if t.paper == "ResidualKV" and (m := re.fullmatch(r"table([IVX]+)", t.key))]
 
 
 CONDUIT_FIGURES = ["3", "4"]
@@ -321,9 +326,8 @@ def rkv_variant_summaries(variants):
 
 
 def rkv_bench_gpus(fig):
-    """GPUs a profiling job asks the scheduler for: 1 when the config's `residualkv.<fig>.device` is CUDA."""
-    device = str(config.get("residualkv", {}).get(fig, {}).get("device", "auto"))
-    return 1 if device.startswith("cuda") else 0
+    """Resource function: GPUs a profiling job asks the scheduler for (:meth:`RKVPlan.bench_gpus`)."""
+    return lambda wc: rkv_plan().bench_gpus(fig)
 
 
 def rkv_bench_args(fig):

@@ -242,8 +242,13 @@ class ConduitPlan(Plan):
     def threads(self, run: Run) -> int:
         return self.cfg.get("threads", 1)
 
-    def limit(self, run: Run) -> int | None:
+    @property
+    def n_test(self) -> int | None:
+        """Records per split (``conduit.n_test``; None: every record): each run's and each image-cache build's."""
         return self.cfg.get("n_test")
+
+    def limit(self, run: Run) -> int | None:
+        return self.n_test
 
     def builds(self, table: Table) -> bool:
         """A table whose column group is configured (asked for by name with an empty group, it fails naming the key)."""

@@ -29,7 +29,7 @@ from kvbench.data.smoke import TASKS
 from kvbench.eval.registry import with_params
 from kvbench.plan.base import Plan, Run, Table, load_spec
 from kvbench.utils.recipe import recipe_hash
-from kvbench.plan.residualkv import PROTOCOL_NOTES, Row, press_spec
+from kvbench.plan.residualkv import Row, press_spec, protocol_note
 
 #: The run group of Table II's runs (:data:`kvbench.plan.base.GROUPS`).
 GROUP = "residualkv_mm"
@@ -167,11 +167,10 @@ class MMPlan(Plan):
                 "Video-MME, MVBench); not the paper's numbers" if zoo else
                 f"model(s) {', '.join(self.models)} (local checkpoints); tasks {', '.join(self.tasks)} (local benchmark "
                 "files); computed by this pipeline, not copied from the paper")
-        protocols = sorted({press_spec(r.spec).params["protocol"] for r in self.rows})
         budgets = "; ".join(dict.fromkeys(f"{r.label}: {_budget(r.spec)}" for r in self.rows))
         return [
             f"# kvbench ResidualKV Table II (multimodal: methods x image tasks, KR/CR), profile {self.profile!r}: {what}",
-            f"# protocol: {'; '.join(PROTOCOL_NOTES[p] for p in protocols)}; the context chunk holds the system "
+            f"# protocol: {protocol_note([r.spec for r in self.rows])}; the context chunk holds the system "
             "prompt and every image, the question chunk the question (kvbench.compress.generate_vlm)",
             f"# budget ran: {budgets}. The paper ran every Table II method at CR {100 * PAPER_CR:.0f}% (ResidualKV KR 8% on "
             "LLaVA-OV-7B, 10% on Qwen3-VL-8B)",

@@ -40,6 +40,19 @@ PROTOCOL_NOTES = {
 }
 
 
+def protocol_note(specs: list[str]) -> str:
+    """A table header's protocol wording of the press ``specs`` its rows ran: each protocol's
+    :data:`PROTOCOL_NOTES`, then their ``decode_tail`` values when any is set."""
+    parsed = [press_spec(s).params for s in specs]
+    note = "; ".join(PROTOCOL_NOTES[p] for p in sorted({p["protocol"] for p in parsed}))
+    tails = sorted({int(p.get("decode_tail", 0)) for p in parsed})
+    if tails != [0]:
+        note += (f"; decode_tail={'/'.join(map(str, tails))}: the question's last token(s) (the key) are fed as "
+                 "decode steps after the prefill, so a one-token answer reads the compressed cache (decode-time "
+                 "selection, quantised full layers and restoration act on it; the full cache is unchanged)")
+    return note
+
+
 def known_model_shape(model: str, entry: dict, checkpoint_dir: str | None = None) -> tuple[int, int] | None:
     """``(n_layers, d_kv)`` of a config's model before anything is built: a zoo model's from its
     :data:`~kvbench.models.tiny.ZOO` entry, a checkpoint's from its ``config.json`` when the file exists
@@ -184,6 +197,10 @@ class RKVPlan(Plan):
             except ValueError as e:
                 raise ValueError(f"press spec {spec!r}: {e}") from None
 
+    def bench_gpus(self, fig: str) -> int:
+        """GPUs the profiling job of ``fig`` asks the scheduler for: 1 when ``residualkv.<fig>.device`` is CUDA."""
+        return 1 if str((self.s.get(fig) or {}).get("device", "auto")).startswith("cuda") else 0
+
     def bench_args(self, fig: str) -> str:
         """``kvbench bench`` flags (shell-quoted) from the config's ``residualkv.<fig>`` mapping, in its order,
         lists space-separated: ``{contexts: [512, 1024], repeats: 3}`` -> ``--contexts 512 1024 --repeats 3``
@@ -261,19 +278,9 @@ class RKVPlan(Plan):
             spec = with_params(spec, decode_tail=int(self.s["decode_tail"]))
         return spec
 
-    def protocols(self, target: str) -> list[str]:
-        """The protocols ``target``'s rows ran under (sorted)."""
-        return sorted({press_spec(r.spec).params["protocol"] for r in self.rows(target)})
-
     def protocol_note(self, target: str) -> str:
-        """The header's protocol wording of ``target``'s rows (:data:`PROTOCOL_NOTES`, and their ``decode_tail``)."""
-        note = "; ".join(PROTOCOL_NOTES[p] for p in self.protocols(target))
-        tails = sorted({int(press_spec(r.spec).params.get("decode_tail", 0)) for r in self.rows(target)})
-        if tails != [0]:
-            note += (f"; decode_tail={'/'.join(map(str, tails))}: the question's last token(s) (the key) are fed as "
-                     "decode steps after the prefill, so a one-token answer reads the compressed cache (decode-time "
-                     "selection, quantised full layers and restoration act on it; the full cache is unchanged)")
-        return note
+        """The header's protocol wording of ``target``'s rows (:func:`protocol_note`)."""
+        return protocol_note([r.spec for r in self.rows(target)])
 
     def _row_spec(self, target: str, row: dict) -> str:
         """The canonical press spec of one configured row (with :meth:`with_protocol`); errors name the table
@@ -323,7 +330,7 @@ class RKVPlan(Plan):
 
     def header(self, title: str, target: str | None = None) -> list[str]:
         """The CSV header lines of a table or figure: what was run, and that it is not the paper's numbers;
-        with ``target``, the protocol its rows ran under (:meth:`protocols`)."""
+        with ``target``, the protocol its rows ran under (:func:`protocol_note`)."""
         tasks = ", ".join(self.target_tasks(target))
         # the smoke stand-ins: Table V's chain task stands for AIME (long generation), the others for LongBench
         stand_in = ("a long-generation smoke task in place of AIME" if target in GENERATION_TARGETS else
