@@ -246,8 +246,8 @@ class KIVILayer(StoreLayer):
         kp, ks = self.kq.bytes()
         vp, vs = self.vq.bytes()
         raw = sum(0 if x is None else x.numel() * FP16_BYTES for x in (self.k_raw, self.v_raw))
-        sinks = 2 * self.n_sinks * self.heads * self.head_dim * FP16_BYTES
-        return StoredBytes(layer=self.ctx.layer_idx, codes=kp + vp, scales=ks + vs, raw_window=raw, sinks=sinks)
+        return StoredBytes(layer=self.ctx.layer_idx, codes=kp + vp, scales=ks + vs, raw_window=raw,
+                           sinks=self._sink_values() * FP16_BYTES)
 
     def read_bytes(self) -> int:
         """Bytes a decode step must read from this layer in its packed form (int): the packed codes and fp16
@@ -262,8 +262,12 @@ class KIVILayer(StoreLayer):
         vp, vs = self.vq.bytes()
         raw = sum(0 if x is None else x.numel() * x.element_size() for x in (self.k_raw, self.v_raw))
         if self.n_sinks:   # raw sinks: read from the store at the model's width
-            raw += 2 * self.n_sinks * self.heads * self.head_dim * self._buf.keys.data.element_size()
+            raw += self._sink_values() * self._buf.keys.data.element_size()
         return kp + ks + vp + vs + raw
+
+    def _sink_values(self) -> int:
+        """K and V values of the raw sinks (their bytes: times the width they are counted or read at)."""
+        return 2 * self.n_sinks * self.heads * self.head_dim
 
     def held_tensors(self):
         """Resident: the store attention reads (dequantised and raw K/V in the model dtype, at its capacity,

@@ -21,7 +21,6 @@ Fig. 8 (decode tokens/s vs context, from the profiling CSV), Fig. 6 (codec cost,
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 from pathlib import Path
@@ -29,6 +28,7 @@ from pathlib import Path
 import pandas as pd
 
 from kvbench.compress.presses.omnikv import OmniKVPress
+from kvbench.compress.registry import PRESS
 from kvbench.report import paired
 from kvbench.compress.residualkv import references
 from kvbench.compress.residualkv.cache import FULL_KV_FORMS, ResidualKVPress
@@ -299,7 +299,7 @@ def attribution_header(rows, reference: str = "ResidualKV") -> list[str]:
         if row is ref or spec.cls is not base.cls:
             continue
         keys = sorted((set(spec.params) | set(base.params)) - {"protocol", "decode_tail"})
-        value = lambda sp, k: sp.params.get(k, _default(sp, k))  # noqa: E731
+        value = lambda sp, k: sp.params.get(k, _fields(sp)[k].default if k in _fields(sp) else None)  # noqa: E731
         diff = [f"{k}={value(spec, k)} ({reference}: {value(base, k)})" for k in keys if value(spec, k) != value(base, k)]
         if spec.name != base.name:
             diff.insert(0, f"method {spec.name} ({reference}: {base.name})")
@@ -308,13 +308,9 @@ def attribution_header(rows, reference: str = "ResidualKV") -> list[str]:
     return out
 
 
-def _default(spec, key: str):
-    """The dataclass default of parameter ``key`` of a parsed press spec (storage or selector field)."""
-    for cls in (spec.cls, spec.selector_cls):
-        for f in dataclasses.fields(cls) if cls is not None else ():
-            if f.name == key:
-                return f.default
-    return None
+def _fields(spec) -> dict:
+    """The parameters a parsed press spec may set (storage and selector fields, as the press family lists them)."""
+    return PRESS.parameters(spec.cls) | (PRESS.parameters(spec.selector_cls) if spec.selector_cls else {})
 
 
 def codec_header(plan: RKVPlan, target: str, root: str | Path = ".") -> list[str]:
