@@ -170,6 +170,38 @@ def test_retrieval_is_one_token_induction(tokenizer, family):
         assert rec["chance"] == pytest.approx(1 / 90)
 
 
+@pytest.mark.parametrize("family,L", [("niah", 1024), ("kv", 128)])
+def test_multi_token_values_are_chains_of_induction_lookups(tokenizer, family, L):
+    """``value_tokens=4`` (issue #32, item 3): the answer is 4 value codes, each occurring once in the record, so
+    every answer token follows its predecessor in the context; lengths and ``max_new_tokens`` follow."""
+    values = set(lexicon.value_codes())
+    for i in range(6):
+        for split, length in (("train", L), ("test", L), ("train", 64)):
+            rec = smoke.sample(family, random.Random(i), split, tokenizer, length_tokens=length, value_tokens=4,
+                               n_queries=2 if length == 64 or family == "kv" else None)
+            check_record(rec)
+            assert length - longctx.LENGTH_TOLERANCE <= rec["meta"]["n_tokens"] <= length
+            assert rec["max_new_tokens"] == 4 and rec["meta"]["value_tokens"] == 4
+            ctx = ids(tokenizer, rec["context"])
+            for q in [{"question": rec["question"], "answer": rec["answer"]}] + rec["meta"].get("extra_queries", []):
+                assert set(q["answer"].split()) <= values
+                chain = [ids(tokenizer, q["question"])[-1]] + ids(tokenizer, q["answer"])
+                assert len(chain) == 5
+                for a, b in zip(chain, chain[1:]):
+                    pos = [j for j, t in enumerate(ctx) if t == a]
+                    assert len(pos) == 1 and ctx[pos[0] + 1] == b
+            assert 0 < rec["chance"] < 1e-7
+    with pytest.raises(ValueError, match="value_tokens must be an integer >= 1, got 0"):
+        smoke.sample(family, random.Random(0), "test", tokenizer, value_tokens=0)
+    if family == "niah":   # more distinct value codes than the lexicon has
+        with pytest.raises(ValueError, match="30 values of 4 distinct codes need 120 codes, only"):
+            smoke.sample(family, random.Random(0), "test", tokenizer, length_tokens=1024, value_tokens=4, n_queries=30)
+    else:
+        with pytest.raises(ValueError, match="kv at length_tokens=1024 with value_tokens=4 needs 660 distinct value "
+                                             "codes for its 165 pairs, the lexicon has 90"):
+            smoke.sample(family, random.Random(0), "test", tokenizer, length_tokens=1024, value_tokens=4)
+
+
 def test_vt_chain_follows_statements(tokenizer):
     for i in range(10):
         rec = smoke.sample("vt", random.Random(i), "test", tokenizer, length_tokens=1024)
@@ -230,7 +262,9 @@ def test_lcc_records(tokenizer):
 def test_task_registry_and_unknown_task(tmp_path):
     assert set(smoke.TASKS) == ({"docpages", "digitgrid", "lcc", "chain_128", "chain_pairs_64"}
                                 | {f"{f}_{k}k" for f in ("niah", "kv", "vt") for k in (1, 2, 4)}
-                                | {f"{f}_1k_mq" for f in ("niah", "kv", "vt")})   # multi-query: ResidualKV Table IV
+                                | {f"{f}_1k_mq" for f in ("niah", "kv", "vt")}   # multi-query: ResidualKV Table IV
+                                | {"niah_1k_v4"})   # four-token values
+    assert smoke.TASKS["niah_1k_v4"].params == {"length_tokens": 1024, "value_tokens": 4}
     assert smoke.TASKS["kv_2k"].params == {"length_tokens": 2048}
     with pytest.raises(ValueError, match="unknown smoke task 'niah_8k'.*niah_1k.*lcc"):
         smoke.materialise("niah_8k", tmp_path, None)

@@ -308,3 +308,32 @@ def test_task_loss_adds_the_cell_reading_term(tokenizer):
     assert got.item() == pytest.approx(answers.item() + 0.5 * reading.item(), rel=1e-5)
     with pytest.raises(ValueError, match="cell_labels"):
         task_loss(vlm, batch, labels, phase)
+
+
+def test_task_batch_draws_mixture_entries_so_one_family_can_appear_twice(tokenizer, monkeypatch):
+    """The zoo LM's mixture holds niah twice (one- and four-token values): each entry's own parameters reach the
+    generator (keyed by family, the second entry's replaced the first's), and a mixture of distinct families draws
+    the same records as drawing families did (the trained models' batches are unchanged)."""
+    import random
+
+    from kvbench.data import smoke
+    from kvbench.train.batches import step_rng, task_batch
+
+    seen = []
+    real = smoke.sample
+    monkeypatch.setattr(smoke, "sample", lambda fam, rng, split, tokenizer=None, **p: seen.append((fam, p))
+                        or real(fam, rng, split, tokenizer=tokenizer, **p))
+    niah = {"length_tokens": 64, "n_queries": 1}
+    mix = (("niah", 1.0, niah), ("niah", 1.0, niah | {"value_tokens": 4}))
+    task_batch(step_rng(0, "t", 0), Phase("t", "tasks", steps=1, lr=1e-3, batch=16, mixture=mix), tokenizer)
+    assert {p.get("value_tokens", 1) for _, p in seen} == {1, 4}
+
+    seen.clear()
+    kv = {"length_tokens": 64, "n_queries": 2}
+    mix = (("niah", 1.0, niah), ("kv", 2.0, kv))
+    task_batch(step_rng(0, "t", 0), Phase("t", "tasks", steps=1, lr=1e-3, batch=8, mixture=mix), tokenizer)
+    rng, want = step_rng(0, "t", 0), []   # the order of drawing families: rng.choices(families, weights), then the record
+    for _ in range(8):
+        want.append(rng.choices(["niah", "kv"], [1.0, 2.0])[0])
+        real(want[-1], rng, "train", tokenizer=tokenizer, **(niah if want[-1] == "niah" else kv))
+    assert [f for f, _ in seen] == want and len(set(want)) == 2

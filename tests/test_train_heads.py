@@ -7,6 +7,7 @@ import transformers
 
 from kvbench.models.tiny import build_config
 from kvbench.train import heads
+from kvbench.train.recipes import Phase
 
 
 def test_targets():
@@ -44,7 +45,7 @@ def test_head_layers_move_the_supervised_heads(tokenizer):
     """``head_layers`` (issue #32): the heads supervised sit in the layers named, so the supervision's gradient reaches
     the query projections up to the induction layer and none after it; a recipe field that the recipe hash leaves out
     at its default."""
-    from kvbench.train.recipes import apply_overrides, lm_recipe, phase_fields
+    from kvbench.train.recipes import apply_overrides, copy_warmup, lm_recipe, phase_fields
 
     torch.manual_seed(0)
     model = transformers.Qwen2ForCausalLM(build_config("tiny-qwen2-lm", tokenizer))
@@ -62,7 +63,7 @@ def test_head_layers_move_the_supervised_heads(tokenizer):
                 pass
     moved = apply_overrides(lm_recipe(), {"phases": {"copy32": {"head_layers": [3, 4]}}})
     assert moved[0].head_layers == (3, 4) and phase_fields(moved[0])["head_layers"] == (3, 4)
-    assert "head_layers" not in phase_fields(lm_recipe()[0])   # default: the trained models keep their hash
+    assert "head_layers" not in phase_fields(copy_warmup())   # default: the trained models keep their hash
     with pytest.raises(ValueError, match="head_layers must be two layer indices"):
         apply_overrides(lm_recipe(), {"phases": {"copy32": {"head_layers": [2]}}})
 
@@ -76,3 +77,87 @@ def test_head_layers_outside_the_model_are_refused_before_training(tokenizer_dir
         train_zoo_model("tiny-qwen2-lm", tokenizer_dir=tokenizer_dir, out_dir=tmp_path / "out",
                         workdir=tmp_path / "work", overrides={"phases": {"tasks1024": {"head_layers": [0, 9]}}})
     assert not (tmp_path / "work" / "state").exists()
+
+
+IDENTITY = [Phase("held", "copy", steps=3, lr=3e-3, warmup=1, batch=2, seq_len=32, head_supervision=1.0,
+                  head_layers=(0, 2), identity_layers=(1,)),
+            Phase("free", "copy", steps=3, lr=3e-3, warmup=1, batch=2, seq_len=32, head_supervision=1.0,
+                  head_layers=(0, 2))]
+
+
+def _skipping(model, layer):
+    """``model``'s logits with decoder ``layer`` removed (its output replaced by its input)."""
+    hook = model.model.layers[layer].register_forward_hook(lambda m, args, kwargs, out: (args[0],) + tuple(out[1:])
+                                                           if isinstance(out, tuple) else args[0], with_kwargs=True)
+    return hook
+
+
+def test_identity_layers_hold_a_layer_as_an_identity_block_then_train_it(tokenizer, tmp_path):
+    """``identity_layers`` (issue #32, item 4): during the phase the layer adds nothing (logits equal the model
+    without it) and none of its weights move; the next phase trains it from there."""
+    from kvbench.train.loop import run_phases
+
+    torch.manual_seed(0)
+    model = transformers.Qwen2ForCausalLM(build_config("tiny-qwen2-lm", tokenizer))
+    before = [p.detach().clone() for p in model.model.layers[1].parameters()]
+    run_phases(model, tokenizer, IDENTITY[:1], tmp_path / "held", seed=0)
+    layer = model.model.layers[1]
+    assert layer.self_attn.o_proj.weight.abs().sum() == 0 and layer.mlp.down_proj.weight.abs().sum() == 0
+    for (name, p), b in zip(layer.named_parameters(), before):
+        if not name.endswith(("o_proj.weight", "down_proj.weight")):
+            assert torch.equal(p, b), name
+    ids = torch.randint(10, 200, (1, 20))
+    model.eval()
+    got = model(input_ids=ids).logits
+    hook = _skipping(model, 1)
+    try:
+        ref = model(input_ids=ids).logits
+    finally:
+        hook.remove()
+    assert torch.equal(got, ref)
+    assert model.model.layers[0].self_attn.q_proj.weight.requires_grad is True
+
+    torch.manual_seed(0)
+    model = transformers.Qwen2ForCausalLM(build_config("tiny-qwen2-lm", tokenizer))
+    run_phases(model, tokenizer, IDENTITY, tmp_path / "both", seed=0)
+    assert model.model.layers[1].self_attn.o_proj.weight.abs().sum() > 0
+    assert all(p.requires_grad for p in model.parameters())
+
+
+def test_identity_layers_resume_in_a_later_phase_exactly(tokenizer, tmp_path):
+    """A run cut inside the phase after the identity phase resumes to the uninterrupted run's weights: the held
+    layer is zeroed only when its phase is not finished (zeroing it again on resume would wipe what the later
+    phase trained)."""
+    from kvbench.train.loop import run_phases
+    from kvbench.utils.steps import SliceEnded
+
+    torch.manual_seed(0)
+    ref = transformers.Qwen2ForCausalLM(build_config("tiny-qwen2-lm", tokenizer))
+    run_phases(ref, tokenizer, IDENTITY, tmp_path / "ref", seed=0)
+    torch.manual_seed(0)
+    cut = transformers.Qwen2ForCausalLM(build_config("tiny-qwen2-lm", tokenizer))
+    with pytest.raises(SliceEnded):
+        run_phases(cut, tokenizer, IDENTITY, tmp_path / "cut", seed=0, max_steps=5)
+    torch.manual_seed(1)
+    resumed = transformers.Qwen2ForCausalLM(build_config("tiny-qwen2-lm", tokenizer))
+    run_phases(resumed, tokenizer, IDENTITY, tmp_path / "cut", seed=0)
+    for a, b in zip(ref.parameters(), resumed.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_identity_layers_bad_values_are_refused(tokenizer_dir, tmp_path):
+    from kvbench.train.recipes import apply_overrides, copy_warmup, lm_recipe, phase_fields
+    from kvbench.train.zoo import train_zoo_model
+
+    for bad in ([-1], [1, 1], ["1"], [True], 1):
+        with pytest.raises(ValueError, match="identity_layers must be distinct layer indices"):
+            apply_overrides(lm_recipe(), {"phases": {"tasks64": {"identity_layers": bad}}})
+    with pytest.raises(ValueError, match=r"supervised head's layer \[2\] cannot be an identity layer"):
+        apply_overrides(lm_recipe(), {"phases": {"tasks64": {"identity_layers": [2]}}})
+    with pytest.raises(ValueError, match=r"phase 'tasks64': identity_layers \(1, 8\) names layer 8, but the model has 8"):
+        train_zoo_model("tiny-qwen2-lm", tokenizer_dir=tokenizer_dir, out_dir=tmp_path / "out",
+                        workdir=tmp_path / "work", overrides={"phases": {"tasks64": {"identity_layers": [1, 8]}}})
+    assert not (tmp_path / "work" / "state").exists()
+    # a later field: left out of the hash at its default (the chain model keeps its directory), in it when set
+    assert "identity_layers" not in phase_fields(copy_warmup())
+    assert phase_fields(lm_recipe()[0])["identity_layers"] == (1,)

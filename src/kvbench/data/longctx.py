@@ -212,7 +212,29 @@ def _record(family: str, rng: random.Random, split: str, tok, length_tokens: int
     }
 
 
-def sample_niah(rng: random.Random, split: str, tok, length_tokens: int = 1024, n_queries: int | None = None) -> dict:
+def _check_value_tokens(value_tokens: int) -> None:
+    if isinstance(value_tokens, bool) or not isinstance(value_tokens, int) or value_tokens < 1:
+        raise ValueError(f"value_tokens must be an integer >= 1, got {value_tokens!r}")
+
+
+def multi_token_values(rng: random.Random, pool: list[str], n: int, value_tokens: int) -> list[str]:
+    """``n`` values of ``value_tokens`` codes each, drawn without replacement from ``pool``.
+
+    Returns strings ``"c1 c2 ..."`` (space-joined codes; a context writes ``" " + value``). Every code occurs in
+    one value only, so each answer token after the first is a plain induction lookup of the token before it.
+
+    Raises:
+        ValueError: ``pool`` holds fewer than ``n * value_tokens`` codes (both named).
+    """
+    if n * value_tokens > len(pool):
+        raise ValueError(f"{n} values of {value_tokens} distinct codes need {n * value_tokens} codes, "
+                         f"only {len(pool)} are free in this record")
+    codes = rng.sample(pool, n * value_tokens)
+    return [" ".join(codes[i * value_tokens:(i + 1) * value_tokens]) for i in range(n)]
+
+
+def sample_niah(rng: random.Random, split: str, tok, length_tokens: int = 1024, n_queries: int | None = None,
+                value_tokens: int = 1) -> dict:
     """Needle in a haystack: one needle per query.
 
     Parameters
@@ -220,59 +242,91 @@ def sample_niah(rng: random.Random, split: str, tok, length_tokens: int = 1024, 
     length_tokens : int, default 1024 — target of ``n_tokens(context + question)``.
     n_queries : int, default 1 for test, uniform 1..4 for train — number of needles
         (each queried once, in random order; the first query is the record's).
+    value_tokens : int, default 1 — tokens per needle value (= ``max_new_tokens``). Above 1 the value is
+        :func:`multi_token_values`' value codes not in the prose, each occurring once in the record, so that every
+        answer token is one induction lookup (RULER's multi-token values are numbers, which the zoo tokenizer splits
+        into digits that repeat; a tiny model cannot continue those from the last token alone).
 
-    chance = 1/90 (a uniform guess over the lexicon's values).
+    chance = 1/90 (a uniform guess over the lexicon's values) at ``value_tokens=1``, (1/pool)**value_tokens above.
     """
     _check(split, length_tokens)
+    _check_value_tokens(value_tokens)
     keys, values, tid = lexicon_tokens(tok)
     n = n_queries if n_queries is not None else (rng.randint(1, 4) if split == "train" else 1)
     if n < 1:
         raise ValueError(f"niah n_queries must be >= 1, got {n}")
     q_len = n_tokens(tok, "\nQuery:") + 1
-    budget = length_tokens - q_len - n * (2 + n_tokens(tok, "."))
+    budget = length_tokens - q_len - n * (1 + value_tokens + n_tokens(tok, "."))
     if budget < 0:
         raise ValueError(f"length_tokens={length_tokens} too short for {n} needles")
     pieces, used = haystack(rng, tok, split, budget)
-    ks = rng.sample(_absent(keys, tid, used, "".join(pieces)), n)
-    vs = [rng.choice(values) for _ in ks]
+    free_keys = _absent(keys, tid, used, "".join(pieces))
+    ks = rng.sample(free_keys, n)
+    if value_tokens == 1:
+        vs, chance = [rng.choice(values) for _ in ks], 1 / len(values)
+    else:
+        pool = _absent(values, tid, used)
+        vs, chance = multi_token_values(rng, pool, n, value_tokens), (1 / len(pool)) ** value_tokens
     pieces, inserted, depths = _insert(rng, pieces, [[f" {k} {v}."] for k, v in zip(ks, vs)])
     order = rng.sample(range(n), n)
     queries = [(f"\nQuery: {ks[i]}", f" {vs[i]}") for i in order]
     context, total = _fit(tok, pieces, inserted, queries[0][0], length_tokens)
     meta = {"n_needles": n, "key": ks[order[0]], "value": vs[order[0]], "depth": depths[order[0]][0],
             "needles": [{"key": k, "value": v, "depth": d[0]} for k, v, d in zip(ks, vs, depths)]}
-    return _record("niah", rng, split, tok, length_tokens, context, total, queries, 1, 1 / len(values), meta)
+    if value_tokens > 1:
+        meta["value_tokens"] = value_tokens
+    return _record("niah", rng, split, tok, length_tokens, context, total, queries, value_tokens, chance, meta)
 
 
-def sample_kv(rng: random.Random, split: str, tok, length_tokens: int = 1024, n_queries: int | None = None) -> dict:
+def sample_kv(rng: random.Random, split: str, tok, length_tokens: int = 1024, n_queries: int | None = None,
+              value_tokens: int = 1) -> dict:
     """Key-value retrieval over ``"Pairs:" + " KEY VAL," * n_pairs`` (unique keys, random values).
 
     Parameters
     ----------
-    length_tokens : int, default 1024 — as many pairs as fit (3 tokens each);
+    length_tokens : int, default 1024 — as many pairs as fit (``2 + value_tokens`` tokens each);
         at most :data:`lexicon.N_KEYS` pairs, i.e. about 4.6k tokens.
     n_queries : int, default 1 for test, 16 for train — distinct pairs queried.
+    value_tokens : int, default 1 — tokens per value (= ``max_new_tokens``). Above 1 every value is
+        :func:`multi_token_values`' value codes, each occurring once in the record, so ``n_pairs * value_tokens``
+        must not exceed the 90 value codes: about 140 tokens at 4 (no 1k task; a lexicon-wide pool of upper- and
+        lower-case codes fitted 1k, but the zoo LM, whose one-token answers are all lower-case codes, learned none
+        of it: docs/log.md, "2026-12-05 Retrieval past the full layers").
 
     The data are synthetic, so ``split`` only selects the query defaults.
-    chance = 1/90.
+    chance = 1/90 at ``value_tokens=1``, (1/pool)**value_tokens above.
+
+    Raises:
+        ValueError: bad ``n_queries`` or ``value_tokens``, or more distinct value codes than the lexicon has.
     """
     _check(split, length_tokens)
+    _check_value_tokens(value_tokens)
     keys, values, _ = lexicon_tokens(tok)
     n_q = n_queries if n_queries is not None else (16 if split == "train" else 1)
     head = "Pairs:"
     q_len = n_tokens(tok, "\nQuery:") + 1
-    n_pairs = min((length_tokens - n_tokens(tok, head) - q_len) // (2 + n_tokens(tok, ",")), len(keys))
+    per_pair = 1 + value_tokens + n_tokens(tok, ",")
+    n_pairs = min((length_tokens - n_tokens(tok, head) - q_len) // per_pair, len(keys))
+    if value_tokens > 1 and n_pairs * value_tokens > len(values):
+        raise ValueError(f"kv at length_tokens={length_tokens} with value_tokens={value_tokens} needs "
+                         f"{n_pairs * value_tokens} distinct value codes for its {n_pairs} pairs, the lexicon has "
+                         f"{len(values)} (shorten length_tokens)")
     if not 1 <= n_q <= n_pairs:
         raise ValueError(f"kv n_queries must be in 1..{n_pairs} at length_tokens={length_tokens}, got {n_q}")
     ks = rng.sample(keys, n_pairs)
-    vs = [rng.choice(values) for _ in ks]
+    if value_tokens == 1:
+        vs, chance = [rng.choice(values) for _ in ks], 1 / len(values)
+    else:
+        vs, chance = multi_token_values(rng, values, n_pairs, value_tokens), (1 / len(values)) ** value_tokens
     asked = rng.sample(range(n_pairs), n_q)
     queries = [(f"\nQuery: {ks[i]}", f" {vs[i]}") for i in asked]
     pieces = [head] + [f" {k} {v}," for k, v in zip(ks, vs)]
     context, total = _fit(tok, pieces, set(range(len(pieces))), queries[0][0], length_tokens)
     meta = {"n_pairs": n_pairs, "key": ks[asked[0]], "value": vs[asked[0]], "index": asked[0],
             "depth": round(asked[0] / n_pairs, 4)}
-    return _record("kv", rng, split, tok, length_tokens, context, total, queries, 1, 1 / len(values), meta)
+    if value_tokens > 1:
+        meta["value_tokens"] = value_tokens
+    return _record("kv", rng, split, tok, length_tokens, context, total, queries, value_tokens, chance, meta)
 
 
 def sample_vt(rng: random.Random, split: str, tok, length_tokens: int = 1024, n_queries: int | None = None,

@@ -198,13 +198,13 @@ def task_batch(rng: random.Random, phase: Phase, proc: Any) -> dict:
     ``phase.stale_pages`` of the VLM records are stale-page records (:func:`stale_page_record`).
     """
     tok = getattr(proc, "tokenizer", proc)
-    families = [m[0] for m in phase.mixture]
+    # entries, not families, are drawn: one family may appear twice with other parameters (kv with one- and
+    # four-token values); the draws are those of drawing the families when every family appears once
     weights = [m[1] for m in phase.mixture]
-    params = {m[0]: dict(m[2]) for m in phase.mixture}
     encs = []
     for _ in range(phase.batch):
-        fam = rng.choices(families, weights)[0]
-        p = dict(params[fam])
+        fam, _, p = phase.mixture[rng.choices(range(len(weights)), weights)[0]]
+        p = dict(p)
         full_loss = p.pop("full_loss", False)
         record = smoke.sample(fam, rng, "train", tokenizer=tok, **p)
         # drawn only when the phase has stale pages, so other recipes' batches are unchanged

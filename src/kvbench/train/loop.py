@@ -177,6 +177,26 @@ def probe_loss(logits: torch.Tensor, batch: dict) -> tuple[torch.Tensor, float]:
     return loss, acc
 
 
+def hold_identity_layers(model: Any, layers: tuple, zero: bool) -> None:
+    """Make decoder ``layers`` of ``model`` identity blocks (:attr:`Phase.identity_layers`) and release the others.
+
+    With ``zero`` the attention ``o_proj`` and MLP ``down_proj`` weights (and biases) of ``layers`` are set to 0;
+    every parameter of those layers stops receiving gradients (AdamW skips parameters without one, weight decay
+    included), and every parameter of the other decoder layers receives them again.
+    """
+    decoder = model.model.language_model if hasattr(model.model, "language_model") else model.model
+    for i, layer in enumerate(decoder.layers):
+        held = i in layers
+        if held and zero:
+            with torch.no_grad():
+                for lin in (layer.self_attn.o_proj, layer.mlp.down_proj):
+                    lin.weight.zero_()
+                    if lin.bias is not None:
+                        lin.bias.zero_()
+        for p in layer.parameters():
+            p.requires_grad_(not held)
+
+
 def run_phases(
     model: Any, proc: Any, phases: list[Phase], workdir: str | Path, *, seed: int,
     slice_s: float | None = None, extra_modules: dict[str, torch.nn.Module] | None = None,
@@ -248,6 +268,8 @@ def run_phases(
             if phase.freeze_vision:  # also on resume, before any skipped step
                 for p in model.model.visual.parameters():
                     p.requires_grad_(False)
+            # also on resume, before any skipped step; zeroed only in a phase not yet finished
+            hold_identity_layers(model, phase.identity_layers, zero=g + phase.steps > done)
             for s in range(phase.steps):
                 if g < done:
                     g += 1

@@ -55,6 +55,12 @@ class Phase:
         induction head sits decides which layer's keys retrieval reads (issue #32: the layers a compressed cache
         keeps full or compresses). A phase field like the others: to move the heads for a whole run, set it in
         every phase (``overrides = {"phases": {name: {"head_layers": [1, 2]} for every phase name}}``).
+    identity_layers : tuple — decoder layers held as identity blocks during this phase (LLaMA Pro's block
+        expansion, Wu et al. 2024, §3: output projections at zero): the layer's attention ``o_proj`` and MLP
+        ``down_proj`` weights are set to zero when the phase starts and the whole layer gets no update, so it adds
+        nothing to the residual stream; a later phase without it trains the layer from there. Default ``()``.
+        The zoo LM holds layer 1 so that its induction head forms in layer 2, past the layers ResidualKV keeps
+        full (issue #32, item 4; docs/decisions/zoo.md, "Retrieval past the full layers").
     skip_supervision : float — weight of the skip head's attention-supervision term (:data:`kvbench.train.heads.SKIP_HEAD`:
         the induction lookup of the token before the current one, which the chain-pairs task's alternation needs);
         0 turns it off. Needs ``head_supervision``.
@@ -95,6 +101,7 @@ class Phase:
     head_supervision: float = 0.0
     skip_supervision: float = 0.0
     head_layers: tuple = (0, 1)
+    identity_layers: tuple = ()
     cell_reading: float = 0.0
     cell_target: str = "instruction"
     hide_prompt: str = ""
@@ -106,16 +113,20 @@ def lm_task_mixture(seq_len: int) -> tuple:
     """The smoke-task mixture the zoo LM trains on at ``seq_len`` tokens (also the ResidualKV codec's
     training text, :class:`kvbench.compress.residualkv.train.TaskStream`).
 
-    Returns ``(family, weight, params)`` triples (:attr:`Phase.mixture`): needle-in-a-haystack, KV
-    retrieval, variable tracking and code completion, each record ``seq_len`` tokens long; needle and KV
-    query counts grow with the length up to a cap (4 and 48).
+    Returns ``(family, weight, params)`` triples (:attr:`Phase.mixture`): needle-in-a-haystack with one-token and
+    with four-token values (``value_tokens``: answered over four decode steps, issue #32, item 3), KV retrieval,
+    variable tracking and code completion, each record ``seq_len`` tokens long; needle and KV query
+    counts grow with the length up to a cap (4 and 48).
     """
     q = max(2, min(16, seq_len // 64))
     # Three times as many KV queries as needle queries per sequence: with 16 at 1k, KV retrieval
     # reached 0.10 after the 512-token phase, with 48 (and the lexicon-wide copy) 0.40.
+    niah = {"length_tokens": seq_len, "n_queries": min(4, q)}
+    kv = {"length_tokens": seq_len, "n_queries": min(48, 3 * q)}
     return (
-        ("niah", 1.0, {"length_tokens": seq_len, "n_queries": min(4, q)}),
-        ("kv", 1.5, {"length_tokens": seq_len, "n_queries": min(48, 3 * q)}),
+        ("niah", 1.0, niah),
+        ("kv", 1.5, kv),
+        ("niah", 0.5, niah | {"value_tokens": 4}),
         ("vt", 0.5, {"length_tokens": seq_len, "n_queries": 1}),
         ("lcc", 0.1, {"length_tokens": seq_len, "n_queries": 1, "full_loss": True}),
     )
@@ -125,23 +136,38 @@ def lm_task_mixture(seq_len: int) -> tuple:
 LM_LENGTHS = ((64, 100, 16), (128, 100, 8), (256, 100, 8), (512, 180, 4), (1024, 380, 2))
 
 
+def copy_warmup(**fields) -> Phase:
+    """The zoo LMs' first phase: random-offset copy at 32 tokens with supervised heads (``fields`` replace
+    :class:`Phase` fields; the chain model keeps the defaults, heads at layers 0 and 1)."""
+    # The copy tokens are the whole key/value lexicon (1,626 tokens), so that every key's
+    # embedding is trained before the retrieval tasks; the softmax runs over them alone.
+    return replace(Phase("copy32", "copy", steps=400, lr=3e-3, warmup=30, batch=16, seq_len=32, copy_vocab=1626,
+                         restrict_softmax=True, decay=False, head_supervision=1.0), **fields)
+
+
+#: ``(previous-token head's layer, induction head's layer)`` of the zoo LM, and the layer held as an identity
+#: block until the last phase: the induction head forms in layer 2, the first layer ResidualKV compresses
+#: (its recipe keeps layers 0-1 full), with the previous-token head's output reaching it unchanged.
+LM_HEAD_LAYERS, LM_IDENTITY_LAYERS = (0, 2), (1,)
+
+
 def lm_recipe() -> list[Phase]:
     """Phases of ``tiny-qwen2-lm``: copy warm-up at 32 tokens, then 64 -> 1,024-token task mixtures.
 
-    Every phase supervises a previous-token and an induction head
-    (:mod:`kvbench.train.heads`); without that the circuit had not formed
-    within the CPU budget. Batches are small (2,048 tokens or fewer) so that
-    the run reaches the 1k-token phase inside the 840 s cap on 2 cores: on the
-    plateau the number of steps, not tokens, is what counted (docs/log.md,
-    "2026-11-30 Main command at cdf748e").
+    Every phase supervises a previous-token head (layer 0) and an induction head (layer 2)
+    (:mod:`kvbench.train.heads`); without that the circuit had not formed within the CPU budget. Layer 1 is
+    an identity block (:attr:`Phase.identity_layers`) until the 1,024-token phase, which trains every layer:
+    trained from the start with the heads at (0, 2) or (1, 2), retrieval stayed far below the floor
+    (docs/decisions/zoo.md, "Retrieval past the full layers"). Batches are small (2,048 tokens or fewer) so
+    that the run reaches the 1k-token phase inside the 840 s cap on 2 cores: on the plateau the number of
+    steps, not tokens, is what counted (docs/log.md, "2026-11-30 Main command at cdf748e").
     """
-    # The copy tokens are the whole key/value lexicon (1,626 tokens), so that every key's
-    # embedding is trained before the retrieval tasks; the softmax runs over them alone.
-    phases = [Phase("copy32", "copy", steps=400, lr=3e-3, warmup=30, batch=16, seq_len=32,
-                    copy_vocab=1626, restrict_softmax=True, decay=False, head_supervision=1.0)]
+    heads = {"head_supervision": 1.0, "head_layers": LM_HEAD_LAYERS}
+    phases = [copy_warmup(identity_layers=LM_IDENTITY_LAYERS, **heads)]
     for seq_len, steps, batch in LM_LENGTHS:
+        held = LM_IDENTITY_LAYERS if seq_len < LM_LENGTHS[-1][0] else ()
         phases.append(Phase(f"tasks{seq_len}", "tasks", steps=steps, lr=1e-3, warmup=10, batch=batch,
-                            seq_len=seq_len, mixture=lm_task_mixture(seq_len), head_supervision=1.0))
+                            seq_len=seq_len, mixture=lm_task_mixture(seq_len), identity_layers=held, **heads))
     return phases
 
 
@@ -190,7 +216,7 @@ PAIRS_ANNEAL = (64, 400, 2)
 
 
 def chain_recipe() -> list[Phase]:
-    """Phases of ``tiny-qwen2-lm-chain`` (ResidualKV Table V's smoke backbone): :func:`lm_recipe`'s copy warm-up
+    """Phases of ``tiny-qwen2-lm-chain`` (ResidualKV Table V's smoke backbone): :func:`copy_warmup`
     (induction heads, supervised), then plain chains (each hop an induction lookup in the prompt), then chain pairs
     (each step a lookup keyed by the token two back, the final answer an induction lookup on the generated trace),
     heads supervised throughout and the skip head from the pairs phases on.
@@ -203,7 +229,7 @@ def chain_recipe() -> list[Phase]:
     model trials"). The phases before it are constant, so a longer phase continues a shorter one's state
     exactly (how the trials extended pairs64 and then appended the anneal).
     """
-    phases = [lm_recipe()[0]]
+    phases = [copy_warmup()]
     for hops, steps, batch in CHAIN_LENGTHS:
         mix = (("chain", 1.0, {"hops": hops, "min_hops": max(1, hops // 2), "n_distractors": 1}),)
         phases.append(Phase(f"chain{hops}", "tasks", steps=steps, lr=1e-3, warmup=10, batch=batch, seq_len=0,
@@ -249,16 +275,20 @@ def zoo_recipe(name: str, kind: str, overrides: dict, *, seed: int, threads: int
 
 #: Phase fields added after zoo models were trained, with the value those models had: left out of the recipe
 #: while they hold it, so that adding a field does not rename (and retrain) every trained model.
-LATER_FIELDS = {"stale_pages": 0.0, "skip_supervision": 0.0, "head_layers": (0, 1)}
+LATER_FIELDS = {"stale_pages": 0.0, "skip_supervision": 0.0, "head_layers": (0, 1), "identity_layers": ()}
 
 
 def check_head_layers(phases: list[Phase], n_layers: int) -> None:
-    """Raise ValueError naming the phase whose supervised heads (``head_layers``, when it supervises heads) lie
-    outside a model of ``n_layers`` decoder layers: checked before training, not when that phase starts."""
+    """Raise ValueError naming the phase whose supervised heads (``head_layers``, when it supervises heads) or
+    ``identity_layers`` lie outside a model of ``n_layers`` decoder layers: checked before training, not when that
+    phase starts."""
     for p in phases:
         if p.head_supervision and not p.head_layers[1] < n_layers:
             raise ValueError(f"phase {p.name!r}: head_layers {tuple(p.head_layers)} names layer {p.head_layers[1]}, but "
                              f"the model has {n_layers} decoder layers (0..{n_layers - 1})")
+        if p.identity_layers and not max(p.identity_layers) < n_layers:
+            raise ValueError(f"phase {p.name!r}: identity_layers {tuple(p.identity_layers)} names layer "
+                             f"{max(p.identity_layers)}, but the model has {n_layers} decoder layers (0..{n_layers - 1})")
 
 
 def phase_fields(phase: Phase | dict) -> dict:
@@ -307,6 +337,15 @@ def apply_overrides(phases: list[Phase], overrides: dict) -> list[Phase]:
             raise ValueError(f"phase {p.name!r}: head_layers must be two layer indices (previous-token layer, "
                              f"induction layer), the first below the second, got {p.head_layers!r}")
         p = replace(p, head_layers=tuple(p.head_layers))
+        if not (isinstance(p.identity_layers, (list, tuple))
+                and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in p.identity_layers)
+                and len(set(p.identity_layers)) == len(p.identity_layers)):
+            raise ValueError(f"phase {p.name!r}: identity_layers must be distinct layer indices >= 0, "
+                             f"got {p.identity_layers!r}")
+        p = replace(p, identity_layers=tuple(sorted(p.identity_layers)))
+        if p.head_supervision and set(p.head_layers) & set(p.identity_layers):
+            raise ValueError(f"phase {p.name!r}: a supervised head's layer {sorted(set(p.head_layers) & set(p.identity_layers))} "
+                             f"cannot be an identity layer (identity_layers {p.identity_layers})")
         if p.skip_supervision and not p.head_supervision:
             raise ValueError(f"phase {p.name!r}: skip_supervision needs head_supervision (the skip head reads the "
                              "supervised previous-token head)")

@@ -105,7 +105,7 @@ def train_zoo_model(
         "params": sum(p.numel() for p in model.parameters()),
         "seed": seed,
         "threads": threads,
-        "phases": [p.__dict__ | {"mixture": [list(m[:2]) for m in p.mixture]} for p in phases],
+        "phases": [p.__dict__ | {"mixture": [list(m) for m in p.mixture]} for p in phases],
         "overrides": overrides or {},
         "floors": floors or {},
         "validation": scores,
