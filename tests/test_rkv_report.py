@@ -489,8 +489,8 @@ def test_attribution_and_full_layer_headers_name_what_each_row_changes():
     got = attribution_header(rows)
     assert got == ["# FP16 vs ResidualKV: changes only full_kv_bits=16 (ResidualKV: 4)",
                    "# HF vs ResidualKV: changes only full_kv_form=before (ResidualKV: after)",
-                   "# alone vs ResidualKV: changes only method residualkv (ResidualKV: residualkv+omnikv); keep=None "
-                   "(ResidualKV: 0.2)"]
+                   # the selector's parameters go with the selector (they read "keep=None (ResidualKV: 0.2)")
+                   "# alone vs ResidualKV: changes only method residualkv (ResidualKV: residualkv+omnikv)"]
     assert attribution_header(rows[:1]) == []   # no ResidualKV row: nothing to attribute
     forms = full_layer_header(rows)
     assert [line.split(":")[0] for line in forms] == ["# full-attention layers (ResidualKV, alone)",

@@ -298,7 +298,9 @@ def attribution_header(rows, reference: str = "ResidualKV") -> list[str]:
         spec = press_spec(row.spec)
         if row is ref or spec.cls is not base.cls:
             continue
-        keys = sorted((set(spec.params) | set(base.params)) - {"protocol", "decode_tail"})
+        # a parameter only one side's press family has (a selector's, where the other has none) is the method's change
+        keys = sorted(((set(spec.params) | set(base.params)) & set(_fields(spec)) & set(_fields(base)))
+                      - {"protocol", "decode_tail"})
         value = lambda sp, k: sp.params.get(k, _fields(sp)[k].default if k in _fields(sp) else None)  # noqa: E731
         diff = [f"{k}={value(spec, k)} ({reference}: {value(base, k)})" for k in keys if value(spec, k) != value(base, k)]
         if spec.name != base.name:
