@@ -220,6 +220,26 @@ def test_vt_chain_follows_statements(tokenizer):
         assert rec["chance"] == pytest.approx((1 / (m["hops"] * m["n_chains"])) ** m["hops"])
 
 
+def test_vt_with_value_code_variables(tokenizer):
+    """``variables="values"`` (``vt_1k_values``): the chain's variables are value codes and NUM a key code, each
+    once in the record, and the chain still follows the statements; a bad value is refused by name."""
+    values, keys = set(lexicon.value_codes()), set(lexicon.key_codes())
+    for i in range(8):
+        rec = smoke.sample("vt", random.Random(i), "test", tokenizer, length_tokens=1024, variables="values")
+        check_record(rec)
+        m = rec["meta"]
+        assert m["num"] in keys and set(m["chain"]) <= values and rec["answer"] == "".join(f" {x}" for x in m["chain"])
+        ctx = ids(tokenizer, rec["context"])
+        counts = [ctx.count(ids(tokenizer, " " + code)[0]) for code in [m["num"]] + m["chain"]]
+        assert counts == [1] + [2] * (m["hops"] - 1) + [1]   # each variable but the last also starts a statement
+        assert 1024 - longctx.LENGTH_TOLERANCE <= m["n_tokens"] <= 1024
+    with pytest.raises(ValueError, match="vt variables must be 'keys' or 'values', got 'nums'"):
+        smoke.sample("vt", random.Random(0), "test", tokenizer, variables="nums")
+    with pytest.raises(ValueError, match=r"vt needs 100 distinct variables \(4 chains of 25 hops\), only \d+ value codes"):
+        smoke.sample("vt", random.Random(0), "test", tokenizer, length_tokens=2048, hops=25, n_distractors=3,
+                     variables="values")
+
+
 def test_text_param_errors(tokenizer):
     with pytest.raises(ValueError, match="pass tokenizer="):
         smoke.sample("niah", random.Random(0), "test")
@@ -263,7 +283,7 @@ def test_task_registry_and_unknown_task(tmp_path):
     assert set(smoke.TASKS) == ({"docpages", "digitgrid", "lcc", "chain_128", "chain_pairs_64"}
                                 | {f"{f}_{k}k" for f in ("niah", "kv", "vt") for k in (1, 2, 4)}
                                 | {f"{f}_1k_mq" for f in ("niah", "kv", "vt")}   # multi-query: ResidualKV Table IV
-                                | {"niah_1k_v4"})   # four-token values
+                                | {"niah_1k_v4", "vt_1k_values"})   # four-token values; value-code variables
     assert smoke.TASKS["niah_1k_v4"].params == {"length_tokens": 1024, "value_tokens": 4}
     assert smoke.TASKS["kv_2k"].params == {"length_tokens": 2048}
     with pytest.raises(ValueError, match="unknown smoke task 'niah_8k'.*niah_1k.*lcc"):

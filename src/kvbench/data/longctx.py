@@ -330,10 +330,13 @@ def sample_kv(rng: random.Random, split: str, tok, length_tokens: int = 1024, n_
 
 
 def sample_vt(rng: random.Random, split: str, tok, length_tokens: int = 1024, n_queries: int | None = None,
-              hops: int | None = None, n_distractors: int | None = None) -> dict:
+              hops: int | None = None, n_distractors: int | None = None, variables: str = "keys") -> dict:
     """Variable tracking: follow ``" NUM X1."``, ``" X1 X2."``, ... and list every variable holding NUM.
 
-    NUM is a value code (``" bqz"``), the variables X are key codes (``" QZV"``).
+    NUM is a value code (``" bqz"``), the variables X are key codes (``" QZV"``); with ``variables="values"`` the
+    other way round (NUM a key code, the variables value codes), so the answer tokens are value codes as in every
+    other retrieval task of the zoo LM's training (the task ``vt_1k_values``: the LM answers it, untrained on it,
+    while it answers none of the RULER-form ``vt_1k``: docs/log.md, "2026-12-05 Retrieval past the full layers").
 
     Parameters
     ----------
@@ -343,10 +346,13 @@ def sample_vt(rng: random.Random, split: str, tok, length_tokens: int = 1024, n_
     hops : int, default 2 for test, uniform 1..3 for train — variables per chain
         (= statements per chain = answer tokens = ``max_new_tokens``).
     n_distractors : int, default uniform 2..3 — further chains with other NUMs and variables.
+    variables : str, default ``"keys"`` — which codes the variables are: ``"keys"`` or ``"values"``.
 
     chance = (1 / number of variables in the sample) ** hops.
     """
     _check(split, length_tokens)
+    if variables not in ("keys", "values"):
+        raise ValueError(f"vt variables must be 'keys' or 'values', got {variables!r}")
     keys, values, tid = lexicon_tokens(tok)
     hops = hops if hops is not None else (rng.randint(1, 3) if split == "train" else 2)
     nd = n_distractors if n_distractors is not None else rng.randint(2, 3)
@@ -361,8 +367,13 @@ def sample_vt(rng: random.Random, split: str, tok, length_tokens: int = 1024, n_
     if budget < 0:
         raise ValueError(f"length_tokens={length_tokens} too short for {n_chains} chains of {hops} hops")
     pieces, used = haystack(rng, tok, split, budget)
-    var = rng.sample(_absent(keys, tid, used, "".join(pieces)), hops * n_chains)
-    nums = rng.sample(_absent(values, tid, used), n_chains)
+    free_keys, free_values = _absent(keys, tid, used, "".join(pieces)), _absent(values, tid, used)
+    var_pool, num_pool = (free_keys, free_values) if variables == "keys" else (free_values, free_keys)
+    if hops * n_chains > len(var_pool):
+        raise ValueError(f"vt needs {hops * n_chains} distinct variables ({n_chains} chains of {hops} hops), only "
+                         f"{len(var_pool)} {variables[:-1]} codes are free in this record")
+    var = rng.sample(var_pool, hops * n_chains)
+    nums = rng.sample(num_pool, n_chains)
     chains = [var[j * hops:(j + 1) * hops] for j in range(n_chains)]
     stmts = [[f" {nums[j]} {ch[0]}."] + [f" {a} {b}." for a, b in zip(ch, ch[1:])] for j, ch in enumerate(chains)]
     pieces, inserted, depths = _insert(rng, pieces, stmts)

@@ -67,6 +67,8 @@ def _tasks() -> dict[str, TaskSpec]:
     tasks["lcc"] = TaskSpec("lcc", "text", {"length_tokens": 1000})
     # 4-token values, answered over 4 decode steps (issue #32, item 3); kv's values cannot all be distinct at 1k
     tasks["niah_1k_v4"] = TaskSpec("niah", "text", {"length_tokens": 1024, "value_tokens": 4})
+    # variable tracking with value-code variables, two answer tokens (docs/data.md)
+    tasks["vt_1k_values"] = TaskSpec("vt", "text", {"length_tokens": 1024, "variables": "values"})
     for fam, n in (("kv", 4), ("niah", 4), ("vt", 3)):  # the 1k retrieval tasks, several queries per context
         tasks[f"{fam}_1k_mq"] = TaskSpec(f"{fam}_mq", "text", {"length_tokens": 1024, "n_queries": n})
     # ResidualKV Table V's long generation: 128 generated hops over about 770 prompt tokens
