@@ -194,11 +194,11 @@ def test_multi_token_values_are_chains_of_induction_lookups(tokenizer, family, L
     with pytest.raises(ValueError, match="value_tokens must be an integer >= 1, got 0"):
         smoke.sample(family, random.Random(0), "test", tokenizer, value_tokens=0)
     if family == "niah":   # more distinct value codes than the lexicon has
-        with pytest.raises(ValueError, match="30 values of 4 distinct codes need 120 codes, only"):
+        with pytest.raises(ValueError, match="30 values of value_tokens=4 distinct codes need 120 codes, only"):
             smoke.sample(family, random.Random(0), "test", tokenizer, length_tokens=1024, value_tokens=4, n_queries=30)
     else:
-        with pytest.raises(ValueError, match="kv at length_tokens=1024 with value_tokens=4 needs 660 distinct value "
-                                             "codes for its 165 pairs, the lexicon has 90"):
+        with pytest.raises(ValueError, match="kv at length_tokens=1024 with value_tokens=4 needs 672 distinct value "
+                                             "codes for its 168 pairs, the lexicon has 90"):
             smoke.sample(family, random.Random(0), "test", tokenizer, length_tokens=1024, value_tokens=4)
 
 
@@ -238,6 +238,20 @@ def test_vt_with_value_code_variables(tokenizer):
     with pytest.raises(ValueError, match=r"vt needs 100 distinct variables \(4 chains of 25 hops\), only \d+ value codes"):
         smoke.sample("vt", random.Random(0), "test", tokenizer, length_tokens=2048, hops=25, n_distractors=3,
                      variables="values")
+
+
+def test_text_counts_must_be_integers(tokenizer):
+    """Review finding (issue #32): a float or string count gave a TypeError deep in the generator, and a bool or a
+    float length passed (``max_new_tokens: true`` in the record); each is refused by name."""
+    for fam, kw, needle in (("vt", {"hops": "2"}, "vt hops must be an integer >= 1, got '2'"),
+                            ("vt", {"hops": 2.0}, "vt hops must be an integer >= 1, got 2.0"),
+                            ("vt", {"hops": True}, "vt hops must be an integer >= 1, got True"),
+                            ("vt", {"n_distractors": 1.5}, "vt n_distractors must be an integer >= 0, got 1.5"),
+                            ("kv", {"n_queries": True}, "kv n_queries must be an integer >= 1, got True"),
+                            ("niah", {"n_queries": 0}, "niah n_queries must be an integer >= 1, got 0"),
+                            ("niah", {"length_tokens": 1024.0}, "length_tokens must be an integer >= 16, got 1024.0")):
+        with pytest.raises(ValueError, match=re.escape(needle)):
+            smoke.sample(fam, random.Random(0), "test", tokenizer, **kw)
 
 
 def test_text_param_errors(tokenizer):

@@ -98,3 +98,27 @@ def test_a_vlm_dataset_under_residualkv_tasks_fails_the_plan():
         validate(cfg, str(REPO / "workflow" / "schemas" / "config.schema.yaml"))  # the Snakefile's defaults
         with pytest.raises(ValueError, match=re.escape(needle)):
             build_plans(Workspace(cfg))
+
+
+def test_repeated_tasks_and_unknown_target_tasks_keys_fail_the_plan():
+    """Review finding (issue #32): a task listed twice pooled its records twice in the paired CIs (n doubled, CIs too
+    narrow), and a misspelt `target_tasks` key (`tableiii`) silently fell back to `tasks`. Both are refused, naming
+    the key."""
+    import pytest
+    from snakemake.utils import validate
+
+    from kvbench.plan import Workspace, build_plans
+    from test_workflow import CONFIG, REPO
+
+    cases = [(("tasks",), ["niah_1k", "kv_1k", "niah_1k"], "config residualkv.tasks: ['niah_1k'] listed more than once"),
+             (("target_tasks",), {"tableIII": ["niah_1k", "niah_1k"]},
+              "config residualkv.target_tasks.tableIII: ['niah_1k'] listed more than once"),
+             (("target_tasks",), {"tableiii": ["niah_1k"], "tableV": ["kv_1k"]},
+              "config residualkv.target_tasks: ['tableV', 'tableiii'] name no table with task columns here; "
+              "expected some of ['fig5', 'tableIII'")]
+    for (key,), value, needle in cases:
+        cfg = yaml.safe_load(CONFIG.read_text())
+        cfg["residualkv"][key] = value
+        validate(cfg, str(REPO / "workflow" / "schemas" / "config.schema.yaml"))
+        with pytest.raises(ValueError, match=re.escape(needle)):
+            build_plans(Workspace(cfg))

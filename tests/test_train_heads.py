@@ -161,3 +161,17 @@ def test_identity_layers_bad_values_are_refused(tokenizer_dir, tmp_path):
     # a later field: left out of the hash at its default (the chain model keeps its directory), in it when set
     assert "identity_layers" not in phase_fields(copy_warmup())
     assert phase_fields(lm_recipe()[0])["identity_layers"] == (1,)
+
+
+def test_a_bad_mixture_entry_is_refused_before_training(tokenizer_dir, tmp_path):
+    """Review finding (issue #32): a bad generator parameter in a later phase's mixture (``value_tokens: 0`` at
+    tasks1024) failed only when that phase started, about 880 steps in; it is refused before the first step."""
+    from kvbench.train.zoo import train_zoo_model
+
+    for entry, needle in ((["niah", 1.0, {"value_tokens": 0}], "value_tokens must be an integer >= 1, got 0"),
+                          (["needle", 1.0, {}], "unknown task family 'needle'"),
+                          (["kv", 0, {}], "weight must be a number > 0, got 0")):
+        with pytest.raises(ValueError, match=r"phase 'tasks1024': mixture entry 0 .*" + needle):
+            train_zoo_model("tiny-qwen2-lm", tokenizer_dir=tokenizer_dir, out_dir=tmp_path / "out",
+                            workdir=tmp_path / "work", overrides={"phases": {"tasks1024": {"mixture": [entry]}}})
+        assert not (tmp_path / "work" / "state").exists()

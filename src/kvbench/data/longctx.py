@@ -101,8 +101,13 @@ def _prose(tok, split: str) -> _Prose:
 def _check(split: str, length_tokens: int) -> None:
     if split not in _SPLITS:
         raise ValueError(f"split must be 'train' or 'test', got {split!r}")
-    if int(length_tokens) != length_tokens or length_tokens < 16:
-        raise ValueError(f"length_tokens must be an integer >= 16, got {length_tokens!r}")
+    _check_int("length_tokens", length_tokens, 16)
+
+
+def _check_int(name: str, value, minimum: int) -> None:
+    """Raise ValueError unless ``value`` is an integer (not a bool, not a float) ``>= minimum``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
 
 
 def haystack(rng: random.Random, tok, split: str, budget: int) -> tuple[list[str], set[int]]:
@@ -213,8 +218,7 @@ def _record(family: str, rng: random.Random, split: str, tok, length_tokens: int
 
 
 def _check_value_tokens(value_tokens: int) -> None:
-    if isinstance(value_tokens, bool) or not isinstance(value_tokens, int) or value_tokens < 1:
-        raise ValueError(f"value_tokens must be an integer >= 1, got {value_tokens!r}")
+    _check_int("value_tokens", value_tokens, 1)
 
 
 def multi_token_values(rng: random.Random, pool: list[str], n: int, value_tokens: int) -> list[str]:
@@ -227,7 +231,7 @@ def multi_token_values(rng: random.Random, pool: list[str], n: int, value_tokens
         ValueError: ``pool`` holds fewer than ``n * value_tokens`` codes (both named).
     """
     if n * value_tokens > len(pool):
-        raise ValueError(f"{n} values of {value_tokens} distinct codes need {n * value_tokens} codes, "
+        raise ValueError(f"{n} values of value_tokens={value_tokens} distinct codes need {n * value_tokens} codes, "
                          f"only {len(pool)} are free in this record")
     codes = rng.sample(pool, n * value_tokens)
     return [" ".join(codes[i * value_tokens:(i + 1) * value_tokens]) for i in range(n)]
@@ -253,8 +257,7 @@ def sample_niah(rng: random.Random, split: str, tok, length_tokens: int = 1024, 
     _check_value_tokens(value_tokens)
     keys, values, tid = lexicon_tokens(tok)
     n = n_queries if n_queries is not None else (rng.randint(1, 4) if split == "train" else 1)
-    if n < 1:
-        raise ValueError(f"niah n_queries must be >= 1, got {n}")
+    _check_int("niah n_queries", n, 1)
     q_len = n_tokens(tok, "\nQuery:") + 1
     budget = length_tokens - q_len - n * (1 + value_tokens + n_tokens(tok, "."))
     if budget < 0:
@@ -303,6 +306,7 @@ def sample_kv(rng: random.Random, split: str, tok, length_tokens: int = 1024, n_
     _check_value_tokens(value_tokens)
     keys, values, _ = lexicon_tokens(tok)
     n_q = n_queries if n_queries is not None else (16 if split == "train" else 1)
+    _check_int("kv n_queries", n_q, 1)
     head = "Pairs:"
     q_len = n_tokens(tok, "\nQuery:") + 1
     per_pair = 1 + value_tokens + n_tokens(tok, ",")
@@ -356,10 +360,11 @@ def sample_vt(rng: random.Random, split: str, tok, length_tokens: int = 1024, n_
     keys, values, tid = lexicon_tokens(tok)
     hops = hops if hops is not None else (rng.randint(1, 3) if split == "train" else 2)
     nd = n_distractors if n_distractors is not None else rng.randint(2, 3)
-    if hops < 1 or nd < 0:
-        raise ValueError(f"vt needs hops >= 1 and n_distractors >= 0, got hops={hops}, n_distractors={nd}")
+    _check_int("vt hops", hops, 1)
+    _check_int("vt n_distractors", nd, 0)
     n_chains = 1 + nd
     n_q = n_queries if n_queries is not None else (n_chains if split == "train" else 1)
+    _check_int("vt n_queries", n_q, 1)
     if not 1 <= n_q <= n_chains:
         raise ValueError(f"vt n_queries must be in 1..{n_chains} (one per chain), got {n_q}")
     q_len = n_tokens(tok, "\nChain:") + 1

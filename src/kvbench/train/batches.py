@@ -187,6 +187,28 @@ def stale_page_record(rng: random.Random, record: dict) -> dict:
     return dict(record, system=record["system"] + " " + text, meta=meta)
 
 
+def check_mixtures(phases: list[Phase], proc: Any) -> None:
+    """Draw one record of every ``tasks`` phase's every mixture entry, so a bad entry fails before training, not when
+    its phase starts (possibly many minutes in).
+
+    Raises:
+        ValueError: naming the phase, the entry and the generator's own error (an unknown family, a bad parameter).
+    """
+    tok = getattr(proc, "tokenizer", proc)
+    for phase in phases:
+        if phase.kind != "tasks":
+            continue
+        for i, entry in enumerate(phase.mixture):
+            try:
+                fam, weight, params = entry
+                params = {k: v for k, v in dict(params).items() if k != "full_loss"}
+                if not (isinstance(weight, (int, float)) and not isinstance(weight, bool) and weight > 0):
+                    raise ValueError(f"weight must be a number > 0, got {weight!r}")
+                smoke.sample(fam, random.Random(0), "train", tokenizer=tok, **params)
+            except (ValueError, TypeError) as e:
+                raise ValueError(f"phase {phase.name!r}: mixture entry {i} {entry!r}: {e}") from None
+
+
 def task_batch(rng: random.Random, phase: Phase, proc: Any) -> dict:
     """A batch of smoke-task records drawn from the train pools by mixture weight.
 

@@ -54,7 +54,8 @@ class Phase:
         (query head 0 of each; the skip head is head 1 of the induction layer); default ``(0, 1)``. Where the
         induction head sits decides which layer's keys retrieval reads (issue #32: the layers a compressed cache
         keeps full or compresses). A phase field like the others: to move the heads for a whole run, set it in
-        every phase (``overrides = {"phases": {name: {"head_layers": [1, 2]} for every phase name}}``).
+        every phase (``overrides = {"phases": {name: {"head_layers": [1, 2], "identity_layers": []} for every phase
+        name}}``; the zoo LM's recipe holds layer 1 as an identity block, so moving a head there clears that too).
     identity_layers : tuple — decoder layers held as identity blocks during this phase (LLaMA Pro's block
         expansion, Wu et al. 2024, §3: output projections at zero): the layer's attention ``o_proj`` and MLP
         ``down_proj`` weights are set to zero when the phase starts and the whole layer gets no update, so it adds
@@ -345,7 +346,8 @@ def apply_overrides(phases: list[Phase], overrides: dict) -> list[Phase]:
         p = replace(p, identity_layers=tuple(sorted(p.identity_layers)))
         if p.head_supervision and set(p.head_layers) & set(p.identity_layers):
             raise ValueError(f"phase {p.name!r}: a supervised head's layer {sorted(set(p.head_layers) & set(p.identity_layers))} "
-                             f"cannot be an identity layer (identity_layers {p.identity_layers})")
+                             f"cannot be an identity layer (the phase's identity_layers {p.identity_layers}, the "
+                             f"recipe's unless overridden: set identity_layers in the same override)")
         if p.skip_supervision and not p.head_supervision:
             raise ValueError(f"phase {p.name!r}: skip_supervision needs head_supervision (the skip head reads the "
                              "supervised previous-token head)")

@@ -19,7 +19,7 @@ import kvbench
 from kvbench.data.tokenizer import load_tokenizer_dir
 from kvbench.models.loader import save_checkpoint
 from kvbench.models.tiny import build_config, build_processor, zoo_spec
-from kvbench.train.batches import PROBE_CLASSES
+from kvbench.train.batches import PROBE_CLASSES, check_mixtures
 from kvbench.train.floors import Scorer, check_floor_values, check_floors, validation_scores
 from kvbench.train.loop import run_phases
 from kvbench.train.recipes import RECIPES, apply_overrides, check_head_layers
@@ -61,7 +61,7 @@ def train_zoo_model(
     Raises:
         KeyError: unknown zoo name.
         ValueError: bad overrides, a slice <= 0, ``floors`` without ``score``, a phase's ``head_layers`` outside the
-            model's layers, or a ``workdir`` state of another model or recipe.
+            model's layers, a mixture entry its generator refuses, or a ``workdir`` state of another model or recipe.
         BelowFloor: a validation score below its floor (nothing written).
         SliceEnded: the slice ended before the last step (state saved; rerun resumes).
         FileNotFoundError: ``tokenizer_dir`` is not a directory.
@@ -80,6 +80,7 @@ def train_zoo_model(
     proc = build_processor(tok) if spec.kind == "vlm" else tok
     config = build_config(name, tok)
     check_head_layers(phases, config.get_text_config().num_hidden_layers)   # before any step, not at its phase
+    check_mixtures(phases, proc)
     model = getattr(transformers, spec.architecture)(config)
     extra = {}
     if spec.kind == "vlm":

@@ -383,7 +383,8 @@ TABLES: dict[str, Table] = {t.name: t for t in (
           "restored, CR 100%) and combined with OmniKV or SnapKV selection, against the full KV cache; full-attention "
           "layers KIVI-style 4-bit (`full_kv_bits=4`, the paper's deployment, §V-A); a row labelled `(full layers "
           f"FP16)`, where the config has one, keeps them FP16. {_CELLS}", _write),
-    Table("residualkv/tableVIII", "ResidualKV", "residualkv", "Table VIII (ablation: without codec; codes unquantised)",
+    Table("residualkv/tableVIII", "ResidualKV", "residualkv",
+          "Table VIII (ablation: without f_c, f_d; without references; codes unquantised)",
           "**ResidualKV Table VIII** (paper §V-D, ablation of the core modules, codes not quantised, its own codec "
           "with d_c 1.5x the main one): ResidualKV, without the codec f_c/f_d as the authors ran it (a zero code "
           "of width d_c held, so KR is unchanged, and only the reference mean restored: `mean_only=true`; "
