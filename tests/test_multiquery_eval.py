@@ -54,6 +54,20 @@ def test_n_queries_equal_n_single_query_runs_on_the_same_context(lm_dir, tmp_pat
         assert all(q["kr_packed"] == 1.0 and q["cr"] == 1.0 for r in rows for q in r["plan"]["queries"])
 
 
+def test_a_one_pass_press_on_multi_query_records_records_what_ran(lm_dir, tmp_path):
+    """Review finding (issue #32): a one_pass press on multi-query records recorded "one chunk: context + question"
+    beside the multi-request form it ran; the run's config.yaml says what ran, and the answers are the
+    shared-context run's."""
+    split = write_split(tmp_path / "mq" / "test.jsonl", [mq_record(0, n=2)])
+    for protocol in ("one_pass", "shared_context"):
+        run_eval(lm_dir, split, method=f"snapkv:keep=0.3,window=4,protocol={protocol}", out_dir=tmp_path / protocol,
+                 threads=1)
+    recorded = (tmp_path / "one_pass" / "config.yaml").read_text()
+    assert "one chunk: context + question" not in recorded and "one_pass protocol does not apply" in recorded
+    got = [read_jsonl(tmp_path / p / "predictions.jsonl")[0]["prediction"] for p in ("one_pass", "shared_context")]
+    assert got[0] == got[1]
+
+
 def test_one_query_method_refuses_a_multi_query_split_before_loading(tmp_path, monkeypatch):
     from kvbench.eval.methods import FullCache
 

@@ -110,6 +110,9 @@ class CompressMethod(EvalMethod):
         two = press.protocol == "shared_context" or press.context_pass
         prefill = ("two chunks: the context (then compressed), then the question reading the compressed cache"
                    if two else "one chunk: context + question (exact); decoding reads the compressed cache")
+        if self._multi and not two:   # multi-query records are answered from the post-context cache (below)
+            prefill = ("per multi-query record: the context as its own chunk (then compressed), each query reading "
+                       "the compressed cache; the press's one_pass protocol does not apply to multi_turns records")
         if press.decode_tail:
             prefill += (f"; the question's last {press.decode_tail} token(s) (at most the whole question) are fed as "
                         "decode steps after the prefill")
