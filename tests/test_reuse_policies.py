@@ -272,6 +272,24 @@ def test_cacheblend_conduit_schedule(vlm, req):
         assert bool(torch.isin(b, a).all())  # nested
 
 
+@pytest.mark.parametrize("policy", ["cacheblend-conduit", "kvshare-conduit"])
+def test_as_run_first_shrink_ties_first_or_random(vlm, req, policy):
+    """Issue #33, item 5: every layer-0 deviation is 0, so with the default tie rule the first shrink keeps the first
+    visual tokens in every request; ``ties=random`` keeps a seeded random subset (the plan records the rule)."""
+    first = refresh(vlm, req, policy, 0.4)
+    kept = first.output.computed_visual[1]
+    assert kept.tolist() == req.visual_index[:kept.numel()].tolist()
+    torch.manual_seed(0)
+    rand = refresh(vlm, req, policy, 0.4, ties="random")
+    torch.manual_seed(0)
+    again = refresh(vlm, req, policy, 0.4, ties="random")
+    assert rand.output.layer_counts == first.output.layer_counts and rand.plan.info["ties"] == "random"
+    assert rand.output.computed_visual[1].tolist() == again.output.computed_visual[1].tolist() != kept.tolist()
+    assert "ties" not in first.plan.info
+    with pytest.raises(ValueError, match=f"{policy} ties must be one of .'first', 'random'., got 'rand'"):
+        refresh(vlm, req, policy, 0.4, ties="rand")
+
+
 @pytest.mark.parametrize("L,N,k", [(28, 1000, 100), (6, 18, 8), (6, 18, 2), (6, 18, 18), (1, 5, 1), (4, 3, 1)])
 def test_linear_layer_counts(L, N, k):
     c = linear_layer_counts(L, N, k)

@@ -153,6 +153,25 @@ def test_top_k_ties_are_deterministic():
     assert top_k(s, 0).tolist() == []
 
 
+def test_top_k_random_ties_are_seeded_and_leave_distinct_scores_alone():
+    """``ties="random"`` (issue #33, item 5): all-equal scores (the as-run first shrink at layer 0) give a random
+    subset, the same under the same torch seed and another under another; distinct scores rank as with "first"."""
+    flat = torch.zeros(40)
+    picks = []
+    for seed in (0, 0, 1):
+        torch.manual_seed(seed)
+        picks.append(top_k(flat, 10, ties="random").tolist())
+    assert picks[0] == picks[1] != picks[2] and picks[0] != list(range(10)) and len(set(picks[0])) == 10
+    assert top_k(flat, 10).tolist() == list(range(10))
+    s = torch.randn(50)
+    torch.manual_seed(3)
+    assert top_k(s, 7, ties="random").tolist() == top_k(s, 7).tolist()
+    s = torch.tensor([1.0, 2.0, 2.0, 0.5, 2.0])   # the top one is fixed, the tied pair is drawn among three
+    torch.manual_seed(0)
+    got = top_k(s, 2, ties="random").tolist()
+    assert len(got) == 2 and set(got) <= {1, 2, 4}
+
+
 def test_scoring_pass_projects_queries_for_the_trailing_rows_only(vlm, req, monkeypatch):
     """§3.3 reads the attention mass of the query tokens alone: the pass projects only their queries (not every
     text row's), with the same α as the mass of those rows' queries computed over every row."""

@@ -125,9 +125,24 @@ def image_coefficients(scores: torch.Tensor, image_ids: torch.Tensor, n_images: 
     return 1.0 + lam * (m / mean_m - 1.0)
 
 
-def top_k(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """Indices (ascending) of the ``k`` largest ``scores``; ties go to the earlier index (deterministic)."""
-    order = torch.sort(-scores.float(), stable=True).indices
+#: Tie rules of :func:`top_k`: ``"first"`` keeps the earlier index, ``"random"`` a uniformly random one.
+TIE_RULES = ("first", "random")
+
+
+def top_k(scores: torch.Tensor, k: int, ties: str = "first") -> torch.Tensor:
+    """Indices (ascending) of the ``k`` largest ``scores`` (float ``[n]``), int64 ``[k]``.
+
+    ``ties="first"``: equal scores go to the earlier index (deterministic). ``"random"``: to a uniformly random one,
+    from a permutation drawn from torch's global generator, which the eval runner seeds per record
+    (:mod:`kvbench.eval.runner`), so a run is still a function of its seed. The authors' ``torch.topk`` leaves the
+    order of ties unspecified (docs/decisions/reuse.md, "The first shrink's ties").
+    """
+    assert ties in TIE_RULES, ties
+    if ties == "first":
+        order = torch.sort(-scores.float(), stable=True).indices
+    else:
+        perm = torch.randperm(scores.numel(), device=scores.device)
+        order = perm[torch.sort(-scores.float()[perm], stable=True).indices]
     return torch.sort(order[:k]).values
 
 

@@ -28,7 +28,7 @@ from kvbench.reuse.assemble import AssembledRequest
 from kvbench.reuse.executor import LayerSchedule, LayerState
 from kvbench.reuse.policies._layers import n_layers_of
 from kvbench.reuse.policies.base import RefreshPlan, RefreshPolicy, register
-from kvbench.reuse.scoring import top_k
+from kvbench.reuse.scoring import TIE_RULES, top_k
 from kvbench.reuse.validate import budget_count
 
 
@@ -115,11 +115,12 @@ class ShrinkSchedule(LayerSchedule):
     """Start with every visual token; after layer l keep the top ``counts[l+1]`` active tokens by ``score_fn``."""
 
     def __init__(self, visual_index: torch.Tensor, counts: list[int],
-                 score_fn: Callable[[LayerState], torch.Tensor], needs_queries: bool = False):
+                 score_fn: Callable[[LayerState], torch.Tensor], needs_queries: bool = False, ties: str = "first"):
         super().__init__(visual_index)
         self.counts = counts
         self.score_fn = score_fn
         self.needs_queries = needs_queries
+        self.ties = ties
         self._active = visual_index.numel()
 
     def _shrinks_after(self, layer: int) -> bool:
@@ -139,7 +140,7 @@ class ShrinkSchedule(LayerSchedule):
         elif target <= 0:
             nxt = active[:0]
         else:
-            nxt = active[top_k(self.score_fn(state), target)]
+            nxt = active[top_k(self.score_fn(state), target, self.ties)]
         self._active = nxt.numel()
         return nxt
 
@@ -154,13 +155,23 @@ def kv_deviation(state: LayerState) -> torch.Tensor:
 
 
 def linear_plan(req: AssembledRequest, r: float, score_fn: Callable[[LayerState], torch.Tensor], variant: str,
-                needs_queries: bool = False) -> RefreshPlan:
+                needs_queries: bool = False, ties: str = "first") -> RefreshPlan:
     """The plan of CONDUIT's as-run CacheBlend/KVShare schedule: :func:`linear_layer_counts` for budget
-    ⌈r·N_visual⌉, shrunk by ``score_fn`` (:class:`ShrinkSchedule`). ``info`` records the counts and whether they
-    are :func:`degenerate` (the tables name such runs)."""
+    ⌈r·N_visual⌉, shrunk by ``score_fn`` (:class:`ShrinkSchedule`) with the tie rule ``ties``
+    (:func:`~kvbench.reuse.scoring.top_k`). ``info`` records the counts, whether they are :func:`degenerate` (the
+    tables name such runs) and a tie rule other than the default."""
     counts = linear_layer_counts(n_layers_of(req), req.n_visual, budget_count(r, req.n_visual))
-    return RefreshPlan(schedule=ShrinkSchedule(req.visual_index, counts, score_fn, needs_queries=needs_queries),
-                       info={"variant": variant, "layer_counts": counts, "degenerate": degenerate(counts)})
+    info = {"variant": variant, "layer_counts": counts, "degenerate": degenerate(counts)}
+    if ties != "first":   # default runs keep the plan record they always had
+        info["ties"] = ties
+    return RefreshPlan(schedule=ShrinkSchedule(req.visual_index, counts, score_fn, needs_queries=needs_queries,
+                                               ties=ties), info=info)
+
+
+def check_ties(policy: str, ties: str) -> None:
+    """Raise ValueError naming ``policy`` unless ``ties`` is one of :data:`~kvbench.reuse.scoring.TIE_RULES`."""
+    if ties not in TIE_RULES:
+        raise ValueError(f"{policy} ties must be one of {TIE_RULES}, got {ties!r}")
 
 
 class CheckLayerSchedule(LayerSchedule):
@@ -252,7 +263,13 @@ class CacheBlendConduit(RefreshPolicy):
 
     Parameters
     ----------
-    None. The budget ``r`` of :meth:`plan` sets the layer average ⌈r·N_visual⌉ of recomputed visual tokens.
+    ties : str, default "first" — how equal deviations are ranked (:func:`~kvbench.reuse.scoring.top_k`): "first"
+        keeps the earlier token, "random" a random one (seeded per record). Every layer-0 deviation of a visual token
+        is 0 (its layer-0 K/V do not depend on the prefix), so the first shrink is all ties: "first" keeps the first
+        pages' tokens in every record; the authors' ``torch.topk`` leaves the order unspecified
+        (docs/decisions/reuse.md, "The first shrink's ties").
+
+    The budget ``r`` of :meth:`plan` sets the layer average ⌈r·N_visual⌉ of recomputed visual tokens.
     """
 
     name = "cacheblend-conduit"
@@ -261,8 +278,13 @@ class CacheBlendConduit(RefreshPolicy):
             "of the budget, ranked by |dk|+|dv|)")
     uses_scoring = False
 
+    ties: str = "first"
+
+    def __post_init__(self):
+        check_ties(self.name, self.ties)
+
     def plan(self, req, scoring, r):
-        return linear_plan(req, r, kv_deviation, "conduit-as-run")
+        return linear_plan(req, r, kv_deviation, "conduit-as-run", ties=self.ties)
 
     def visual_rows(self, req, r, n_layers):
         return linear_layer_counts(n_layers, req.n_visual, budget_count(r, req.n_visual))

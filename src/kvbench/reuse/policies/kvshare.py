@@ -16,7 +16,7 @@ import torch
 
 from kvbench.reuse.executor import LayerState
 from kvbench.reuse.policies.base import RefreshPolicy, register
-from kvbench.reuse.policies.cacheblend import flat_rows, linear_layer_counts, linear_plan
+from kvbench.reuse.policies.cacheblend import check_ties, flat_rows, linear_layer_counts, linear_plan
 from kvbench.reuse.scoring import attention_mass
 from kvbench.reuse.validate import budget_count
 
@@ -46,7 +46,10 @@ class KVShareConduit(RefreshPolicy):
 
     Parameters
     ----------
-    None. The budget ``r`` of :meth:`plan` sets the layer average ⌈r·N_visual⌉ of recomputed visual tokens.
+    ties : str, default "first" — how equal scores are ranked, as in ``cacheblend-conduit`` (layer 0's ‖Δv‖₁ is 0
+        for every visual token, so its first shrink is all ties).
+
+    The budget ``r`` of :meth:`plan` sets the layer average ⌈r·N_visual⌉ of recomputed visual tokens.
     """
 
     name = "kvshare-conduit"
@@ -54,8 +57,13 @@ class KVShareConduit(RefreshPolicy):
     form = "KVShare as reimplemented in CONDUIT's code (CacheBlend schedule, attention x |dv|_1)"
     uses_scoring = False
 
+    ties: str = "first"
+
+    def __post_init__(self):
+        check_ties(self.name, self.ties)
+
     def plan(self, req, scoring, r):
-        return linear_plan(req, r, kvshare_score, "conduit-reimplementation", needs_queries=True)
+        return linear_plan(req, r, kvshare_score, "conduit-reimplementation", needs_queries=True, ties=self.ties)
 
     def visual_rows(self, req, r, n_layers):
         return linear_layer_counts(n_layers, req.n_visual, budget_count(r, req.n_visual))
