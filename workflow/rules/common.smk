@@ -279,8 +279,8 @@ def rkv_report_spec():
 
 
 def mm_codec_models():
-    """Backbones that rkv_mm_codec trains a VLM codec for (Table II's, and the compressed-image-cache table's)."""
-    return list(dict.fromkeys((MM.models if MM else []) + ([CRC.model] if CRC else [])))
+    """Backbones that rkv_mm_codec trains a VLM codec for, over every plan (:meth:`Plan.vlm_codec_models`)."""
+    return list(dict.fromkeys(m for p in PLANS.values() for m in p.vlm_codec_models()))
 
 
 def mm_check_codec(wc):
@@ -321,10 +321,6 @@ def ambiguous_figure(wc):
     raise ValueError(f"figures/fig{wc.n}.pdf is ambiguous: both papers have a Figure {wc.n}; {built}.")
 
 
-def rkv_variant_summaries(variants):
-    return lambda wc: [f"{rkv_plan().codecs.dir(v)}/summary.json" for v in variants]
-
-
 def rkv_bench_gpus(fig):
     """Resource function: GPUs a profiling job asks the scheduler for (:meth:`RKVPlan.bench_gpus`)."""
     return lambda wc: rkv_plan().bench_gpus(fig)
@@ -333,16 +329,6 @@ def rkv_bench_gpus(fig):
 def rkv_bench_args(fig):
     """``kvbench bench`` flags from the config's ``residualkv.<fig>`` mapping (checked by RKVPlan.bench_args)."""
     return rkv_plan().bench_args(fig)
-
-
-def rkv_figure_variants(fig):
-    """The codec variants figure ``fig`` (fig10/fig11/fig12) reads (:data:`kvbench.plan.codecs.FIGURE_VARIANTS`)."""
-    return FIGURE_VARIANTS[fig]
-
-
-def rkv_default_variant():
-    """The variant Fig. 11's relative throughput divides by (:data:`kvbench.plan.codecs.DEFAULT_VARIANT`)."""
-    return DEFAULT_VARIANT
 
 
 # --- Ours beside the published figures (compare.smk) -----------------------------------------

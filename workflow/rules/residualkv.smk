@@ -126,7 +126,7 @@ rule rkv_fig5:
 
 rule rkv_codec_figures:
     input:
-        summaries=lambda wc: rkv_variant_summaries(rkv_figure_variants(wc.fig))(wc),
+        summaries=lambda wc: [f"{rkv_plan().codecs.dir(v)}/summary.json" for v in FIGURE_VARIANTS[wc.fig]],
         throughput=lambda wc: ["results/residualkv/fig11_throughput.csv"] if wc.fig == "fig11" else [],
     output:
         pdf=report(
@@ -165,7 +165,7 @@ rule rkv_codec_figures:
 rule rkv_variant_throughput:
     """Fig. 11's throughput panel: each variant codec's shape, scaled to the random-weight timing LM, timed."""
     input:
-        codecs=lambda wc: [f"{rkv_plan().codecs.dir(v)}/codec/codec.json" for v in rkv_figure_variants("fig11")],
+        codecs=lambda wc: [f"{rkv_plan().codecs.dir(v)}/codec/codec.json" for v in FIGURE_VARIANTS["fig11"]],
         tokenizer=f"{TOKENIZER_DIR}/tokenizer.json",
     output:
         report(
@@ -175,10 +175,10 @@ rule rkv_variant_throughput:
             subcategory="Figure data",
         ),
     params:
-        codecs=lambda wc, input: [f"{v}={os.path.dirname(c)}" for v, c in zip(rkv_figure_variants("fig11"), input.codecs)],
+        codecs=lambda wc, input: [f"{v}={os.path.dirname(c)}" for v, c in zip(FIGURE_VARIANTS["fig11"], input.codecs)],
         tokenizer=lambda wc, input: os.path.dirname(input.tokenizer),
         args=lambda wc: rkv_bench_args("fig11"),
-        default=lambda wc: rkv_default_variant(),
+        default=DEFAULT_VARIANT,
     log:
         "logs/residualkv/fig11_bench.log",
     benchmark:

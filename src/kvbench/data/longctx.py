@@ -217,10 +217,6 @@ def _record(family: str, rng: random.Random, split: str, tok, length_tokens: int
     }
 
 
-def _check_value_tokens(value_tokens: int) -> None:
-    _check_int("value_tokens", value_tokens, 1)
-
-
 def multi_token_values(rng: random.Random, pool: list[str], n: int, value_tokens: int) -> list[str]:
     """``n`` values of ``value_tokens`` codes each, drawn without replacement from ``pool``.
 
@@ -254,7 +250,7 @@ def sample_niah(rng: random.Random, split: str, tok, length_tokens: int = 1024, 
     chance = 1/90 (a uniform guess over the lexicon's values) at ``value_tokens=1``, (1/pool)**value_tokens above.
     """
     _check(split, length_tokens)
-    _check_value_tokens(value_tokens)
+    _check_int("value_tokens", value_tokens, 1)
     keys, values, tid = lexicon_tokens(tok)
     n = n_queries if n_queries is not None else (rng.randint(1, 4) if split == "train" else 1)
     _check_int("niah n_queries", n, 1)
@@ -303,7 +299,7 @@ def sample_kv(rng: random.Random, split: str, tok, length_tokens: int = 1024, n_
         ValueError: bad ``n_queries`` or ``value_tokens``, or more distinct value codes than the lexicon has.
     """
     _check(split, length_tokens)
-    _check_value_tokens(value_tokens)
+    _check_int("value_tokens", value_tokens, 1)
     keys, values, _ = lexicon_tokens(tok)
     n_q = n_queries if n_queries is not None else (16 if split == "train" else 1)
     _check_int("kv n_queries", n_q, 1)

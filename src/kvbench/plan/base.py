@@ -168,6 +168,10 @@ class Plan:
         """Scheduler minutes of ``run``: an hour on the zoo, else six."""
         return 60 if zoo else 360
 
+    def vlm_codec_models(self) -> list[str]:
+        """Backbones this plan needs a VLM ResidualKV codec for (rule ``rkv_mm_codec``); none by default."""
+        return []
+
     def builds(self, table: Table) -> bool:
         """Whether this config builds ``table`` (one of this plan's, :attr:`Table.plan_name`) in its aggregates; a
         table asked for by name is built whenever its plan exists."""

@@ -66,6 +66,10 @@ class CompressedCachePlan(Plan):
         except (ValueError, TypeError) as e:
             raise ValueError(f"{where}.storage: {e}") from None
 
+    def vlm_codec_models(self) -> list[str]:
+        """Its backbone: the compressed caches are stored with that VLM's codec (Table II's recipe)."""
+        return [self.model]
+
     @property
     def storage(self) -> dict:
         return dict(self.section.get("storage") or {})

@@ -238,6 +238,10 @@ class MMPlan(Plan):
                            "bootstrap": self.ws.config["residualkv"]["bootstrap"]}, sort_keys=True)
 
     # --- each backbone's VLM codec (rule rkv_mm_codec) ----------------------------------------------------
+    def vlm_codec_models(self) -> list[str]:
+        """Table II's backbones: each has its own VLM codec."""
+        return list(self.models)
+
     def codec_files(self) -> list[str]:
         """Training records of the codecs: ``codec.data_files`` (local JSONL, under ``paths.root``), else the tasks'
         smoke train splits.
