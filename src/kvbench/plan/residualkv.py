@@ -368,12 +368,10 @@ class RKVPlan(Plan):
         model = section["model"]
         if model not in ws.models or ws.models[model]["kind"] != "lm":
             raise ValueError(f"config residualkv.model: {model!r} must be an `lm` model defined under `models`")
-        per_target = section.get("target_tasks") or {}   # its keys: the schema's propertyNames
-        keyed = [("tasks", section["tasks"])] + [(f"target_tasks.{t}", ts) for t, ts in per_target.items()]
+        # keys and repeated tasks: the schema's (propertyNames, uniqueItems)
+        keyed = [("tasks", section["tasks"])] + [(f"target_tasks.{t}", ts)
+                                                 for t, ts in (section.get("target_tasks") or {}).items()]
         for key, tasks in keyed:
-            repeated = sorted({t for t in tasks if tasks.count(t) > 1})
-            if repeated:   # a repeated column would pool its records twice in the paired CIs
-                raise ValueError(f"config residualkv.{key}: {repeated} listed more than once")
             for task in tasks:
                 if task not in ws.datasets:
                     raise ValueError(f"config residualkv.{key}: {task!r} is not defined under `datasets`")
