@@ -1,8 +1,8 @@
 """Where a config's artefacts live: model and split paths, keyed by profile and recipe hash.
 
 ``zoo/<profile>/<model>-<hash>/`` and ``data/<profile>/<task>-<hash>/``: the hash covers everything that determines
-the bytes (:mod:`kvbench.utils.recipe`), so a config change writes a new directory instead of deleting a finished
-one, two configs coexist, and switching back costs nothing. Local checkpoints and JSONL files are under
+the bytes (:mod:`kvbench.utils.recipe`), the code that makes them included, so a config change writes a new
+directory instead of deleting a finished one, two configs coexist, and switching back costs nothing. Local checkpoints and JSONL files are under
 ``paths.root`` unless absolute. Every plan (:mod:`kvbench.plan`) and the workflow's rules ask one
 :class:`Workspace`, so a path is named once.
 """
@@ -15,7 +15,12 @@ from kvbench.data.smoke import TASKS
 from kvbench.models.tiny import seed_replica, zoo_spec
 from kvbench.plan.residualkv import known_model_shape
 from kvbench.train.recipes import RECIPES, apply_overrides, zoo_recipe
-from kvbench.utils.recipe import recipe_hash
+from kvbench.utils.recipe import code_version, recipe_hash
+
+#: the modules that write the tokenizer (``kvbench tokenizer``) and a smoke split (``kvbench data``): where the code
+#: digests of their recipes start (:func:`kvbench.utils.recipe.code_version`)
+TOKENIZER_ENTRY = "kvbench.data.tokenizer"
+SPLIT_ENTRY = "kvbench.data.smoke"
 
 
 @dataclass
@@ -45,7 +50,8 @@ class Workspace:
         self.datasets: dict = cfg["datasets"]
         self.zoo_models = [m for m, spec in self.models.items() if "zoo" in spec]
         self.check_names()
-        self.tokenizer_hash = recipe_hash({"vocab_size": cfg["zoo"]["tokenizer"]["vocab_size"]})
+        self.tokenizer_hash = recipe_hash({"vocab_size": cfg["zoo"]["tokenizer"]["vocab_size"],
+                                           "code": code_version(TOKENIZER_ENTRY)})
         self.zoo_hashes = {}
         for name in self.zoo_models:
             zoo = self.models[name]["zoo"]
@@ -54,8 +60,9 @@ class Workspace:
             # the floors are in the recipe: a changed floor is a new model directory, never a rerun (and first a
             # deletion) of a finished one
             self.zoo_hashes[name] = recipe_hash({**recipe, "floors": zoo["floors"], "val_n": zoo["val_n"]})
+        split_code = code_version(SPLIT_ENTRY)
         self.data_hashes = {task: recipe_hash({"task": task, "seed": self.seed, "tokenizer": self.tokenizer_hash,
-                                               **spec["smoke"]})
+                                               "code": split_code, **spec["smoke"]})
                             for task, spec in self.datasets.items() if "smoke" in spec}
 
     def check_names(self) -> None:

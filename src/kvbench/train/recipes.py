@@ -19,6 +19,8 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field, replace
 
+from kvbench.utils.recipe import code_version
+
 
 @dataclass(frozen=True)
 class Phase:
@@ -244,6 +246,8 @@ def chain_recipe() -> list[Phase]:
     return phases
 
 
+#: the module that trains a zoo model (``kvbench train``): the code digest of a zoo recipe starts here
+TRAINING_ENTRY = "kvbench.train.zoo"
 RECIPES = {"lm": lm_recipe, "vlm": vlm_recipe, "vlm-mild": vlm_mild_recipe, "lm-chain": chain_recipe}
 #: values of :attr:`Phase.cell_target`
 CELL_TARGETS = ("instruction", "content")
@@ -255,9 +259,11 @@ def zoo_recipe(name: str, kind: str, overrides: dict, *, seed: int, threads: int
     The architecture (class, text and vision config fields of the zoo entry),
     the resolved phases of its recipe (after ``overrides``), the seed, the torch
     thread count (intra-op reductions round differently with more threads) and
-    the tokenizer's own recipe hash. Its :func:`kvbench.utils.recipe.recipe_hash`
-    names the model's directory (``zoo/<profile>/<name>-<hash>/``); slices,
-    floors and scheduler settings are not part of it.
+    the tokenizer's own recipe hash, and the code that trains it (``code``: :func:`kvbench.utils.recipe.code_version`
+    of :data:`TRAINING_ENTRY`, the digest of every ``kvbench`` module the training runs and the library versions;
+    a retrain under changed training code used to keep the hash and move Table 1 by up to 9 points, issue #33).
+    Its :func:`kvbench.utils.recipe.recipe_hash` names the model's directory (``zoo/<profile>/<name>-<hash>/``);
+    slices, floors and scheduler settings are not part of it.
 
     Raises:
         KeyError: ``name`` is not a zoo entry or a seed replica of one.
@@ -271,7 +277,7 @@ def zoo_recipe(name: str, kind: str, overrides: dict, *, seed: int, threads: int
     phases = apply_overrides(RECIPES[spec.recipe_name](), overrides)
     arch = {"architecture": spec.architecture, "text": spec.text, "vision": spec.vision, "recipe": spec.recipe_name}
     return {"model": name, "kind": kind, "seed": seed, "threads": threads, "tokenizer": tokenizer,
-            "arch": json.loads(json.dumps(arch)), "phases": json.loads(json.dumps([phase_fields(p) for p in phases]))}
+            "code": code_version(TRAINING_ENTRY), "arch": json.loads(json.dumps(arch)), "phases": json.loads(json.dumps([phase_fields(p) for p in phases]))}
 
 
 #: Phase fields added after zoo models were trained, with the value those models had: left out of the recipe
