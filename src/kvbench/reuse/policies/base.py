@@ -82,6 +82,8 @@ class RefreshPolicy(ABC):
     label: ClassVar[str]
     form: ClassVar[str | None] = None
     uses_scoring: ClassVar[bool] = True
+    #: Plans from the full prefill's K/V (an oracle; :meth:`plan` then gets that :class:`ExecResult` as ``scoring``).
+    reads_fresh: ClassVar[bool] = False
     #: Runs the model's own forward (vision tower included) instead of the Phase 2 executor.
     model_forward: ClassVar[bool] = False
 
@@ -90,8 +92,9 @@ class RefreshPolicy(ABC):
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
     @abstractmethod
-    def plan(self, req: AssembledRequest, scoring: ScoringPass | None, r: float) -> RefreshPlan:
-        """The refresh plan for ``req`` at visual-token budget ratio ``r``."""
+    def plan(self, req: AssembledRequest, scoring: ScoringPass | ExecResult | None, r: float) -> RefreshPlan:
+        """The refresh plan for ``req`` at visual-token budget ratio ``r``; ``scoring`` is the scoring pass
+        (``uses_scoring``), the full prefill's result (``reads_fresh``: an oracle) or None."""
 
     @abstractmethod
     def visual_rows(self, req: AssembledRequest, r: float, n_layers: int) -> list[int]:
@@ -200,7 +203,11 @@ def refresh(adapter: VLMAdapter, req: AssembledRequest, policy: str | RefreshPol
     if req.n_visual == 0:
         raise ValueError("request has no visual tokens; the reuse engine needs >= 1 image")
     sp = scoring_pass(adapter, req, in_place=in_place) if pol.uses_scoring else None
-    plan = pol.plan(req, sp, r)
+    if pol.reads_fresh:
+        assert not pol.uses_scoring, f"policy {pol.name}: reads_fresh replaces the scoring pass"
+        plan = pol.plan(req, full_prefill(adapter, req), r)
+    else:
+        plan = pol.plan(req, sp, r)
     if plan.schedule is None:
         out = full_prefill(adapter, req)
     else:
