@@ -94,7 +94,7 @@ def test_table14_allocation_by_quartile_and_failure_audit(tmp_path, monkeypatch)
     header, df = _read(tmp_path / "t14.csv")
     assert "NOT the paper's numbers" in header[0] and any("low page coverage" in h for h in header)
     alloc = df[df["part"] == "allocation"].set_index("group")
-    assert list(alloc.index) == ["Q1 (closest)", "Q2", "Q3", "Q4"] and (alloc["records"] == 2).all()
+    assert list(alloc.index) == ["Q1 (closest)", "Q2", "Q3", "Q4 (widest)"] and (alloc["records"] == 2).all()
     assert alloc["CONDUIT evidence share %"].tolist() == [0.0, 100.0, 100.0, 100.0]
     assert alloc["raw top-k evidence share %"].tolist() == [0.0, 0.0, 100.0, 100.0]
     assert alloc["CONDUIT - full"].tolist() == [-50.0, -50.0, -50.0, 0.0]
@@ -133,3 +133,15 @@ def test_a_case_column_that_does_not_exist_is_named(tmp_path, monkeypatch):
     spec["conduit"]["case_study"] = {"column": "K9"}
     with pytest.raises(ValueError, match="'K9' is not a conduit.multi_image column"):
         tables.write("conduit/table15", json.dumps(spec), tmp_path / "t15.csv", root=tmp_path)
+
+
+def test_gap_quartiles_rank_by_magnitude_so_the_closest_holds_the_near_ties():
+    """Review finding (issue #33): ranked by the signed gap, "Q1 (closest)" held the most negative gaps (pages a
+    distractor beat by most). By |gap| it holds the near-ties, whatever their sign."""
+    from kvbench.report.conduit.evidence import gap_quartiles
+
+    gaps = pd.Series([-0.9, -0.01, 0.02, 0.5, -0.4, 0.03, 0.8, -0.02])
+    q = gap_quartiles(gaps)
+    assert sorted(gaps[q == "Q1 (closest)"]) == [-0.01, 0.02]
+    assert sorted(gaps[q == "Q4 (widest)"]) == [-0.9, 0.8]
+    assert list(gap_quartiles(pd.Series([0.3, -0.1]))) == ["Q2", "Q1 (closest)"]

@@ -11,6 +11,7 @@ Every quantity is computed from what the runs recorded, per record:
 - the **attention gap** is c_ev − max_{j ≠ ev} c_j with c the image coefficients of the query-attention-only run
   (``conduit@r:use_v_norm=false``, λ = 1: c_j = m_j / mean_k m_k with m_j image j's mean query attention), i.e.
   how far the evidence page's attention stands above the strongest distractor's, in units of the mean page;
+  records are grouped into quartiles by its magnitude (:func:`gap_quartiles`);
 - **raw-attention top-k** is ProphetKV as CONDUIT runs it (query attention, no ‖V‖, no image coefficient).
 
 Failure audit (records where CONDUIT at r and full prefill answer differently), first matching class:
@@ -100,6 +101,19 @@ def records_of(plan: Any, runs: Any, model: str, column: Any, specs: dict[str, s
     return pd.DataFrame(out)
 
 
+def gap_quartiles(gaps: pd.Series) -> pd.Categorical:
+    """Quartile of each record by the attention gap's magnitude ``|gap|``, ranked ascending (ties by record order,
+    so the quartiles have equal counts): ``Q1 (closest)`` holds the pages nearest a tie with the strongest distractor,
+    ``Q4 (widest)`` the largest gaps either way, as the paper's "closest quartile ... as the page-level gap widens"
+    (§D.4). Ranked by the signed gap, Q1 held the most negative gaps, the pages a distractor beat by most (issue
+    #33). Fewer records than quartiles (a tiny config): one group per record."""
+    q = min(4, len(gaps))
+    labels = ["Q1 (closest)", "Q2", "Q3", "Q4 (widest)"] if q == 4 else [f"Q{i + 1}" for i in range(q)]
+    if q > 1:
+        labels[0] = "Q1 (closest)"
+    return pd.qcut(gaps.abs().rank(method="first"), q, labels=labels)
+
+
 def table14(plan: Any, runs: Any, cfg: dict) -> pd.DataFrame:
     """Table 14: allocation rows per attention-gap quartile and failure-audit rows, per backbone (module docstring).
 
@@ -122,12 +136,12 @@ def table14(plan: Any, runs: Any, cfg: dict) -> pd.DataFrame:
         df = df[df["gap"].notna()].reset_index(drop=True)
         if df.empty:
             raise ValueError(f"{model}: no record with two or more pages and image coefficients for the attention gap")
-        q = min(4, len(df))  # fewer records than quartiles (a tiny config): one group per record
-        df["quartile"] = pd.qcut(df["gap"].rank(method="first"), q, labels=["Q1 (closest)", "Q2", "Q3", "Q4"][:q])
+        df["quartile"] = gap_quartiles(df["gap"])
         base = {"backbone": model, "regime": plan.regime(model)}
         for q, g in df.groupby("quartile", observed=True):
             out.append({**base, "part": "allocation", "group": str(q),
-                        "gap": f"[{g['gap'].min():.3f}, {g['gap'].max():.3f}]", "records": len(g),
+                        "gap": f"[{g['gap'].min():.3f}, {g['gap'].max():.3f}]",
+                        "|gap|": f"[{g['gap'].abs().min():.3f}, {g['gap'].abs().max():.3f}]", "records": len(g),
                         "CONDUIT - full": round(100 * (g["conduit_score"] - g["full_score"]).mean(), 2),
                         "raw top-k - full": round(100 * (g["raw_score"] - g["full_score"]).mean(), 2),
                         "CONDUIT evidence share %": round(100 * g["conduit_share"].mean(), 1),
