@@ -106,6 +106,22 @@ def test_table12_stability_and_independent_overlap():
         assert 0.2 < row[col] < 2.5           # independent signals: near the k^2/N expectation
 
 
+def test_table12_mean_leaves_out_layer_0():
+    """Review finding (issue #33): the 'mean' row averaged layer 0 in, where cached = fresh (Spearman 1 by
+    construction)."""
+    import numpy as np
+
+    from kvbench.report.conduit.diagnostics import table12
+
+    df = _synthetic(records=10, layers=(0, 1))
+    rng = np.random.default_rng(3)
+    at1 = df["layer"] == 1
+    df.loc[at1, "vnorm_fresh"] = rng.uniform(1, 3, int(at1.sum()))    # layer 1: no stability
+    t = table12(df, [0, 1]).set_index("layer")
+    assert t.loc[0, "vnorm_spearman"] > 0.99 and abs(t.loc[1, "vnorm_spearman"]) < 0.3
+    assert t.loc["mean", "vnorm_spearman"] == t.loc[1, "vnorm_spearman"]
+
+
 def test_table13_normalising_by_the_image_scale_removes_a_pure_scale_difference():
     import pandas as pd
 

@@ -422,6 +422,20 @@ def test_flat_table_says_so_in_its_header(tmp_path):
     assert any(h.startswith("# FLAT on this profile") and "dg 0.00" in h for h in header)
 
 
+def test_flatness_is_judged_per_backbone_block():
+    """Review finding (issue #33): the spread was taken over the whole table, so the mild backbone's flat block was
+    never flagged beside the strong one's."""
+    from kvbench.plan.conduit import Column
+    from kvbench.report.conduit.accuracy import flatness_line
+
+    df = pd.DataFrame({"backbone": ["s", "s", "m", "m"], "regime": ["strong", "strong", "mild", "mild"],
+                       "K2": [30.0, 90.0, 95.0, 95.0], "K3": [20.0, 80.0, 90.0, 90.0]})
+    line = flatness_line(df, [Column("K2", "dp"), Column("K3", "dp")])
+    assert "s (strong): K2 60.00, K3 60.00" in line and "m (mild): FLAT, K2 0.00, K3 0.00" in line
+    assert "FLAT: every row of that backbone" in line
+    assert "FLAT" not in flatness_line(df[df["backbone"] == "s"], [Column("K2", "dp")])
+
+
 def test_staleness_gap_ci_and_header(tmp_path):
     _, spec = _synthetic(tmp_path, {
         ("dp", "full"): [1, 1, 1, 1, 1, 0], ("dp", "reuse"): [0, 0, 0, 0, 1, 0],

@@ -347,17 +347,32 @@ def degenerate_line(plan: ConduitPlan, runs: Runs, rows: list[Row], cols: list[C
 
 
 def flatness_line(df: pd.DataFrame, cols: list[Column]) -> str:
-    """Header line with each column's spread across rows (max - min, points); says FLAT when all are 0.
+    """Header line with each column's spread across rows (max - min, points), per backbone block; says FLAT for a
+    block whose every column has spread 0.
 
     Issue #3 asks that a table that comes out flat on the smoke profile say so in its header
-    instead of being tuned until it is not; identical scores in every column is that case.
+    instead of being tuned until it is not; identical scores in every column is that case. The spread is taken
+    within each backbone's block: taken over the whole table, a flat block (the mild regime) was never flagged
+    beside one that was not (issue #33).
     """
-    spreads = {c.name: float(df[c.name].max() - df[c.name].min()) for c in cols if df[c.name].notna().any()}
-    text = ", ".join(f"{k} {v:.2f}" for k, v in spreads.items()) or "no column has scores"
-    if spreads and all(v == 0 for v in spreads.values()):
-        return (f"# FLAT on this profile: every row scores the same in every column (spread {text} points), "
+    parts, flat = [], []
+    blocks = list(df.groupby("backbone", sort=False)) if "backbone" in df and len(df) else [(None, df)]
+    for model, block in blocks:
+        spreads = {c.name: float(block[c.name].max() - block[c.name].min())
+                   for c in cols if block[c.name].notna().any()}
+        text = ", ".join(f"{k} {v:.2f}" for k, v in spreads.items()) or "no column has scores"
+        is_flat = bool(spreads) and all(v == 0 for v in spreads.values())
+        name = "" if len(blocks) == 1 else f"{model}{' (' + str(block['regime'].iloc[0]) + ')' if 'regime' in block else ''}: "
+        parts.append(f"{name}{'FLAT, ' if is_flat and len(blocks) > 1 else ''}{text}")
+        flat.append(is_flat)
+    if len(blocks) == 1 and flat[0]:
+        return (f"# FLAT on this profile: every row scores the same in every column (spread {parts[0]} points), "
                 "so these methods are not told apart here")
-    return f"# spread across rows (max - min, points): {text}"
+    line = f"# spread across rows (max - min, points), per backbone: {'; '.join(parts)}"
+    if any(flat):
+        line += (" (FLAT: every row of that backbone scores the same in every column, so its methods are not told "
+                 "apart here)")
+    return line
 
 
 # --- staleness gap -----------------------------------------------------------------------------

@@ -123,7 +123,11 @@ def table11(df: pd.DataFrame, layers: list[int], budgets: list[float]) -> pd.Dat
 
 
 def table12(df: pd.DataFrame, layers: list[int]) -> pd.DataFrame:
-    """Rows (model, dataset, layer or ``mean``): value-norm stability Spearman and decile-overlap enrichments."""
+    """Rows (model, dataset, layer or ``mean``): value-norm stability Spearman and decile-overlap enrichments.
+
+    The ``mean`` row averages the per-layer Spearman over the captured layers >= 1: at layer 0 a visual token's
+    cached value equals the fresh one (its K/V do not depend on the prefix), so including it raised the mean by
+    construction (issue #33)."""
     out = []
     pairs = (("attention", "key_norm"), ("attention", "low_value_norm"), ("key_norm", "low_value_norm"))
     for (model, dataset), d in df.groupby(["model", "dataset"], sort=False):
@@ -132,7 +136,8 @@ def table12(df: pd.DataFrame, layers: list[int]) -> pd.DataFrame:
             rhos = [_spearman(g["vnorm_cached"].to_numpy(), g["vnorm_fresh"].to_numpy())
                     for _, g in dl.groupby("record", sort=False)]
             per_layer[int(layer)] = (np.nanmean(rhos) if not np.all(np.isnan(rhos)) else float("nan"), len(rhos))
-        finite = [v for v, _ in per_layer.values() if not math.isnan(v)]
+        # layer 0's K/V do not depend on the prefix (cached = fresh, Spearman 1 by construction): not in the mean
+        finite = [v for layer, (v, _) in per_layer.items() if layer >= 1 and not math.isnan(v)]
         out.append({"model": model, "dataset": dataset, "layer": "mean", "records": d["record"].nunique(),
                     "vnorm_spearman": float(np.mean(finite)) if finite else float("nan")})
         for layer in layers:
@@ -206,7 +211,7 @@ NOTES = {
     ],
     "table12": [
         "# vnorm_spearman: mean over records of Spearman(cached |V|, fresh |V|) over the visual tokens (row 'mean': "
-        "averaged over every layer; paper: 0.996 Qwen2.5-VL-3B, 0.990 -7B over 64 shifted-prefix pairs).",
+        "averaged over layers >= 1, since layer 0's cached value is the fresh one whatever the prefix; paper: 0.996 Qwen2.5-VL-3B, 0.990 -7B over 64 shifted-prefix pairs).",
         "# overlap_a_b: tokens in both the top decile of a and of b (low_value_norm: the bottom decile of cached "
         "|V|) / the independent-decile expectation k^2/N; 1 = no enrichment (paper: no systematic positive "
         "enrichment).",
