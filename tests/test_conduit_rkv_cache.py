@@ -165,3 +165,18 @@ def test_a_full_layer_outside_the_zoo_model_fails_the_dag(tmp_path):
                   str(REPO / "config/config.yaml"), str(overlay))
     assert r.returncode != 0
     assert "beyond.conduit_rkv_cache.storage.full_layers: [30] outside tiny-qwen2.5-vl's 24 layers" in r.stdout
+
+
+def test_header_says_when_the_restore_error_is_near_total_and_layer_0_is_lossy():
+    """Review finding (issue #33): the table did not say that its restore error was near total nor that its lossy
+    layer 0 favours schedules that recompute every token at layer 0."""
+    from types import SimpleNamespace
+
+    from kvbench.report.beyond.conduit_rkv_cache import restore_notes
+
+    lost = {"rel_err_k": 0.93, "rel_err_v": 0.41}
+    lines = restore_notes(SimpleNamespace(full_layers=(0, 1), full_kv_bits=4), lost)
+    assert len(lines) == 2 and "near total (relative L2 error of K 0.930" in lines[0]
+    assert "layer 0 is lossy here (stored at 4 bits)" in lines[1]
+    assert "coded as a residual layer" in restore_notes(SimpleNamespace(full_layers=(1,), full_kv_bits=16), None)[0]
+    assert restore_notes(SimpleNamespace(full_layers=(0, 1), full_kv_bits=16), {"rel_err_k": 0.1, "rel_err_v": 0.2}) == []

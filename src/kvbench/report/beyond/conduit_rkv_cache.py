@@ -137,6 +137,37 @@ def ordering_rows(plan: CompressedCachePlan, runs: Runs, comp_avg: dict, raw_dir
     return out
 
 
+#: relative L2 restore error from which the header calls the restored caches mostly lost
+LOST_ERROR = 0.5
+
+
+def restore_notes(st, sizes: dict | None) -> list[str]:
+    """``#`` lines on what the compression does to the comparison (issue #33): a restore error of
+    :data:`LOST_ERROR` or more (the restored K/V keep little of the raw ones), and a lossy layer 0 (coded, or a
+    full layer below 16 bits), whose error a schedule that recomputes every visual token at layer 0 (as-run
+    CacheBlend and KVShare) repairs for free, since layer-0 K/V do not depend on the prefix.
+
+    Args:
+        st: the storage spec (``full_layers``, ``full_kv_bits``).
+        sizes: the compressed-cache index summary (``rel_err_k``, ``rel_err_v``), or None.
+    """
+    lines = []
+    if sizes is not None and max(sizes["rel_err_k"], sizes["rel_err_v"]) >= LOST_ERROR:
+        lines.append(
+            f"# the restore error is near total (relative L2 error of K {sizes['rel_err_k']:.3f}, of V "
+            f"{sizes['rel_err_v']:.3f}; >= {LOST_ERROR:g}: the restored K/V keep little of the raw ones), so "
+            "'compressed' measures refresh over mostly lost caches, not over a mild compression")
+    lossy0 = 0 not in st.full_layers or st.full_kv_bits < 16
+    if lossy0:
+        form = "coded as a residual layer" if 0 not in st.full_layers else f"stored at {st.full_kv_bits} bits"
+        lines.append(
+            f"# layer 0 is lossy here ({form}), while its fresh K/V equal the raw cached ones whatever the prefix: a "
+            "schedule that recomputes every visual token at layer 0 (as-run CacheBlend and KVShare) repairs that "
+            "error at no staleness cost, so on these caches layer-front-loaded schedules gain for a reason other "
+            "than staleness")
+    return lines
+
+
 def header(plan: CompressedCachePlan, spec: dict, df: pd.DataFrame, sizes: dict | None) -> list[str]:
     """The CSV's ``#`` lines: who computed it (tiny zoo or checkpoint; not a published number), the codec and
     storage, the bytes by part, the restore error, what the cells are, and the orderings that survive or not."""
@@ -169,6 +200,7 @@ def header(plan: CompressedCachePlan, spec: dict, df: pd.DataFrame, sizes: dict 
             f"the stored tensors; embeds {sizes['embeds']:,.0f} B per image in both forms. Restore error (diagnostic): "
             f"relative L2 error of K {sizes['rel_err_k']:.3f}, of V {sizes['rel_err_v']:.3f} (mean over images and "
             "layers)")
+    lines += restore_notes(st, sizes)
     lines.append(
         "# cells: raw = score on the raw caches (Table 1's run), compressed = on the compressed caches, x 100, avg over "
         f"the columns {[c.name for c in plan.columns]} (records paired by id within each column); diff = compressed "
