@@ -297,3 +297,18 @@ def test_case_study_rows_all_at_the_case_budget(tmp_path):
     assert set(cells["budget"]) == {"r = 0.1"}
     verdicts = df[df["part"] == "ordering"].set_index("entry")["verdict"]
     assert verdicts["t15-conduit+t15-full"] == "disagrees" and verdicts["t15-reuse+t15-full"] == "agrees"
+
+
+def test_table3_mean_cells_name_our_contexts(tmp_path):
+    """Review finding (issue #33): Table 3's mean row, over our 1k-4k contexts, was set beside the paper's mean over
+    4k-16k under one column name. Our cell's column now names the contexts it averages."""
+    from kvbench.report.compare import read_ours
+
+    text = ("# kvbench smoke profile: timing model timing-qwen2.5-vl; not the paper's numbers\n"
+            "pages,context_tokens,method,label,r,ttft_ms_median,speedup\n"
+            "2,1024,full,Full prefill,1.0,10,1\n4,4096,full,Full prefill,1.0,40,1\nmean,,full,Full prefill,1.0,25,1\n"
+            "2,1024,conduit,CONDUIT,0.1,5,2\n4,4096,conduit,CONDUIT,0.1,10,4\nmean,,conduit,CONDUIT,0.1,7.5,3\n")
+    ours = read_ours(_write(tmp_path, "results/conduit/table3.csv", text))
+    mean = [c for c in ours.cells if "mean over contexts" in c.columns]
+    assert mean and all(c.column.endswith("[mean over our 1k/4k contexts]") for c in mean)
+    assert {c.column for c in ours.cells if "4k" in c.columns} == {"ttft_ms_median [4]", "speedup [4]"}
