@@ -184,6 +184,15 @@ def test_rows_carry_the_refresh_plan(runs):
         assert len(plan["coefficients"]) == plan["n_images"] and sum(plan["per_image_refreshed"]) == plan["budget"]
         assert plan["scores"]["threshold"] <= plan["scores"]["max"] and len(plan["tokens"]) >= 1
         assert plan["degenerate"] is False
+        cost = plan["cost"]  # Table 1's cost columns: the analytic count agrees with the executed rows
+        assert cost["row_layers"] == sum(plan["layer_counts"]) and cost["scoring"] > 0 < cost["executor"]
+        assert cost["executor"] < cost["full_prefill"]
+    for spec in ("reuse", "conduit@1.0", "kvshare-conduit@0.5", "cacheblend@0.5"):
+        for row in read_jsonl(runs[spec] / "predictions.jsonl"):
+            cost, plan = row["plan"]["cost"], row["plan"]
+            assert cost["row_layers"] == sum(plan["layer_counts"]), spec
+            assert (cost["scoring"] > 0) == spec.startswith("conduit"), spec  # only CONDUIT runs a scoring pass
+            assert (cost["row_layers"] == 0) == (spec == "reuse"), spec
     for row in read_jsonl(runs["kvshare-conduit@0.5"] / "predictions.jsonl"):  # degenerate = layer 0 only
         counts = row["plan"]["layer_counts"]
         assert row["plan"]["degenerate"] == (counts[0] > 0 and not any(counts[1:]))

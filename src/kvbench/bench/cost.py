@@ -22,7 +22,7 @@ class AnalyticCost:
     """Analytic FLOPs of one request under one policy (ints).
 
     Attributes:
-        scoring: the scoring pass (0 for policies without one).
+        scoring: the scoring pass (0 for policies without one; an oracle's full prefill, ``reads_fresh``).
         executor: Phase 2 (or the full forward's decoder for ``full``), LM head included.
         visual_rows: visual rows computed at each layer.
     """
@@ -64,4 +64,6 @@ def analytic_cost(policy: str | RefreshPolicy, req: AssembledRequest, r: float, 
     executor += sum(flops.query_flops(shape, rows[layer]) + flops.mass_flops(shape, rows[layer], T)
                     for layer in pol.mass_layers(vis))
     scoring = flops.scoring_flops(shape, T, n_text, int(req.query_index.numel())) if pol.uses_scoring else 0
+    if pol.reads_fresh:  # an oracle's look at the fresh K/V is a full prefill
+        scoring = flops.full_prefill_flops(shape, T)
     return AnalyticCost(scoring=scoring, executor=executor, visual_rows=tuple(vis))

@@ -13,7 +13,11 @@ the refresh without the policy or the scoring rule:
   ``text_rows`` (``"all"`` or the recomputed text indices), ``base_from_stage1``, ``full_prefill``,
   ``budget`` (⌈r·N_visual⌉), ``tokens`` (generated ids);
 - ``degenerate``: the policy's layer schedule recomputed visual tokens at layer 0 only (the plan's
-  ``info["degenerate"]``, set by CONDUIT's as-run CacheBlend/KVShare schedule; False for other policies).
+  ``info["degenerate"]``, set by CONDUIT's as-run CacheBlend/KVShare schedule; False for other policies);
+- ``cost`` (when the decoder's shape is given): the request's analytic decoder FLOPs under the policy
+  (:func:`kvbench.bench.cost.analytic_cost`: ``scoring`` pass, an oracle's full-prefill look included, and
+  ``executor``) and of a full prefill of the same request (``full_prefill``), and the visual ``row_layers``
+  recomputed (Σ ``layer_counts``) out of ``n_visual · n_layers``: what CONDUIT Table 1's cost columns sum.
 
 :func:`kvbench.eval.refresh.replay` rebuilds the request, runs the recorded per-layer sets through the same executor and
 decodes again; it reproduces the prediction exactly (same rows per layer, same arithmetic). Records made
@@ -24,6 +28,8 @@ from __future__ import annotations
 
 import torch
 
+from kvbench.bench.cost import analytic_cost
+from kvbench.bench.flops import DecoderShape, full_prefill_flops
 from kvbench.reuse.assemble import AssembledRequest
 from kvbench.reuse.executor import LayerSchedule
 from kvbench.reuse.policies import RefreshPlan, RefreshPolicy, RefreshResult
@@ -46,7 +52,8 @@ def score_summary(scores: torch.Tensor | None, selected_pos: torch.Tensor | None
             "threshold": thr, "top": [[int(i), float(s[i])] for i in order]}
 
 
-def plan_audit(req: AssembledRequest, result: RefreshResult, params: dict, tokens: list[int]) -> dict:
+def plan_audit(req: AssembledRequest, result: RefreshResult, params: dict, tokens: list[int],
+               shape: DecoderShape | None = None) -> dict:
     """The audit record of one refresh of ``req`` (module docstring); JSON-serialisable.
 
     Args:
@@ -54,6 +61,7 @@ def plan_audit(req: AssembledRequest, result: RefreshResult, params: dict, token
         result: :func:`kvbench.reuse.refresh`'s output.
         params: the policy parameters of the spec (non-default ones).
         tokens: generated token ids.
+        shape: the text decoder's shape; given, the record carries ``cost``.
     """
     plan, out = result.plan, result.output
     vis = req.visual_index.cpu()
@@ -79,7 +87,16 @@ def plan_audit(req: AssembledRequest, result: RefreshResult, params: dict, token
         "text_rows": "all" if plan.text_rows is None else _ints(plan.text_rows),
         "base_from_stage1": bool(plan.base_from_stage1),
         "tokens": [int(t) for t in tokens],
+        **({} if shape is None else {"cost": request_cost(req, result, params, shape)}),
     }
+
+
+def request_cost(req: AssembledRequest, result: RefreshResult, params: dict, shape: DecoderShape) -> dict:
+    """``{scoring, executor, full_prefill, row_layers}`` of one refresh (module docstring, ``cost``): FLOPs as ints."""
+    c = analytic_cost(result.policy, req, result.r, shape, **params)
+    assert list(c.visual_rows) == list(result.output.layer_counts), (result.policy, c.visual_rows)
+    return {"scoring": c.scoring, "executor": c.executor, "full_prefill": full_prefill_flops(shape, req.seq_len),
+            "row_layers": int(sum(c.visual_rows))}
 
 
 # --- replay ------------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ from typing import Any, ClassVar
 import torch
 
 from kvbench.beyond.compressed_store import CacheCodec, CompressedImageKVStore, summarize
+from kvbench.bench.flops import DecoderShape
 from kvbench.eval.audit import ReplayPolicy, plan_audit
 from kvbench.eval.methods import EvalMethod, FatalRunError, eos_ids, until_eos
 from kvbench.eval.runconfig import read_config
@@ -215,7 +216,7 @@ class RefreshMethod(EvalMethod):
         self._audit = None
         adapter, req, result = self.run(model, proc, record, base_dir)
         tokens = until_eos(greedy_decode(adapter, result.output, int(record["max_new_tokens"])), eos_ids(model, proc))
-        self._audit = plan_audit(req, result, self._parsed.params, tokens)
+        self._audit = plan_audit(req, result, self._parsed.params, tokens, DecoderShape.of(model))
         return self.decode(proc, record, torch.tensor(tokens))
 
     def audit(self) -> dict | None:

@@ -368,7 +368,8 @@ def flatness_line(df: pd.DataFrame, cols: list[Column]) -> str:
     if len(blocks) == 1 and flat[0]:
         return (f"# FLAT on this profile: every row scores the same in every column (spread {parts[0]} points), "
                 "so these methods are not told apart here")
-    line = f"# spread across rows (max - min, points), per backbone: {'; '.join(parts)}"
+    per = ", per backbone" if len(blocks) > 1 else ""
+    line = f"# spread across rows (max - min, points){per}: {'; '.join(parts)}"
     if any(flat):
         line += (" (FLAT: every row of that backbone scores the same in every column, so its methods are not told "
                  "apart here)")
