@@ -60,7 +60,8 @@ def screen(x: float, a: argparse.Namespace, split: Path) -> dict:
     for method in ["reuse", "full", *(f"oracle-kv@{r:g}" for r in a.oracle_r)]:
         out = root / "runs" / method
         run([*KV, "eval", "--model", str(model), "--split", str(split), "--method", method, "--out", str(out),
-             "--limit", str(a.n), "--threads", str(a.threads), "--method-params", params],
+             "--limit", str(a.n), "--threads", str(a.threads),
+             *([] if method == "full" else ["--method-params", params])],  # full prefill reads no cache
             out / "metrics.json", root / "logs" / f"{method}.log")
         scores[method] = json.loads((out / "metrics.json").read_text())["score"]
     cap = root / "diag.csv"

@@ -2,6 +2,9 @@
 the table builder. Runs on the small timing model (seconds); the real table is a pipeline target, not a test."""
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pandas as pd
 import pytest
 import torch
@@ -91,7 +94,7 @@ def test_layer_flops_formula_by_hand():
     assert flops.full_prefill_flops(s, 5) == flops.layer_flops(s, 5, 5) + 2 * 8 * 10
 
 
-@pytest.mark.parametrize("method", TABLE3_METHODS + ["mpic-first", "cacheblend-conduit"])
+@pytest.mark.parametrize("method", TABLE3_METHODS)
 def test_measured_flops_match_analytic(adapter, served, method):
     rec, images = served
     f = measure_flops(adapter, rec, images, method, 0.1, flops.DecoderShape.of(adapter.model))
@@ -167,6 +170,11 @@ def test_run_and_table(tokenizer_dir, tmp_path):
     assert dict(zip(table["method"], table["r"])) == {"full": 1.0, "reuse": 0.0, "conduit": 0.1}   # fixed r of the refs
     with pytest.raises(ValueError, match="full"):
         build_table3(raw[raw["method"] != "full"])
+    # Table 1's labels name a method's row alike in both tables (issue #33: 'MPIC' meant two forms)
+    labelled = build_table3(raw, {"conduit": "CONDUIT", "reuse": "Cache reuse"})
+    assert set(labelled["label"]) == {"Full prefill", "Cache reuse", "CONDUIT"}
+    clash = build_table3(raw, {"full": "CONDUIT"})  # a policy label Table 1 gives another method names its method
+    assert set(clash["label"]) == {"CONDUIT", "Cache reuse (r=0)", "CONDUIT [conduit]"}
     # bug: with no scoring-pass method timed, the mean rows lost the scoring column ("spec lacks key ...")
     raw[raw["method"] != "conduit"].to_csv(raw_csv, index=False)
     no_scoring = write_table3(raw_csv, tmp_path / "table3.csv", "ci")
@@ -202,3 +210,21 @@ def test_as_run_phase2_is_a_table3_method(tokenizer_dir, tmp_path):
     as_run, ours = table.loc[("conduit:phase2_text=query", "3")], table.loc[("conduit", "3")]
     assert as_run["label"] == "CONDUIT (phase2_text=query)"
     assert abs(as_run["flops_rel_err"]) < FLOPS_RTOL and as_run["prefill_tflops"] < ours["prefill_tflops"]
+
+
+def test_table3_times_both_forms_under_table1_labels():
+    """Table 1 scores CacheBlend and MPIC in CONDUIT's as-run forms (labels 'CacheBlend', 'MPIC') and CacheBlend's
+    paper form: Table 3 times every one of them and its spec carries Table 1's labels (issue #33, item 4)."""
+    import yaml
+
+    from kvbench.plan.latency import LatencyPlan
+
+    class WS:
+        profile = "smoke"
+        config = yaml.safe_load((Path(__file__).resolve().parents[1] / "config" / "config.yaml").read_text())
+
+    labels = json.loads(LatencyPlan.from_config(WS, {}).table_spec(None))["labels"]
+    table1 = {r["method"] for r in WS.config["conduit"]["methods"]}
+    assert table1 <= set(TABLE3_METHODS)
+    assert labels["cacheblend-conduit"] == "CacheBlend" and labels["mpic-first"] == "MPIC"
+    assert labels["cacheblend"] == "CacheBlend (paper form)"

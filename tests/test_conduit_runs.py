@@ -326,6 +326,17 @@ def _cfg(**over) -> dict:
 DP_K = {"a": 2, "b": 2, "c": 2, "d": 2, "e": 3, "f": 3}
 
 
+def _plan(spec: str, j: int) -> dict:
+    """A refresh run's audit record with only what the cost columns read (none for full prefill): 4 visual tokens,
+    2 layers; reuse recomputes no row-layer and has no scoring pass; others 1 + j % 2 row-layers and scoring 10."""
+    if spec == "full":
+        return {}
+    reuse = spec == "reuse"
+    return {"plan": {"n_visual": 4, "n_layers": 2, "cost": {
+        "scoring": 0 if reuse else 10, "executor": 5 if reuse else 20, "full_prefill": 100,
+        "row_layers": 0 if reuse else 1 + j % 2}}}
+
+
 def _synthetic(root: Path, scores: dict[tuple[str, str], list[float]], cfg: dict | None = None):
     """Write split files and prediction rows ``scores[(dataset, spec)]`` (in id order) under ``root``."""
     write_split(root / "dp.jsonl", [{"id": i, "meta": {"K": k}} for i, k in DP_K.items()])
@@ -333,7 +344,7 @@ def _synthetic(root: Path, scores: dict[tuple[str, str], list[float]], cfg: dict
     plan = ConduitPlan(cfg or _cfg(), "syn", zoo_models=["m"])
     ids = {"dp": list(DP_K), "dg": [f"g{i}" for i in range(4)]}
     for (ds, spec), vals in scores.items():
-        rows = [{"id": i, "score": v, "status": "ok"} for i, v in zip(ids[ds], vals)]
+        rows = [{"id": i, "score": v, "status": "ok", **_plan(spec, j)} for j, (i, v) in enumerate(zip(ids[ds], vals))]
         write_split(root / plan.run_dir("m", ds, spec) / "predictions.jsonl", rows)
     return plan, {"profile": "syn", "conduit": cfg or _cfg(), "zoo_models": ["m"],
                   "splits": {"dp": str(root / "dp.jsonl"), "dg": str(root / "dg.jsonl")}}
@@ -361,6 +372,24 @@ def test_table1_cells_and_percent_of_full(tmp_path, monkeypatch):
     assert got.loc["Cache reuse", ["K2", "K2 %full", "K3", "K3 %full", "avg", "avg %full"]].tolist() == [25.0, 33.3, 0.0, 0.0, 12.5, 20.0]
     assert got.loc["Full prefill", ["K2 %full", "avg %full"]].tolist() == [100.0, 100.0]
     assert got["notes"].isna().all() and (got["r"] == 0.1).all()
+    # cost beside score (issue #33, item 4): summed over the row's records from their audit records
+    assert got.loc["CONDUIT", ["row-layers %", "FLOPs %full", "scoring %full"]].tolist() == [18.8, 30.0, 10.0]
+    assert got.loc["Cache reuse", ["row-layers %", "FLOPs %full", "scoring %full"]].tolist() == [0.0, 5.0, 0.0]
+    assert got.loc["Full prefill", ["row-layers %", "FLOPs %full", "scoring %full"]].tolist() == [100.0, 100.0, 0.0]
+    assert any(h.startswith("# cost (every record") for h in header)
+
+
+def test_cost_columns_are_empty_with_a_note_for_runs_without_audited_cost(tmp_path):
+    _, spec = _synthetic(tmp_path, {("dp", "full"): [1] * 6, ("dp", "reuse"): [0] * 6, ("dp", "conduit@0.1"): [1] * 6})
+    run = tmp_path / "results/runs/syn/m/dp/conduit/conduit_r0.1/predictions.jsonl"
+    rows = read_jsonl(run)
+    del rows[2]["plan"]["cost"]
+    write_split(run, rows)
+    tables.write("conduit/table1", spec, tmp_path / "t1.csv", root=tmp_path)
+    got = _read(tmp_path / "t1.csv")[1].set_index("method")
+    assert got.loc["CONDUIT", ["row-layers %", "FLOPs %full"]].isna().all()
+    assert "has records without an audited cost" in got.loc["CONDUIT", "notes"]
+    assert got.loc["Cache reuse", "FLOPs %full"] == 5.0
 
 
 def test_missing_run_is_an_error_or_a_noted_empty_cell(tmp_path):

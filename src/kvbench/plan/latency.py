@@ -12,14 +12,18 @@ class LatencyPlan(Plan):
 
     name = "conduit_latency"
 
-    def __init__(self, profile: str):
-        self.profile = profile
+    def __init__(self, profile: str, labels: dict[str, str] | None = None):
+        self.profile, self.labels = profile, labels or {}
 
     @classmethod
     def from_config(cls, ws, plans: dict) -> "LatencyPlan | None":
         """The plan (None without a ``conduit_latency:`` section; its settings are checked by
         :func:`kvbench.bench.workflow.latency_job`)."""
-        return cls(ws.profile) if "conduit_latency" in ws.config else None
+        if "conduit_latency" not in ws.config:
+            return None
+        # Table 1's row labels, so that a Table 3 row reads as the Table 1 row of the same method and form
+        rows = (ws.config.get("conduit") or {}).get("methods") or []
+        return cls(ws.profile, {r["method"]: r["label"] for r in rows if isinstance(r, dict) and "method" in r})
 
     @property
     def raw(self) -> str:
@@ -33,4 +37,4 @@ class LatencyPlan(Plan):
         return [self.raw]
 
     def table_spec(self, table: Table) -> str:
-        return json.dumps({"profile": self.profile, "raw": self.raw}, sort_keys=True)
+        return json.dumps({"profile": self.profile, "raw": self.raw, "labels": self.labels}, sort_keys=True)

@@ -148,9 +148,50 @@ def score_table(plan: ConduitPlan, runs: Runs, rows: list[Row], cols: list[Colum
             rec["avg"] = math.nan if avg is None else round(100 * avg, 2)
             rec["avg %full"] = _pct(avg, ravg, "avg", None, None if ravg is not None else "a reference column is empty",
                                     notes)
+            rec.update(cost_cells(runs, [plan.run_dir(model, c.dataset, row.spec) for c in cols], row.spec, notes))
             rec["notes"] = "; ".join(dict.fromkeys(notes))
             out.append(rec)
     return pd.DataFrame(out)
+
+
+COST_COLUMNS = ("row-layers %", "FLOPs %full", "scoring %full")
+
+
+def cost_cells(runs: Runs, run_dirs: list[str], spec: str, notes: list[str]) -> dict[str, float]:
+    """A row's compute beside its score, summed over every record of its runs (issue #33, item 4).
+
+    From each record's audit ``cost`` (:func:`kvbench.eval.audit.request_cost`): ``row-layers %`` = 100 × Σ visual
+    row-layers recomputed / Σ ``n_visual · n_layers``; ``FLOPs %full`` = 100 × Σ (scoring + executor) / Σ
+    full-prefill decoder FLOPs of the same requests; ``scoring %full`` = the scoring pass's part of it. Full prefill
+    is 100 / 100 / 0 by definition. Runs whose rows carry no ``cost`` (made before the audit counted it, or
+    missing) give NaN with a note. Vision-encoder FLOPs are left out: every method reads the cached image
+    features, and full prefill's re-encoding is not a decoder cost.
+    """
+    if parse_method_spec(spec).name == "full":
+        return dict(zip(COST_COLUMNS, (100.0, 100.0, 0.0)))
+    sums = {"row_layers": 0, "rows": 0, "flops": 0, "scoring": 0, "full": 0}
+    for run in dict.fromkeys(run_dirs):
+        rows = runs.rows(run)
+        if rows is None:
+            return dict.fromkeys(COST_COLUMNS, math.nan)
+        for r in rows.values():
+            cost = (r.get("plan") or {}).get("cost")
+            if cost is None:
+                if r.get("status") == "error":
+                    continue  # a failed record has no plan; its score (0) is noted with the errors
+                notes.append(f"cost: {run} has records without an audited cost (rerun it to count)")
+                return dict.fromkeys(COST_COLUMNS, math.nan)
+            p = r["plan"]
+            sums["row_layers"] += cost["row_layers"]
+            sums["rows"] += p["n_visual"] * p["n_layers"]
+            sums["flops"] += cost["scoring"] + cost["executor"]
+            sums["scoring"] += cost["scoring"]
+            sums["full"] += cost["full_prefill"]
+    if not sums["full"]:
+        return dict.fromkeys(COST_COLUMNS, math.nan)
+    return {"row-layers %": round(100 * sums["row_layers"] / sums["rows"], 1),
+            "FLOPs %full": round(100 * sums["flops"] / sums["full"], 1),
+            "scoring %full": round(100 * sums["scoring"] / sums["full"], 1)}
 
 
 def _pct(val, ref, name, why, rwhy, notes) -> float:
@@ -186,6 +227,10 @@ def write_score_table(plan: ConduitPlan, runs: Runs, target: str, out: str | Pat
         ("# cells: mean per-record score x 100; '<col> %full' = 100 x cell / full-prefill cell (same backbone and "
          f"column; full prefill = {plan.reference}); avg = unweighted mean over columns"),
         f"# columns: {cols}; records per column: {_column_counts(runs, plan, target)}",
+        ("# cost (every record of the row's runs, from their audit records): row-layers % = visual rows recomputed x "
+         "layers / (visual tokens x layers); FLOPs %full = analytic decoder FLOPs of the scoring pass and the "
+         "refresh / those of a full prefill of the same requests (vision encoder excluded); scoring %full = the "
+         "scoring pass's part"),
     ]
     header.append(flatness_line(df, plan.columns(target)))
     degenerate = degenerate_line(plan, runs, plan.rows(target), plan.columns(target))

@@ -74,8 +74,12 @@ def _cell(g: pd.DataFrame) -> dict:
     }
 
 
-def build_table3(raw: pd.DataFrame) -> pd.DataFrame:
+def build_table3(raw: pd.DataFrame, labels: dict[str, str] | None = None) -> pd.DataFrame:
     """Table 3 rows (see the module docstring) from the raw rows.
+
+    ``labels`` maps a method (``cacheblend-conduit``) to its Table 1 row label (``CacheBlend``), so that the two
+    tables name a method and its form alike; a method without one is labelled by its policy's ``label``, with the
+    method's name added when Table 1 gives that label to another method.
 
     Raises:
         ValueError: no ``full`` measurements (every ratio is relative to full prefill).
@@ -86,7 +90,11 @@ def build_table3(raw: pd.DataFrame) -> pd.DataFrame:
     cells = []
     for (method, pages), g in raw.groupby(["method", "pages"], sort=False):
         params = method.partition(":")[2]
-        label = table3_policy(method, g.iloc[0]["r"]).label + (f" ({params})" if params else "")
+        label = (labels or {}).get(method)
+        if label is None:
+            label = table3_policy(method, g.iloc[0]["r"]).label + (f" ({params})" if params else "")
+            if label in (labels or {}).values():  # 'MPIC' is Table 1's mpic-first: the per-image form says its name
+                label = f"{label} [{method}]"
         cells.append({"method": method, "label": label, "pages": str(pages), **_cell(g)})
     df = pd.DataFrame(cells)
     full = df[df["method"] == "full"].set_index("pages")
@@ -111,10 +119,12 @@ def build_table3(raw: pd.DataFrame) -> pd.DataFrame:
     return df.sort_values(["_m", "_p"]).drop(columns=["_m", "_p"])[TABLE3_COLUMNS].reset_index(drop=True)
 
 
-def write_table3(raw_csv: str | os.PathLike, out: str | os.PathLike, profile: str) -> pd.DataFrame:
-    """Read the raw CSV, build Table 3 and write it to ``out`` with its ``#`` header line (atomically)."""
+def write_table3(raw_csv: str | os.PathLike, out: str | os.PathLike, profile: str,
+                 labels: dict[str, str] | None = None) -> pd.DataFrame:
+    """Read the raw CSV, build Table 3 (``labels``: :func:`build_table3`) and write it to ``out`` with its ``#``
+    header line (atomically)."""
     raw = pd.read_csv(raw_csv)
-    table = build_table3(raw)
+    table = build_table3(raw, labels)
     with atomic_path(out) as tmp, open(tmp, "w", encoding="utf-8") as f:
         f.write(header(raw, profile) + "\n")
         table.to_csv(f, index=False, float_format="%.6g")
@@ -122,9 +132,9 @@ def write_table3(raw_csv: str | os.PathLike, out: str | os.PathLike, profile: st
 
 
 def _write(key: str, spec: str | dict, out: str | os.PathLike, root: str | os.PathLike = ".") -> pd.DataFrame:
-    """:func:`write_table3` from the workflow's JSON ``spec``: ``{"profile", "raw": raw CSV path}``."""
+    """:func:`write_table3` from the workflow's JSON ``spec``: ``{"profile", "raw": raw CSV path, "labels"}``."""
     spec = json.loads(spec) if isinstance(spec, str) else spec
-    return write_table3(os.path.join(root, spec["raw"]), out, spec["profile"])
+    return write_table3(os.path.join(root, spec["raw"]), out, spec["profile"], spec.get("labels"))
 
 
 #: CONDUIT Table 3 as a :class:`~kvbench.plan.base.Table` (built from ``kvbench bench conduit-latency``'s CSV).
