@@ -341,12 +341,14 @@ def _synthetic(root: Path, scores: dict[tuple[str, str], list[float]], cfg: dict
     """Write split files and prediction rows ``scores[(dataset, spec)]`` (in id order) under ``root``."""
     write_split(root / "dp.jsonl", [{"id": i, "meta": {"K": k}} for i, k in DP_K.items()])
     write_split(root / "dg.jsonl", [{"id": f"g{i}", "meta": {}} for i in range(4)])
-    plan = ConduitPlan(cfg or _cfg(), "syn", zoo_models=["m"])
+    cfg = cfg or _cfg()
+    plan = ConduitPlan(cfg, "syn", zoo_models=cfg["models"])
     ids = {"dp": list(DP_K), "dg": [f"g{i}" for i in range(4)]}
-    for (ds, spec), vals in scores.items():
+    for key, vals in scores.items():  # (dataset, spec) on model "m", or (model, dataset, spec)
+        model, ds, spec = key if len(key) == 3 else ("m", *key)
         rows = [{"id": i, "score": v, "status": "ok", **_plan(spec, j)} for j, (i, v) in enumerate(zip(ids[ds], vals))]
-        write_split(root / plan.run_dir("m", ds, spec) / "predictions.jsonl", rows)
-    return plan, {"profile": "syn", "conduit": cfg or _cfg(), "zoo_models": ["m"],
+        write_split(root / plan.run_dir(model, ds, spec) / "predictions.jsonl", rows)
+    return plan, {"profile": "syn", "conduit": cfg, "zoo_models": cfg["models"],
                   "splits": {"dp": str(root / "dp.jsonl"), "dg": str(root / "dg.jsonl")}}
 
 
@@ -546,6 +548,39 @@ def test_table1_paired_difference_to_each_other_budgeted_row(tmp_path):
     cannot = [h for h in header if h.startswith("# CANNOT be told apart")][0]
     assert "m/CONDUIT − ProphetKV at r = 0.05" in told and "m/CONDUIT − CacheBlend at r = 0.05" in told
     assert "m/CONDUIT − CacheBlend at r = 0.1 (+0.00" in cannot and "CacheBlend at r = 0.1" not in told
+
+
+def test_table1_pools_each_ordering_over_a_regime_s_training_seeds(tmp_path):
+    """Issue #33, item 2: a regime with three seeds gets one seed-pooled row per ordering (CI over seeds and
+    records), and the header names an ordering that holds in every seed apart from one that flips in a seed."""
+    seeds = ["m-s0", "m-s1", "m-s2"]
+    cfg = _cfg(models=[*seeds, "other"], regimes={**{m: "sparse" for m in seeds}, "other": "strong"},
+               methods=_T1_METHODS)
+    scores = {}
+    for k, m in enumerate([*seeds, "other"]):
+        scores.update({(m, "dp", "full"): [1] * 6, (m, "dp", "reuse"): [0] * 6,
+                       (m, "dp", "conduit@0.1"): [1] * 6,     # above CacheBlend in every seed by 5 or 6 records
+                       (m, "dp", "cacheblend@0.1"): [0] * 5 + [k % 2],
+                       # ProphetKV: below CONDUIT in seeds 0 and 2, above... equal in seed 1 (a tie is not "above")
+                       (m, "dp", "prophetkv@0.1"): [1] * 6 if k == 1 else [0] * 6})
+    _, spec = _synthetic(tmp_path, scores, cfg)
+    tables.write("conduit/table1", spec, tmp_path / "t1.csv", root=tmp_path)
+    header, df = _read(tmp_path / "t1.csv")
+    pooled = df[df["kind"] == "seed-pooled difference"].set_index("method")
+    assert list(pooled["backbone"].unique()) == ["sparse (3 seeds)"]  # the one-seed regime is not pooled
+    blend = pooled.loc["CONDUIT − CacheBlend"]
+    assert blend["diff"] == round(100 * (1 + 5 / 6 + 1) / 3, 2) and blend["every_seed"] == ">"
+    assert [blend["seeds"], blend["seeds_above"], blend["seeds_below"], blend["n"]] == [3, 3, 0, 18]
+    assert 0 < blend["ci95_lo"] <= blend["diff"] <= blend["ci95_hi"] and bool(blend["told_apart"])
+    prophet = pooled.loc["CONDUIT − ProphetKV"]
+    assert [prophet["seeds_above"], prophet["seeds_below"]] == [2, 0] and pd.isna(prophet["every_seed"])
+    assert prophet["ci95_lo"] == 0.0  # a resample can draw seed 1 three times
+    held = [h for h in header if h.startswith("# orderings that hold in every seed")][0]
+    not_held = [h for h in header if h.startswith("# orderings that do NOT hold")][0]
+    assert "sparse (3 seeds)/CONDUIT − CacheBlend at r = 0.1" in held and "ProphetKV" not in held
+    assert "sparse (3 seeds)/CONDUIT − ProphetKV" in not_held
+    per_seed = df[(df["kind"] == "paired difference") & (df["method"] == "CONDUIT − ProphetKV")]
+    assert list(per_seed["backbone"]) == [*seeds, "other"]  # the per-seed rows stay
 
 
 def test_table5_paired_difference_of_the_composite_to_each_ablation(tmp_path):

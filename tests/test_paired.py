@@ -69,3 +69,28 @@ def test_a_record_without_a_numeric_score_is_named(tmp_path, score):
                                                  {"id": "bad", "score": score, "status": "ok"}])
     with pytest.raises(ValueError, match=r"record\(s\) \['bad'\] have no numeric score"):
         record_values(tmp_path)
+
+
+def test_hierarchical_bootstrap_covers_seed_to_seed_variation():
+    """Issue #33, item 2: three seeds whose own differences disagree (+0.5, 0, -0.3, each tight over 200 records).
+    Pooling the records as one sample gives a narrow CI that excludes 0; the two-level bootstrap over seeds and
+    records gives one that includes it, and no seed-agreement is claimed."""
+    from kvbench.report.paired import hierarchical_bootstrap, seed_pooled_stats
+
+    rng = np.random.default_rng(1)
+    groups = [rng.normal(m, 0.1, 200) for m in (0.5, 0.0, -0.3)]
+    lo, hi = paired_bootstrap(np.concatenate(groups), 2000, 0)
+    assert lo > 0
+    lo, hi = hierarchical_bootstrap(groups, 2000, 0)
+    assert lo < 0 < hi and lo > -0.31 and hi < 0.51  # within the range of the seed means
+    s = seed_pooled_stats(groups, 2000, 0)
+    assert (s["seeds"], s["seeds_above"], s["seeds_below"], s["every_seed"], s["n"]) == (3, 1, 2, "", 600)
+    assert not s["told_apart"]
+    agree = seed_pooled_stats([g + 0.6 for g in groups], 2000, 0)
+    assert agree["every_seed"] == ">" and agree["told_apart"]
+    # one seed: the two-level bootstrap is the record bootstrap's spread (same centre)
+    one = hierarchical_bootstrap(groups[:1], 4000, 0)
+    ref = paired_bootstrap(groups[0], 4000, 0)
+    assert one == pytest.approx(ref, abs=0.005)
+    with pytest.raises(ValueError, match=r"sizes \[200, 0\]"):
+        hierarchical_bootstrap([groups[0], np.array([])], 10, 0)

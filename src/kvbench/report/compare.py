@@ -33,7 +33,7 @@ from typing import NamedTuple
 
 import pandas as pd
 
-from kvbench.report.paired import KIND, MINUS
+from kvbench.report.paired import KIND, MINUS, SEED_KIND
 from kvbench.utils.io import atomic_path, write_csv
 from kvbench.report.published import Entry, Published, load_published
 
@@ -175,7 +175,7 @@ def _score_cells(ours: Ours) -> None:
                 v = _num(row.get(c))
                 if c in df.columns and v is not None:
                     ours.cells.append(Cell(**base, column=c, columns=scope, metric=metric, unit=unit, value=v))
-    _collect_paired(ours, df[kind == KIND])
+    _collect_paired(ours, df[kind.isin([KIND, SEED_KIND])])  # a seed-pooled row is judged as its regime's
 
 
 def _collect_paired(ours: Ours, rows: pd.DataFrame) -> None:

@@ -22,6 +22,9 @@ DEFAULT_BOOTSTRAP = {"resamples": 2000, "seed": 0}
 #: The kind a paired-difference row carries in a table's ``kind`` column (the score rows have ``score``).
 KIND = "paired difference"
 
+#: The kind of a row pooling one paired difference over a regime's training seeds (:func:`seed_pooled_stats`).
+SEED_KIND = "seed-pooled difference"
+
 #: Separator of ``a − b`` in a paired row's ``method`` and ``spec`` (``kvbench.report.compare`` splits on it).
 MINUS = " − "
 
@@ -49,6 +52,59 @@ def paired_bootstrap(diff: np.ndarray, resamples: int, seed: int, strata: np.nda
         means = np.mean([g[rng.integers(0, len(g), size=(int(resamples), len(g)))].mean(axis=1) for g in groups],
                         axis=0)
     return float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))
+
+
+def hierarchical_bootstrap(groups: list[np.ndarray], resamples: int, seed: int) -> tuple[float, float]:
+    """95% percentile CI of the mean over training seeds of each seed's mean per-record value, by a two-level
+    bootstrap: each resample draws ``len(groups)`` seeds with replacement, then each drawn seed's records with
+    replacement (independently per draw), and averages the drawn seeds' means with equal weight. The CI so covers
+    both model-to-model variation and the records (Davison & Hinkley 1997, §3.8, "strategy 1": resample at both
+    stages).
+
+    Args:
+        groups: per training seed, ``(n_s,)`` float per-record values (paired differences, [0, 1] units).
+        resamples: bootstrap resamples; seed: ``numpy.random.default_rng`` seed.
+
+    Returns:
+        ``(lo, hi)``: the 2.5th and 97.5th percentiles of the resampled statistic.
+
+    Raises:
+        ValueError: no group, or an empty group.
+    """
+    if not groups or any(len(g) == 0 for g in groups):
+        raise ValueError(f"hierarchical bootstrap needs >= 1 seed, each with records; got sizes "
+                         f"{[len(g) for g in groups]}")
+    rng = np.random.default_rng(seed)
+    S, B = len(groups), int(resamples)
+    # record-level resampled means of every seed at every draw position: (S positions, S seeds, B)
+    means = np.stack([np.stack([g[rng.integers(0, len(g), size=(B, len(g)))].mean(axis=1) for g in groups])
+                      for _ in range(S)])
+    pick = rng.integers(0, S, size=(B, S))  # the seed drawn at each position of each resample
+    stat = means[np.arange(S)[None, :], pick, np.arange(B)[:, None]].mean(axis=1)
+    return float(np.percentile(stat, 2.5)), float(np.percentile(stat, 97.5))
+
+
+def seed_pooled_stats(groups: list[np.ndarray], resamples: int, seed: int) -> dict:
+    """Summary of one paired difference measured on several training seeds (``groups``: per seed, ``(n_s,)``
+    per-record differences in [0, 1] units), x 100, 2 decimals.
+
+    Returns:
+        ``diff`` (mean over seeds of the seed means: each seed weighs the same), ``ci95_lo``/``ci95_hi``
+        (:func:`hierarchical_bootstrap`), ``told_apart`` (the CI excludes 0), ``seeds`` (count), ``seeds_above``/
+        ``seeds_below`` (seeds whose mean difference is > 0 / < 0), ``every_seed`` (``">"`` or ``"<"`` when every
+        seed's mean difference is on that side of 0, else ``""``), ``n`` (records over all seeds).
+
+    Raises:
+        ValueError: as :func:`hierarchical_bootstrap`.
+    """
+    lo, hi = hierarchical_bootstrap(groups, resamples, seed)
+    per_seed = np.array([float(g.mean()) for g in groups])
+    above, below = int((per_seed > 0).sum()), int((per_seed < 0).sum())
+    return {"diff": round(100 * float(per_seed.mean()), 2), "ci95_lo": round(100 * lo, 2),
+            "ci95_hi": round(100 * hi, 2), "told_apart": bool(lo > 0 or hi < 0), "seeds": len(groups),
+            "seeds_above": above, "seeds_below": below,
+            "every_seed": ">" if above == len(groups) else "<" if below == len(groups) else "",
+            "n": int(sum(len(g) for g in groups))}
 
 
 def paired_stats(d: np.ndarray, resamples: int, seed: int, prefix: str = "") -> dict:

@@ -31,7 +31,7 @@ from kvbench.plan.base import Table, load_spec
 from kvbench.eval.registry import canonical, parse_method_spec
 from kvbench.plan.conduit import Column, ConduitPlan, Row, targets
 from kvbench.report.conduit import evidence
-from kvbench.report.paired import paired_bootstrap, paired_stats
+from kvbench.report.paired import SEED_KIND, paired_bootstrap, paired_stats, seed_pooled_stats
 from kvbench.utils.io import atomic_path, read_jsonl, write_csv
 
 
@@ -243,11 +243,14 @@ def write_score_table(plan: ConduitPlan, runs: Runs, target: str, out: str | Pat
         header.append("# baseline forms: " + "; ".join(described))
     contrasts = table_of(target).contrasts
     if contrasts is not None:
-        diffs = [paired_difference(plan, runs, m, a, b, plan.columns(target)) for m, a, b in contrasts(plan, df)]
+        pairs = contrasts(plan, df)
+        diffs = [paired_difference(plan, runs, m, a, b, plan.columns(target)) for m, a, b in pairs]
         header += difference_lines(plan, table_of(target).contrast_text, diffs)
+        pooled = seed_pooled_differences(plan, runs, pairs, plan.columns(target))
+        header += seed_lines(plan, pooled)
         df.insert(2, "kind", "score")
-        df = pd.concat([df, pd.DataFrame(diffs)], ignore_index=True)
-        for c in ("wins", "losses", "ties", "n"):  # counts stay integers beside the score rows' empty cells
+        df = pd.concat([df, pd.DataFrame(diffs), pd.DataFrame(pooled)], ignore_index=True)
+        for c in ("wins", "losses", "ties", "n", "seeds", "seeds_above", "seeds_below"):  # integers beside empties
             if c in df:
                 df[c] = df[c].astype("Int64")
         df = df[[c for c in df.columns if c != "notes"] + ["notes"]]
@@ -318,26 +321,116 @@ def paired_difference(plan: ConduitPlan, runs: Runs, model: str, a: Row, b: Row,
     boot = plan.cfg["gap"]
     rec = {"backbone": model, "regime": plan.regime(model), "r": a.r, "kind": "paired difference", "method": f"{a.label} − {b.label}",
            "spec": f"{a.spec} − {b.spec}"}
-    diffs, notes = [], []
+    per_col, notes = column_differences(plan, runs, model, a, b, cols)
+    for c in cols:
+        rec[c.name] = math.nan if per_col[c.name] is None else round(100 * float(per_col[c.name].mean()), 2)
+    if notes:
+        return {**rec, "n": 0, "notes": "; ".join(notes + ["pooled difference: a column is empty"])}
+    stats = paired_stats(np.concatenate(list(per_col.values())), boot["resamples"], boot["seed"])
+    # CONDUIT's column order: n before told_apart
+    return {**rec, **{k: stats[k] for k in ("diff", "ci95_lo", "ci95_hi", "wins", "losses", "ties", "n",
+                                            "told_apart")}, "notes": ""}
+
+
+def column_differences(plan: ConduitPlan, runs: Runs, model: str, a: Row, b: Row, cols: list[Column]
+                       ) -> tuple[dict[str, np.ndarray | None], list[str]]:
+    """Per column, the per-record differences ``a − b`` on ``model`` (``(n,)`` float, [0, 1] units, sorted record
+    id order; None where a run is missing), and the reasons of the missing ones.
+
+    Raises:
+        ValueError: the two runs of a column hold different record ids (not paired).
+    """
+    out, notes = {}, []
     for c in cols:
         sa, why_a = runs.column(plan.run_dir(model, c.dataset, a.spec), c)
         sb, why_b = runs.column(plan.run_dir(model, c.dataset, b.spec), c)
         if sa is None or sb is None:
             notes += [w for w in (why_a, why_b) if w]
-            rec[c.name] = math.nan
+            out[c.name] = None
             continue
         if set(sa) != set(sb):
             raise ValueError(f"{model}/{c.name}: runs of {a.spec} and {b.spec} hold different records; cannot "
                              "pair them")
-        d = np.array([sa[i] - sb[i] for i in sorted(sa)])
-        rec[c.name] = round(100 * float(d.mean()), 2)
-        diffs.append(d)
-    if notes:
-        return {**rec, "n": 0, "notes": "; ".join(notes + ["pooled difference: a column is empty"])}
-    stats = paired_stats(np.concatenate(diffs), boot["resamples"], boot["seed"])
-    # CONDUIT's column order: n before told_apart
-    return {**rec, **{k: stats[k] for k in ("diff", "ci95_lo", "ci95_hi", "wins", "losses", "ties", "n",
-                                            "told_apart")}, "notes": ""}
+        out[c.name] = np.array([sa[i] - sb[i] for i in sorted(sa)])
+    return out, notes
+
+
+def seed_groups(plan: ConduitPlan) -> dict[str, list[str]]:
+    """``{regime: backbones}`` for each regime that ``conduit.regimes`` gives to two or more backbones: those are
+    training seeds of one regime (seed replicas ``<zoo entry>-s<k>``, the same recipe from another seed)."""
+    groups: dict[str, list[str]] = {}
+    for m in plan.models:
+        if plan.regime(m):
+            groups.setdefault(plan.regime(m), []).append(m)
+    return {k: v for k, v in groups.items() if len(v) >= 2}
+
+
+def seed_pooled_differences(plan: ConduitPlan, runs: Runs, contrasts: list[tuple[str, Row, Row]],
+                            cols: list[Column]) -> list[dict]:
+    """One row per regime with two or more training seeds and per contrast ``(a, b)`` that every seed of it has
+    (issue #33, item 2): the mean over seeds of each seed's pooled paired difference, its 95% CI by a bootstrap over
+    seeds and records (:func:`kvbench.report.paired.seed_pooled_stats`), how many seeds have it above / below 0 and
+    whether every seed agrees (``every_seed``). The per-seed rows are the backbones' own paired-difference rows.
+
+    Returns:
+        Table rows: ``backbone = "<regime> (<k> seeds)"``, ``regime``, ``r``, ``kind = "seed-pooled difference"``,
+        ``method``, ``spec``, per column the mean over seeds of the column's mean difference, then
+        ``diff, ci95_lo, ci95_hi, told_apart, seeds, seeds_above, seeds_below, every_seed, n, notes``.
+    """
+    boot, out = plan.cfg["gap"], []
+    for regime, models in seed_groups(plan).items():
+        pairs = {}
+        for model, a, b in contrasts:
+            if model in models:
+                pairs.setdefault((a, b), []).append(model)
+        for (a, b), have in pairs.items():
+            if sorted(have) != sorted(models):
+                continue  # a contrast some seed lacks (an empty avg there) is not pooled
+            rec = {"backbone": f"{regime} ({len(models)} seeds)", "regime": regime, "r": a.r, "kind": SEED_KIND,
+                   "method": f"{a.label} − {b.label}", "spec": f"{a.spec} − {b.spec}"}
+            groups, notes = [], []
+            per_col = {c.name: [] for c in cols}
+            for m in models:
+                d, why = column_differences(plan, runs, m, a, b, cols)
+                notes += why
+                for c in cols:
+                    if d[c.name] is not None:
+                        per_col[c.name].append(float(d[c.name].mean()))
+                if not why:
+                    groups.append(np.concatenate(list(d.values())))
+            for c in cols:
+                rec[c.name] = round(100 * float(np.mean(per_col[c.name])), 2) if len(per_col[c.name]) == len(models) \
+                    else math.nan
+            if notes:
+                out.append({**rec, "n": 0, "notes": "; ".join(notes + ["seed-pooled difference: a column is empty"])})
+                continue
+            out.append({**rec, **seed_pooled_stats(groups, boot["resamples"], boot["seed"]), "notes": ""})
+    return out
+
+
+def seed_lines(plan: ConduitPlan, pooled: list[dict]) -> list[str]:
+    """Header lines of the seed-pooled rows: how they are made, and which orderings hold in every seed."""
+    if not pooled:
+        return []
+    boot = plan.cfg["gap"]
+
+    def name(rows: list[dict]) -> str:
+        return "; ".join(f"{d['backbone']}/{d['method']}" + ("" if d["r"] is None else f" at r = {d['r']:g}")
+                         + f" ({d['diff']:+.2f} [{d['ci95_lo']:+.2f}, {d['ci95_hi']:+.2f}], seeds "
+                         f"{d['seeds_above']} above / {d['seeds_below']} below 0)" for d in rows) or "none"
+
+    done = [d for d in pooled if d["n"]]
+    held = [d for d in done if d["every_seed"] and d["told_apart"]]
+    return [
+        (f"# seed-pooled differences (rows with kind = '{SEED_KIND}'): the regime's backbones are training seeds of "
+         "one recipe; diff = mean over seeds of each seed's pooled paired difference (each seed weighs the same); "
+         "95% CI by a two-level bootstrap (seeds with replacement, then each drawn seed's records with "
+         f"replacement), {boot['resamples']} resamples, seed {boot['seed']}: it covers model-to-model variation, "
+         "which the per-backbone CIs do not"),
+        f"# orderings that hold in every seed (every seed's difference on one side of 0 and the seed-and-record CI "
+        f"excludes 0): {name(held)}",
+        f"# orderings that do NOT hold in every seed: {name([d for d in done if d not in held])}",
+    ]
 
 
 def difference_lines(plan: ConduitPlan, contrast: str, diffs: list[dict]) -> list[str]:
