@@ -634,6 +634,8 @@ def test_fig3_pdf_and_data(tmp_path):
     assert pts.loc["full", ["ci95_lo", "ci95_hi", "n"]].tolist() == [100.0, 100.0, 6]
     assert pts.loc["conduit@0.1", "ci95_lo"] < 75.0 < pts.loc["conduit@0.1", "ci95_hi"]
     assert set(df["method"]) == {"CONDUIT", "Full prefill", "Cache reuse"}
+    # score against compute (issue #33, item 4): the FLOPs of each point from its runs' audit records
+    assert pts["FLOPs %full"].to_dict() == {"full": 100.0, "reuse": 5.0, "conduit@0.1": 30.0}
     # the PDF carried its creation time, so a rebuilt figure differed from the first one
     report_fig3(spec, tmp_path / "again.pdf", tmp_path / "again.csv", root=tmp_path)
     assert (tmp_path / "again.pdf").read_bytes() == (tmp_path / "fig3.pdf").read_bytes()

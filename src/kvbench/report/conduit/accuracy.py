@@ -598,21 +598,25 @@ def mean_ci(plan: ConduitPlan, runs: Runs, model: str, row: Row, cols: list[Colu
 
 
 def fig3_data(plan: ConduitPlan, runs: Runs) -> pd.DataFrame:
-    """Budget-quality points: ``backbone, regime, method, spec, r, avg, ci95_lo, ci95_hi, n, avg %full, notes`` (``avg``: the
-    multi-image column average, points; its 95% CI by :func:`mean_ci`), plus the full-prefill and reuse levels as
-    methods with r = NaN."""
+    """Budget-quality points: ``backbone, regime, method, spec, r, avg, ci95_lo, ci95_hi, n, avg %full, FLOPs %full,
+    notes`` (``avg``: the multi-image column average, points; its 95% CI by :func:`mean_ci`; ``FLOPs %full``: the
+    point's decoder FLOPs, scoring pass included, as % of full prefill's over the same records, :func:`cost_cells`),
+    plus the full-prefill and reuse levels as methods with r = NaN."""
     rows = plan.fig3_rows()
     t = score_table(plan, runs, rows, plan.multi)
     # score_table lists the rows of each backbone in order, so its rows line up with (model, row)
     ci = pd.DataFrame([mean_ci(plan, runs, m, row, plan.multi) for m in plan.models for row in rows])
     t = pd.concat([t.reset_index(drop=True), ci], axis=1)
-    return t[["backbone", "regime", "method", "spec", "r", "avg", "ci95_lo", "ci95_hi", "n", "avg %full", "notes"]]
+    return t[["backbone", "regime", "method", "spec", "r", "avg", "ci95_lo", "ci95_hi", "n", "avg %full", "FLOPs %full",
+              "notes"]]
 
 
 def write_fig3(plan: ConduitPlan, runs: Runs, out_pdf: str | Path, out_csv: str | Path) -> pd.DataFrame:
     """Figure 3: average multi-image score vs refresh budget r, one line per budgeted method with 95% CI error bars,
-    one panel per backbone; full prefill and cache reuse as horizontal lines with their CI as a band. The
-    plotted numbers go to ``out_csv``."""
+    one panel per backbone (staleness regime); full prefill and cache reuse as horizontal lines with their CI as a
+    band. A second row plots the same points against their decoder FLOPs (scoring pass included) as % of full
+    prefill, so a method that buys its score with a scoring pass shows it (issue #33, item 4). The plotted numbers
+    go to ``out_csv``."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -621,7 +625,18 @@ def write_fig3(plan: ConduitPlan, runs: Runs, out_pdf: str | Path, out_csv: str 
     df = fig3_data(plan, runs)
     curve = df[df["r"].notna()]
     boot = plan.cfg["gap"]
-    fig, axes = plt.subplots(1, len(plan.models), figsize=(5 * len(plan.models), 4), squeeze=False)
+    fig, axes = plt.subplots(2, len(plan.models), figsize=(5 * len(plan.models), 8), squeeze=False)
+    for ax, model in zip(axes[1], plan.models):  # score against compute
+        sub = df[df["backbone"] == model]
+        for method, pts in sub.groupby("method", sort=False):
+            pts = pts.sort_values("FLOPs %full")
+            err = [pts["avg"] - pts["ci95_lo"], pts["ci95_hi"] - pts["avg"]]
+            ax.errorbar(pts["FLOPs %full"], pts["avg"], yerr=err, marker="o", markersize=4, capsize=3, linewidth=1,
+                        label=method, linestyle="-" if pts["r"].notna().all() else "none")
+        ax.set_xlabel("decoder FLOPs, scoring pass included (% of full prefill)")
+        ax.set_ylabel("average score (points), 95% CI")
+        ax.set_title(model + (f" ({plan.regime(model)} staleness)" if plan.regime(model) else ""), fontsize=9)
+        ax.legend(fontsize=7)
     for ax, model in zip(axes[0], plan.models):
         sub = curve[curve["backbone"] == model]
         for method, pts in sub.groupby("method", sort=False):
