@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from dataclasses import replace
 
 import pytest
@@ -263,6 +264,25 @@ def test_mild_recipe_differs_from_the_strong_one_only_in_where_the_instruction_i
             assert m == s
     with pytest.raises(ValueError, match="cell_target must be one of"):
         apply_overrides(vlm_recipe(), {"phases": {"tasks": {"cell_target": "answer"}}})
+
+
+@pytest.mark.parametrize("stale_pages", [0.1, 0.25, 0.5])
+def test_the_dial_screen_trains_the_dial_recipe(stale_pages):
+    """The staleness-dial screen (scripts/conduit_dial_screen.py) trains tiny-qwen2.5-vl with overrides; the regime
+    chosen from it is the recipe vlm_dial_recipe: the two resolve to the same phases, so the screened model is the
+    regime's."""
+    import importlib.util
+
+    from kvbench.train.recipes import vlm_dial_recipe
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "conduit_dial_screen.py"
+    spec = importlib.util.spec_from_file_location("conduit_dial_screen", path)
+    screen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(screen)
+    assert apply_overrides(vlm_recipe(), screen.overrides(stale_pages)) == vlm_dial_recipe(stale_pages)
+    strong = vlm_recipe()
+    assert [p.stale_pages for p in vlm_dial_recipe(stale_pages) if p.kind == "tasks"] == [stale_pages] * 2
+    assert [p for p in vlm_dial_recipe(stale_pages) if p.kind != "tasks"] == [p for p in strong if p.kind != "tasks"]
 
 
 def test_zoo_recipe_covers_the_architecture(monkeypatch):

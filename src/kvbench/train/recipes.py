@@ -207,6 +207,16 @@ def vlm_mild_recipe() -> list[Phase]:
     return [replace(p, **mild) if p.kind == "tasks" else p for p in vlm_recipe()]
 
 
+def vlm_dial_recipe(stale_pages: float) -> list[Phase]:
+    """Phases of a point on the staleness dial (CONDUIT issue #33; docs/decisions/zoo.md, "The staleness dial"):
+    :func:`vlm_recipe`'s steps, data and learning rates, each visual token trained to read its cell as written
+    (``cell_target="content"``, as the mild regime), the prompt hidden from the question side (``hide_prompt="text"``,
+    as the strong one) and ``stale_pages`` of the task records carrying a decoy instruction. The screen
+    (``scripts/conduit_dial_screen.py``) trains exactly these phases through ``kvbench train --overrides``."""
+    dial = {"cell_target": "content", "hide_prompt": "text", "stale_pages": stale_pages}
+    return [replace(p, **dial) if p.kind == "tasks" else p for p in vlm_recipe()]
+
+
 #: ``(max hops, steps, batch)`` of the chain model's plain-chain phases after the copy warm-up: chains of
 #: ``max hops // 2 .. max hops`` variables, one distractor chain, every chain asked (:func:`kvbench.data.chain.sample_chain`)
 CHAIN_LENGTHS = ((8, 300, 16), (32, 300, 8))
