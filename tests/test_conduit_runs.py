@@ -677,22 +677,26 @@ CONFIRM_CONFIG = REPO / "config" / "confirm.yaml"
 
 
 def test_confirm_profile_dry_run(tmp_path):
-    """The confirm profile: 2,000 records per split and three seed replicas of the zoo VLM, each trained from its
-    own seed into its own recipe directory, each a backbone block of every CONDUIT table. (Not marked slow: about
-    as long as the smoke dry run above; parsing the workflow dominates, not the DAG's size.)"""
+    """The confirm profile: three seed replicas of each regime's zoo VLM, each trained from its own seed into its own
+    recipe directory, each a backbone block of every CONDUIT table, the seeds of a regime pooled (issue #33, item 2).
+    (Not marked slow: about as long as the smoke dry run above; parsing the workflow dominates, not the DAG's size.)"""
     r = snakemake(tmp_path, "-n", "-p", "conduit", "--configfile", str(CONFIRM_CONFIG))
     assert r.returncode == 0, r.stdout[-3000:]
     jobs = planned_jobs(r.stdout)
-    assert jobs["train"] == 3 and jobs["conduit_cache"] == 6 and jobs["table"] == 7  # + Tables 14, 15
-    assert jobs["eval"] == 3 * 48  # per backbone: 48 refresh runs, as on the default profile
-    dirs = set(re.findall(r"--out (zoo/confirm/tiny-qwen2\.5-vl-s(\d)-([0-9a-f]{8}))", r.stdout))
-    assert {(d[1]) for d in dirs} == {"0", "1", "2"} and len({d[2] for d in dirs}) == 3  # three recipe hashes
-    for k in "012":
-        assert re.search(rf"kvbench train --model tiny-qwen2\.5-vl-s{k} .* --seed {k} ", r.stdout)
-    assert "--limit 2000" in r.stdout and "--n-test 2000" in r.stdout
+    assert jobs["train"] == 6 and jobs["conduit_cache"] == 12 and jobs["table"] == 7  # + Tables 14, 15
+    assert jobs["eval"] == 6 * 48  # per backbone: 48 refresh runs, as on the default profile
+    for entry in ("tiny-qwen2\\.5-vl", "tiny-qwen2\\.5-vl-mild"):
+        dirs = set(re.findall(rf"--out (zoo/confirm/{entry}-s(\d)-([0-9a-f]{{8}}))", r.stdout))
+        assert {(d[1]) for d in dirs} == {"0", "1", "2"} and len({d[2] for d in dirs}) == 3  # three recipe hashes
+        for k in "012":
+            assert re.search(rf"kvbench train --model {entry}-s{k} .* --seed {k} ", r.stdout)
+    assert "--limit 300" in r.stdout and "--n-test 300" in r.stdout
     cfg = yaml.safe_load(CONFIRM_CONFIG.read_text())
-    assert cfg["conduit"]["n_test"] >= 2000 and len(cfg["conduit"]["models"]) >= 3
-    assert all(cfg["datasets"][d]["smoke"]["n_test"] >= 2000 for d in ("docpages", "digitgrid"))
+    default = yaml.safe_load((REPO / "config" / "config.yaml").read_text())["conduit"]  # the schema defaults' values
+    plan = ConduitPlan({**default, **cfg["conduit"]}, "confirm", zoo_models=list(cfg["models"]))
+    from kvbench.report.conduit.accuracy import seed_groups
+
+    assert {k: len(v) for k, v in seed_groups(plan).items()} == {"strong": 3, "mild": 3}
 
 
 def test_a_seed_replica_must_name_its_seed(tmp_path):
