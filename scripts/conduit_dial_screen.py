@@ -26,6 +26,7 @@ import numpy as np
 import pandas as pd
 
 from kvbench.report.conduit.diagnostics import read_captures, table12
+from kvbench.train.recipes import dial_fields
 from kvbench.utils.io import write_csv
 
 KV = [str(Path(sys.executable).parent / "kvbench")]  # the console script of the running environment
@@ -43,8 +44,7 @@ def run(cmd: list[str], done: Path, log: Path) -> None:
 
 def overrides(stale_pages: float) -> dict:
     """The dial's training overrides: the strong recipe's task phases with content targets and ``stale_pages``."""
-    dial = {"cell_target": "content", "hide_prompt": "text", "stale_pages": stale_pages}
-    return {"phases": {"grid": dial, "tasks": dial}}
+    return {"phases": {"grid": dial_fields(stale_pages), "tasks": dial_fields(stale_pages)}}
 
 
 def screen(x: float, a: argparse.Namespace, split: Path) -> dict:

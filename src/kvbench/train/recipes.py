@@ -213,8 +213,12 @@ def vlm_dial_recipe(stale_pages: float) -> list[Phase]:
     (``cell_target="content"``, as the mild regime), the prompt hidden from the question side (``hide_prompt="text"``,
     as the strong one) and ``stale_pages`` of the task records carrying a decoy instruction. The screen
     (``scripts/conduit_dial_screen.py``) trains exactly these phases through ``kvbench train --overrides``."""
-    dial = {"cell_target": "content", "hide_prompt": "text", "stale_pages": stale_pages}
-    return [replace(p, **dial) if p.kind == "tasks" else p for p in vlm_recipe()]
+    return [replace(p, **dial_fields(stale_pages)) if p.kind == "tasks" else p for p in vlm_recipe()]
+
+
+def dial_fields(stale_pages: float) -> dict:
+    """The :class:`Phase` fields a point on the staleness dial sets in every task phase (:func:`vlm_dial_recipe`)."""
+    return {"cell_target": "content", "hide_prompt": "text", "stale_pages": stale_pages}
 
 
 #: ``(max hops, steps, batch)`` of the chain model's plain-chain phases after the copy warm-up: chains of

@@ -408,6 +408,13 @@ def seed_pooled_differences(plan: ConduitPlan, runs: Runs, contrasts: list[tuple
     return out
 
 
+def pair_names(rows: list[dict], extra=lambda d: "") -> str:
+    """``backbone/a − b at r = x (diff [lo, hi]<extra>)`` of paired rows, ``; ``-joined ("none" when empty)."""
+    return "; ".join(f"{d['backbone']}/{d['method']}" + ("" if d["r"] is None else f" at r = {d['r']:g}")
+                     + f" ({d['diff']:+.2f} [{d['ci95_lo']:+.2f}, {d['ci95_hi']:+.2f}]{extra(d)})"
+                     for d in rows) or "none"
+
+
 def seed_lines(plan: ConduitPlan, pooled: list[dict]) -> list[str]:
     """Header lines of the seed-pooled rows: how they are made, and which orderings hold in every seed."""
     if not pooled:
@@ -415,9 +422,7 @@ def seed_lines(plan: ConduitPlan, pooled: list[dict]) -> list[str]:
     boot = plan.cfg["gap"]
 
     def name(rows: list[dict]) -> str:
-        return "; ".join(f"{d['backbone']}/{d['method']}" + ("" if d["r"] is None else f" at r = {d['r']:g}")
-                         + f" ({d['diff']:+.2f} [{d['ci95_lo']:+.2f}, {d['ci95_hi']:+.2f}], seeds "
-                         f"{d['seeds_above']} above / {d['seeds_below']} below 0)" for d in rows) or "none"
+        return pair_names(rows, lambda d: f", seeds {d['seeds_above']} above / {d['seeds_below']} below 0")
 
     done = [d for d in pooled if d["n"]]
     held = [d for d in done if d["every_seed"] and d["told_apart"]]
@@ -436,12 +441,6 @@ def seed_lines(plan: ConduitPlan, pooled: list[dict]) -> list[str]:
 def difference_lines(plan: ConduitPlan, contrast: str, diffs: list[dict]) -> list[str]:
     """Header lines of a table's paired-difference rows: the method, and which pairs can(not) be told apart."""
     boot = plan.cfg["gap"]
-
-    def name(rows: list[dict]) -> str:
-        return "; ".join(f"{d['backbone']}/{d['method']}" + ("" if d["r"] is None else f" at r = {d['r']:g}")
-                         + f" ({d['diff']:+.2f} [{d['ci95_lo']:+.2f}, {d['ci95_hi']:+.2f}])"
-                         for d in rows) or "none"
-
     done = [d for d in diffs if d["n"]]
     return [
         (f"# paired differences (rows with kind = 'paired difference', below the scores): {contrast}. Per record "
@@ -450,8 +449,8 @@ def difference_lines(plan: ConduitPlan, contrast: str, diffs: list[dict]) -> lis
          "the columns), n records; 95% CI of diff: paired bootstrap over the pooled records, percentile method, "
          f"{boot['resamples']} resamples, seed {boot['seed']}; wins/losses/ties = records where a scores "
          "above/below/equal to b; told_apart = the CI excludes 0"),
-        f"# told apart (95% CI excludes 0): {name([d for d in done if d['told_apart']])}",
-        f"# CANNOT be told apart (95% CI includes 0): {name([d for d in done if not d['told_apart']])}",
+        f"# told apart (95% CI excludes 0): {pair_names([d for d in done if d['told_apart']])}",
+        f"# CANNOT be told apart (95% CI includes 0): {pair_names([d for d in done if not d['told_apart']])}",
     ]
 
 
