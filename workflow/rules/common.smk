@@ -222,11 +222,14 @@ def conduit_limit():
     return limit_args(conduit_plan().n_test)
 
 
-def conduit_targets():
-    """Every CONDUIT accuracy target this config can build, for the `conduit` aggregate. A table whose column group
-    is empty (e.g. no `conduit.single_image` for Table 2) is left out; asked for by name, it fails naming the key."""
-    tables = [TABLES[t].path for t in configured_tables() if TABLE_PLANS[t].name in ("conduit", "conduit_diagnostics")]
-    return tables + ["figures/conduit/fig3.pdf", "figures/conduit/fig4.pdf"]
+def aggregate_targets(name):
+    """Every target of aggregate ``name`` (``conduit``) this config can build: the configured tables and the report
+    figures of each plan whose :attr:`~kvbench.plan.base.Plan.aggregate` it is. A table whose column group is empty
+    (e.g. no `conduit.single_image` for Table 2) is left out; asked for by name, it fails naming the key."""
+    tables = [TABLES[t].path for t in configured_tables() if TABLE_PLANS[t].aggregate == name]
+    figures = [f for p in PLANS.values() if p.aggregate == name for item in p.report_figures() for f in item
+               if f.endswith(".pdf")]
+    return tables + figures
 
 
 def diag_capture_args():

@@ -111,4 +111,4 @@ rule conduit:
     """Every CONDUIT accuracy target of the config (Tables 1, 2, 4, 5, 14, 15, the staleness gap, Figures 3 and 4; with a
     `conduit_diagnostics:` section also Tables 11-13)."""
     input:
-        lambda wc: conduit_plan() and conduit_targets(),
+        lambda wc: conduit_plan() and aggregate_targets("conduit"),

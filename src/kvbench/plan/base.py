@@ -138,6 +138,9 @@ class Plan:
     The defaults describe a plan with no runs and no tables.
     """
 
+    #: The aggregate target (``snakemake conduit``) that builds this plan's tables and report figures; None: none.
+    aggregate: str | None = None
+
     #: The plan's name: what :attr:`Table.plan` names and :func:`kvbench.plan.build_plans` keys it by.
     name: ClassVar[str] = ""
 

@@ -18,6 +18,7 @@ class DiagnosticsPlan(Plan):
     """
 
     name = "conduit_diagnostics"
+    aggregate = "conduit"
 
     def __init__(self, section: dict, conduit):
         self.cfg = section
