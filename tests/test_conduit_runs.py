@@ -677,26 +677,51 @@ CONFIRM_CONFIG = REPO / "config" / "confirm.yaml"
 
 
 def test_confirm_profile_dry_run(tmp_path):
-    """The confirm profile: three seed replicas of each regime's zoo VLM, each trained from its own seed into its own
-    recipe directory, each a backbone block of every CONDUIT table, the seeds of a regime pooled (issue #33, item 2).
-    (Not marked slow: about as long as the smoke dry run above; parsing the workflow dominates, not the DAG's size.)"""
+    """The confirm profile: each regime's default zoo VLM (seed 0) and two seed replicas, each trained from its own
+    seed into its own recipe directory, each a backbone block of every CONDUIT table, the seeds of a regime pooled
+    (issue #33, item 2). (Not marked slow: about as long as the smoke dry run above; parsing the workflow dominates,
+    not the DAG's size.)"""
     r = snakemake(tmp_path, "-n", "-p", "conduit", "--configfile", str(CONFIRM_CONFIG))
     assert r.returncode == 0, r.stdout[-3000:]
     jobs = planned_jobs(r.stdout)
     assert jobs["train"] == 6 and jobs["conduit_cache"] == 12 and jobs["table"] == 7  # + Tables 14, 15
     assert jobs["eval"] == 6 * 48  # per backbone: 48 refresh runs, as on the default profile
     for entry in ("tiny-qwen2\\.5-vl", "tiny-qwen2\\.5-vl-mild"):
-        dirs = set(re.findall(rf"--out (zoo/confirm/{entry}-s(\d)-([0-9a-f]{{8}}))", r.stdout))
-        assert {(d[1]) for d in dirs} == {"0", "1", "2"} and len({d[2] for d in dirs}) == 3  # three recipe hashes
-        for k in "012":
+        dirs = set(re.findall(rf"--out (zoo/smoke/{entry}(-s\d)?-([0-9a-f]{{8}}))", r.stdout))
+        assert {d[1] for d in dirs} == {"", "-s1", "-s2"} and len({d[2] for d in dirs}) == 3  # three recipe hashes
+        assert re.search(rf"kvbench train --model {entry} .* --seed 0 ", r.stdout)
+        for k in "12":
             assert re.search(rf"kvbench train --model {entry}-s{k} .* --seed {k} ", r.stdout)
     assert "--limit 300" in r.stdout and "--n-test 300" in r.stdout
     cfg = yaml.safe_load(CONFIRM_CONFIG.read_text())
     default = yaml.safe_load((REPO / "config" / "config.yaml").read_text())["conduit"]  # the schema defaults' values
-    plan = ConduitPlan({**default, **cfg["conduit"]}, "confirm", zoo_models=list(cfg["models"]))
+    plan = ConduitPlan({**default, **cfg["conduit"]}, "smoke", zoo_models=list(cfg["models"]))
     from kvbench.report.conduit.accuracy import seed_groups
 
     assert {k: len(v) for k, v in seed_groups(plan).items()} == {"strong": 3, "mild": 3}
+
+
+def test_confirm_profile_reuses_the_default_profile_s_models_splits_and_runs():
+    """Seed 0 of each regime in the confirm profile is the default profile's VLM: the same tokenizer, splits, model
+    directories and CONDUIT run commands, so after the default ``snakemake conduit`` only the replicas are built."""
+    from snakemake.utils import validate
+
+    from kvbench.plan import build_plans
+    from kvbench.plan.workspace import Workspace
+
+    schema = str(REPO / "workflow" / "schemas" / "config.schema.yaml")
+    confirm, default = (yaml.safe_load(p.read_text()) for p in (CONFIRM_CONFIG, REPO / "config" / "config.yaml"))
+    for cfg in (confirm, default):
+        validate(cfg, schema)  # fills the schema defaults, as the Snakefile does
+    a, b = Workspace(confirm), Workspace(default)
+    assert a.tokenizer_hash == b.tokenizer_hash
+    assert {t: a.data_hashes[t] for t in ("docpages", "digitgrid")} == {t: b.data_hashes[t] for t in
+                                                                       ("docpages", "digitgrid")}
+    for model in default["conduit"]["models"]:
+        assert a.model_dir(model) == b.model_dir(model)
+    runs_a = {(r.model, r.dataset, r.name): r for r in build_plans(a)["conduit"].runs()}
+    runs_b = {(r.model, r.dataset, r.name): r for r in build_plans(b)["conduit"].runs()}
+    assert set(runs_b) < set(runs_a) and all(runs_a[k] == runs_b[k] for k in runs_b)
 
 
 def test_a_seed_replica_must_name_its_seed(tmp_path):

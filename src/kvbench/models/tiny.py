@@ -117,8 +117,8 @@ def seed_replica(name: str) -> tuple[str, int] | None:
     """``(entry, k)`` when ``name`` is ``<entry>-s<k>``, a seed replica of a :data:`ZOO` entry, else None.
 
     A replica is the entry's architecture and recipe trained from another seed (the config's
-    ``models.<name>.zoo.seed``, which must be ``k``); the confirm profile trains ``tiny-qwen2.5-vl-s0/s1/s2``
-    to see how much of a difference between two rows is the training seed's.
+    ``models.<name>.zoo.seed``, which must be ``k``); the confirm profile trains ``tiny-qwen2.5-vl-s1`` and
+    ``-s2`` beside the entry itself (seed 0) to see how much of a difference between two rows is the training seed's.
     """
     entry, sep, k = name.rpartition("-s")
     return (entry, int(k)) if sep and k.isdigit() and entry in ZOO and name not in ZOO else None
