@@ -581,6 +581,9 @@ def test_table1_pools_each_ordering_over_a_regime_s_training_seeds(tmp_path):
     assert "sparse (3 seeds)/CONDUIT − ProphetKV" in not_held
     per_seed = df[(df["kind"] == "paired difference") & (df["method"] == "CONDUIT − ProphetKV")]
     assert list(per_seed["backbone"]) == [*seeds, "other"]  # the per-seed rows stay
+    one_seed = [h for h in header if h.startswith("# one training seed")]
+    assert len(one_seed) == 1 and "orderings of other rest on one trained model" in one_seed[0]
+    assert "m-s0" not in one_seed[0]
 
 
 def test_table5_paired_difference_of_the_composite_to_each_ablation(tmp_path):

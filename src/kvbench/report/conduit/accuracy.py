@@ -416,9 +416,17 @@ def pair_names(rows: list[dict], extra=lambda d: "") -> str:
 
 
 def seed_lines(plan: ConduitPlan, pooled: list[dict]) -> list[str]:
-    """Header lines of the seed-pooled rows: how they are made, and which orderings hold in every seed."""
+    """Header lines of the seed-pooled rows: how they are made, and which orderings hold in every seed. Where a
+    regime has a single backbone (one training seed), one line says that its orderings rest on one seed and that
+    their CIs cover records only."""
+    grouped = {m for models in seed_groups(plan).values() for m in models}
+    single = [m for m in plan.models if plan.regime(m) and m not in grouped]
+    lines = [] if not single else [
+        f"# one training seed: the orderings of {', '.join(single)} rest on one trained model each and their CIs "
+        "cover records only, not model-to-model variation (a retrain can move a row by more than these CIs); "
+        "config/confirm.yaml adds two more seeds per regime and pools each ordering over them"]
     if not pooled:
-        return []
+        return lines
     boot = plan.cfg["gap"]
 
     def name(rows: list[dict]) -> str:
@@ -426,7 +434,7 @@ def seed_lines(plan: ConduitPlan, pooled: list[dict]) -> list[str]:
 
     done = [d for d in pooled if d["n"]]
     held = [d for d in done if d["every_seed"] and d["told_apart"]]
-    return [
+    return lines + [
         (f"# seed-pooled differences (rows with kind = '{SEED_KIND}'): the regime's backbones are training seeds of "
          "one recipe; diff = mean over seeds of each seed's pooled paired difference (each seed weighs the same); "
          "95% CI by a two-level bootstrap (seeds with replacement, then each drawn seed's records with "
