@@ -337,21 +337,23 @@ def rkv_bench_args(fig):
 # --- Ours beside the published figures (compare.smk) -----------------------------------------
 
 def _published_tables():
-    """Table targets (`conduit/table1`, ..., `conduit/fig3`) whose paper's published file has entries for them."""
+    """Table targets (`conduit/table1`, ...) and the plans' compare figures (`conduit/fig3`) whose paper's published
+    file has entries for them."""
     names = []
     for paper in ("conduit", "residualkv"):
         pub = load_published(WS.published(paper))
         keys = {e.table for e in pub.entries}
-        names += [t for t in [*TABLES, "conduit/fig3"] if t.startswith(f"{paper}/") and t.split("/", 1)[1] in keys]
+        names += [t for t in [*TABLES, *COMPARE_FIGURES] if t.startswith(f"{paper}/") and t.split("/", 1)[1] in keys]
     return names
 
 
+COMPARE_FIGURES = sorted({f for cls in PLAN_TYPES.values() for f in cls.compare_figures})
 COMPARE_TABLES = _published_tables()
 
 
 def profile_compare_tables():
-    """The compare tables this config builds: its tables with published figures, and Figure 3 with CONDUIT."""
-    own = set(configured_tables()) | ({"conduit/fig3"} if CONDUIT else set())
+    """The compare tables this config builds: its tables with published figures, and its plans' compare figures."""
+    own = set(configured_tables()) | {f for plan in PLANS.values() for f in plan.compare_figures}
     return [t for t in COMPARE_TABLES if t in own]
 
 

@@ -141,6 +141,10 @@ class Plan:
     #: The aggregate target (``snakemake conduit``) that builds this plan's tables and report figures; None: none.
     aggregate: str | None = None
 
+    #: Figure targets of this plan (``conduit/fig3``) whose plotted numbers ``results/<target>.csv`` are compared with the
+    #: paper's published figures (``compare.smk``), beside its tables.
+    compare_figures: tuple[str, ...] = ()
+
     #: The plan's name: what :attr:`Table.plan` names and :func:`kvbench.plan.build_plans` keys it by.
     name: ClassVar[str] = ""
 

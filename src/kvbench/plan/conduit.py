@@ -79,6 +79,7 @@ class ConduitPlan(Plan):
 
     name = "conduit"
     aggregate = "conduit"
+    compare_figures = ("conduit/fig3",)
 
     def __init__(self, conduit: dict, profile: str, zoo_models: list[str] | tuple = ()):
         self.ws = None  # the workflow's Workspace (from_config), for split paths
