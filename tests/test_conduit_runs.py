@@ -681,7 +681,8 @@ CONFIRM_CONFIG = REPO / "config" / "confirm.yaml"
 
 def test_confirm_profile_dry_run(tmp_path):
     """The confirm profile: each regime's default zoo VLM (seed 0) and two seed replicas, each trained from its own
-    seed into its own recipe directory, each a backbone block of every CONDUIT table, the seeds of a regime pooled
+    seed into its own recipe directory, starting from the warm-up state its entry kept, each a backbone block of
+    every CONDUIT table on its first 100 records per split (the entry: 300), the seeds of a regime pooled
     (issue #33, item 2). (Not marked slow: about as long as the smoke dry run above; parsing the workflow dominates,
     not the DAG's size.)"""
     r = snakemake(tmp_path, "-n", "-p", "conduit", "--configfile", str(CONFIRM_CONFIG))
@@ -692,10 +693,16 @@ def test_confirm_profile_dry_run(tmp_path):
     for entry in ("tiny-qwen2\\.5-vl", "tiny-qwen2\\.5-vl-mild"):
         dirs = set(re.findall(rf"--out (zoo/smoke/{entry}(-s\d)?-([0-9a-f]{{8}}))", r.stdout))
         assert {d[1] for d in dirs} == {"", "-s1", "-s2"} and len({d[2] for d in dirs}) == 3  # three recipe hashes
-        assert re.search(rf"kvbench train --model {entry} .* --seed 0 ", r.stdout)
+        h0 = next(d[2] for d in dirs if d[1] == "")
+        assert re.search(rf"kvbench train --model {entry} .* --seed 0 .*--feeds '[^']*' 2>&1", r.stdout)
         for k in "12":
-            assert re.search(rf"kvbench train --model {entry}-s{k} .* --seed {k} ", r.stdout)
-    assert "--limit 300" in r.stdout and "--n-test 300" in r.stdout
+            assert re.search(rf"kvbench train --model {entry}-s{k} .* --seed {k} .* --warm-start "
+                             rf"zoo/smoke/\.train/{entry}-{h0}/warmup 2>&1", r.stdout)
+    lines = [line for line in r.stdout.splitlines() if "--limit " in line]
+    replica = re.compile(r"--model \S*-s\d-[0-9a-f]{8} ")
+    assert {re.search(r"--limit (\d+)", line).group(1) for line in lines if replica.search(line)} == {"100"}
+    assert {re.search(r"--limit (\d+)", line).group(1) for line in lines if not replica.search(line)} == {"300"}
+    assert "--n-test 300" in r.stdout
     cfg = yaml.safe_load(CONFIRM_CONFIG.read_text())
     default = yaml.safe_load((REPO / "config" / "config.yaml").read_text())["conduit"]  # the schema defaults' values
     plan = ConduitPlan({**default, **cfg["conduit"]}, "smoke", zoo_models=list(cfg["models"]))
@@ -725,6 +732,34 @@ def test_confirm_profile_reuses_the_default_profile_s_models_splits_and_runs():
     runs_a = {(r.model, r.dataset, r.name): r for r in build_plans(a)["conduit"].runs()}
     runs_b = {(r.model, r.dataset, r.name): r for r in build_plans(b)["conduit"].runs()}
     assert set(runs_b) < set(runs_a) and all(runs_a[k] == runs_b[k] for k in runs_b)
+
+
+def test_a_seed_replica_needs_its_entry_s_recipe_and_fewer_records(tmp_path):
+    """A seed replica starts from its entry's warm-up state, so the config must train the entry with the same
+    overrides and threads; ``conduit.replica_n_test`` may not exceed ``n_test``. Each is refused naming the key."""
+    from snakemake.utils import validate
+
+    from kvbench.plan import build_plans
+    from kvbench.plan.workspace import Workspace
+
+    def load(edit):
+        cfg = yaml.safe_load(CONFIRM_CONFIG.read_text())
+        edit(cfg)
+        validate(cfg, str(REPO / "workflow" / "schemas" / "config.schema.yaml"))
+        ws = Workspace(cfg)
+        return ws, build_plans(ws)
+
+    ws, _ = load(lambda cfg: None)
+    assert ws.warm_start_entry("tiny-qwen2.5-vl-mild-s2") == "tiny-qwen2.5-vl-mild"
+    assert ws.warm_start_entry("tiny-qwen2.5-vl") is None
+    with pytest.raises(ValueError, match=r"models.tiny-qwen2.5-vl-s1: a seed replica starts from its entry's warm-up "
+                                         r"state \(the phases through 'grid'\), so the config must also train the "
+                                         r"entry 'tiny-qwen2.5-vl'"):
+        load(lambda cfg: cfg["models"].pop("tiny-qwen2.5-vl"))
+    with pytest.raises(ValueError, match="its training overrides and zoo.threads must be 'tiny-qwen2.5-vl-mild'"):
+        load(lambda cfg: cfg["models"]["tiny-qwen2.5-vl-mild-s1"]["zoo"].update(threads=1))
+    with pytest.raises(ValueError, match=r"conduit.replica_n_test \(400\) must be at most conduit.n_test \(300\)"):
+        load(lambda cfg: cfg["conduit"].update(replica_n_test=400))
 
 
 def test_a_seed_replica_must_name_its_seed(tmp_path):

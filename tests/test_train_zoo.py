@@ -79,3 +79,35 @@ def test_a_seed_replica_trains_the_entry_from_its_own_seed(tokenizer_dir, tmp_pa
     assert replica["architecture"] == base["architecture"] and replica["total_steps"] == base["total_steps"]
     assert ((tmp_path / "s1" / "model" / "model.safetensors").read_bytes()
             != (tmp_path / "s0" / "model" / "model.safetensors").read_bytes())
+
+
+def test_a_seed_replica_starts_from_its_entry_s_warm_up_state(tokenizer_dir, tmp_path):
+    """The VLM recipes' seed replicas share the vision probe and grid phases with their entry (SHARED_WARMUP,
+    issue #33 item 2): the entry keeps its state at the end of the grid phase, and a replica started there with the
+    entry's own seed ends on the entry's bytes (the fork is exact), with another seed on other weights; a bad warm
+    start is refused naming what was expected."""
+    from kvbench.train.recipes import RECIPES, apply_overrides, warmup_steps
+
+    def vlm(name, root, seed, **kw):
+        return train_zoo_model(name, tokenizer_dir=tokenizer_dir, out_dir=tmp_path / root / "model",
+                               workdir=tmp_path / root / "work", seed=seed, threads=1, overrides=TINY, **kw)
+
+    shared = warmup_steps("vlm", apply_overrides(RECIPES["vlm"](), TINY))
+    entry = vlm("tiny-qwen2.5-vl", "s0", 0)
+    warm = tmp_path / "s0" / "work" / "warmup"
+    assert json.loads((warm / "meta.json").read_text())["global_step"] == shared < entry["total_steps"]
+    same = vlm("tiny-qwen2.5-vl-s1", "fork0", 0, warm_start=warm)
+    other = vlm("tiny-qwen2.5-vl-s1", "fork1", 1, warm_start=warm)
+    weights = {r: (tmp_path / r / "model" / "model.safetensors").read_bytes() for r in ("s0", "fork0", "fork1")}
+    assert weights["fork0"] == weights["s0"] != weights["fork1"]
+    assert same["warm_start"] == other["warm_start"] == {"steps": shared} and "warm_start" not in entry
+    curves = __import__("pandas").read_csv(tmp_path / "fork1" / "work" / "curves.csv")
+    assert curves["step"].min() == shared  # the replica's own steps only
+    assert not (tmp_path / "fork1" / "work" / "warmup").exists()  # a replica keeps no warm-up state of its own
+    with pytest.raises(ValueError, match="'tiny-qwen2.5-vl' .* is not one"):
+        vlm("tiny-qwen2.5-vl", "bad1", 0, warm_start=warm)
+    with pytest.raises(FileNotFoundError, match="holds no saved training state"):
+        vlm("tiny-qwen2.5-vl-s2", "bad2", 2, warm_start=tmp_path / "nowhere")
+    with pytest.raises(ValueError, match=f"saved at step {entry['total_steps']}, but 'tiny-qwen2.5-vl-s2' shares the "
+                                         f"first {shared} steps"):
+        vlm("tiny-qwen2.5-vl-s2", "bad3", 2, warm_start=tmp_path / "s0" / "work" / "state")

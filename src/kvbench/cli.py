@@ -86,7 +86,7 @@ def _train(a: argparse.Namespace) -> None:
     summary = train_zoo_model(
         a.model, tokenizer_dir=a.tokenizer, out_dir=a.out, workdir=a.workdir,
         slice_s=a.slice_s or None, seed=a.seed, threads=a.threads, overrides=overrides,
-        floors=floors, val_n=a.val_n, feeds=a.feeds, score=full_cache_score,
+        floors=floors, val_n=a.val_n, feeds=a.feeds, score=full_cache_score, warm_start=a.warm_start,
     )
     print(json.dumps(summary, indent=2, default=str))
 
@@ -531,6 +531,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--floors", default="", help="JSON object: smoke task -> minimum validation score in [0, 1]")
     s.add_argument("--val-n", type=_positive_int, default=100, help="validation records per floored task")
     s.add_argument("--feeds", default="", help="the targets this model feeds (named when a floor fails)")
+    s.add_argument("--warm-start", default=None,
+                   help="a seed replica <entry>-s<k>: its entry's kept warm-up state (<entry workdir>/warmup); "
+                        "training starts after the phases they share")
     s.set_defaults(func=_train)
 
     s = sub.add_parser("codec-train", help="train a ResidualKV codec on a frozen LM (resumable; ResidualKV §IV-D)")

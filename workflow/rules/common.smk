@@ -54,6 +54,19 @@ def train_dir(model):
     return f"zoo/{PROFILE}/.train/{model}-{ZOO_HASHES[model]}"
 
 
+def warm_start_input(model):
+    """A seed replica that starts from its entry's warm-up state (kvbench.train.recipes.SHARED_WARMUP): the entry's
+    training summary, written after the warm-up state it kept; [] for every other model."""
+    entry = WS.warm_start_entry(model)
+    return [] if entry is None else [f"{train_dir(entry)}/summary.json"]
+
+
+def warm_start_args(model):
+    """` --warm-start <entry workdir>/warmup` (quoted) for such a seed replica, else ""."""
+    entry = WS.warm_start_entry(model)
+    return "" if entry is None else f" --warm-start {shlex.quote(train_dir(entry) + '/warmup')}"
+
+
 def train_overrides(model):
     """JSON of `training.overrides` with the model's own `zoo.overrides` merged over it."""
     return json.dumps(WS.train_overrides(model), sort_keys=True)
@@ -217,9 +230,10 @@ def conduit_cache_dir(wc):
     return conduit_plan().cache_dir(wc.model, wc.task)
 
 
-def conduit_limit():
-    """`--limit` arguments of the image-cache builds: the CONDUIT plan's records per split (`conduit.n_test`)."""
-    return limit_args(conduit_plan().n_test)
+def conduit_limit(model):
+    """`--limit` arguments of a backbone's image-cache builds: the CONDUIT plan's records per split for it
+    (`conduit.n_test`, or `conduit.replica_n_test` for a seed replica)."""
+    return limit_args(conduit_plan().n_test_of(model))
 
 
 def aggregate_targets(name):

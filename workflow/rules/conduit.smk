@@ -20,7 +20,7 @@ rule conduit_cache:
     params:
         model=lambda wc: model_dir(wc.model),
         cache_dir=conduit_cache_dir,
-        limit=lambda wc: conduit_limit(),
+        limit=lambda wc: conduit_limit(wc.model),
     log:
         "logs/conduit/cache/{profile}/{model}/{task}.log",
     benchmark:

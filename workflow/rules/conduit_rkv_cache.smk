@@ -24,7 +24,7 @@ rule conduit_rkv_cache:
         cache_dir=lambda wc, output: os.path.dirname(output[0]),
         source_dir=lambda wc: f"cache/conduit/{wc.profile}/{wc.model}/{_crc_dataset(wc)}",
         compressed=lambda wc: json.dumps(CRC.storage_spec(CRC.codec_dir).to_spec(), sort_keys=True),
-        limit=lambda wc: conduit_limit(),
+        limit=lambda wc: conduit_limit(wc.model),
     log:
         "logs/conduit_rkv/cache/{profile}/{model}/{task}/{tag}.log",
     benchmark:

@@ -10,12 +10,14 @@
 # once, at the end, summary.json last. Progress lines reach the console and the log.
 # Why not protected()/update()/--keep-incomplete: docs/decisions/workflow.md, "Resumable state is not a declared output".
 # A model named `<zoo entry>-s<k>` is a seed replica: the entry's architecture and recipe trained with its
-# `zoo.seed: k` (config/confirm.yaml). Models given as `checkpoint:` in the config have no rule: eval reads them.
+# `zoo.seed: k` (config/confirm.yaml); where its recipe shares warm-up phases (kvbench.train.recipes.SHARED_WARMUP), it
+# starts from the state its entry kept after them (<entry workdir>/warmup/) instead of step 0. Models given as `checkpoint:` in the config have no rule: eval reads them.
 
 
 rule train:
     input:
         tokenizer=f"{TOKENIZER_DIR}/tokenizer.json",
+        entry=lambda wc: warm_start_input(wc.model),  # a seed replica: its entry, which keeps the warm-up state
     output:
         config="zoo/{profile}/{model}-{recipe}/config.json",
         summary="zoo/{profile}/.train/{model}-{recipe}/summary.json",
@@ -31,6 +33,7 @@ rule train:
         floors=lambda wc: json.dumps(MODELS[wc.model]["zoo"]["floors"], sort_keys=True),
         val_n=lambda wc: MODELS[wc.model]["zoo"]["val_n"],
         feeds=lambda wc: model_feeds(wc.model),
+        warm_start=lambda wc: warm_start_args(wc.model),
     log:
         "logs/train/{profile}/{model}-{recipe}.log",
     benchmark:
@@ -48,4 +51,4 @@ rule train:
         "kvbench train --model {wildcards.model:q} --tokenizer {params.tokenizer:q} --out {params.out:q}"
         " --workdir {params.workdir:q} --slice-s {resources.slice_s:q} --seed {params.seed:q} --threads {threads}"
         " --overrides {params.overrides:q} --floors {params.floors:q} --val-n {params.val_n:q}"
-        " --feeds {params.feeds:q} 2>&1 | tee {log:q}"
+        " --feeds {params.feeds:q}{params.warm_start} 2>&1 | tee {log:q}"

@@ -16,6 +16,7 @@ import json
 from dataclasses import dataclass
 
 from kvbench.eval.registry import canonical, parse_method_spec, run_slugs, slug, with_budget
+from kvbench.models.tiny import seed_replica
 from kvbench.plan.base import Plan, Run, Table
 
 #: Defaults of ``conduit.evidence`` (Table 14): the budget, the recovery budget, the page-coverage and near-tie
@@ -249,8 +250,14 @@ class ConduitPlan(Plan):
         """Records per split (``conduit.n_test``; None: every record): each run's and each image-cache build's."""
         return self.cfg.get("n_test")
 
+    def n_test_of(self, model: str) -> int | None:
+        """Records per split of ``model``'s runs and image caches: ``conduit.replica_n_test`` for a zoo seed replica
+        (``<entry>-s<k>``, :func:`kvbench.models.tiny.seed_replica`) when it is set, else ``conduit.n_test``."""
+        fewer = self.cfg.get("replica_n_test")
+        return fewer if fewer is not None and seed_replica(model) is not None else self.n_test
+
     def limit(self, run: Run) -> int | None:
-        return self.n_test
+        return self.n_test_of(run.model)
 
     def builds(self, table: Table) -> bool:
         """A table whose column group is configured (asked for by name with an empty group, it fails naming the key)."""
@@ -378,8 +385,13 @@ def check_config(plan: ConduitPlan) -> None:
     (not after every run finished).
 
     Raises:
-        ValueError: a column that is not a multi-image column, or ``evidence.recover_r`` not above ``evidence.r``.
+        ValueError: a column that is not a multi-image column, ``evidence.recover_r`` not above ``evidence.r``, or
+            ``replica_n_test`` above ``n_test``.
     """
+    fewer, n = plan.cfg.get("replica_n_test"), plan.cfg.get("n_test")
+    if fewer is not None and n is not None and fewer > n:
+        raise ValueError(f"conduit.replica_n_test ({fewer}) must be at most conduit.n_test ({n}): a seed replica "
+                         "evaluates fewer records per split than its entry, not more")
     cfg = {**EVIDENCE_DEFAULTS, **plan.cfg.get("evidence", {})}
     evidence_columns(plan, cfg)
     if cfg["recover_r"] <= cfg["r"]:

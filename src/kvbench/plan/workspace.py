@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from kvbench.data.smoke import TASKS
 from kvbench.models.tiny import seed_replica, zoo_spec
 from kvbench.plan.residualkv import known_model_shape
-from kvbench.train.recipes import RECIPES, apply_overrides, zoo_recipe
+from kvbench.train.recipes import RECIPES, SHARED_WARMUP, apply_overrides, zoo_recipe
 from kvbench.utils.recipe import code_version, recipe_hash
 
 #: the modules that write the tokenizer (``kvbench tokenizer``) and a smoke split (``kvbench data``): where the code
@@ -53,10 +53,13 @@ class Workspace:
         self.tokenizer_hash = recipe_hash({"vocab_size": cfg["zoo"]["tokenizer"]["vocab_size"],
                                            "code": code_version(TOKENIZER_ENTRY)})
         self.zoo_hashes = {}
-        for name in self.zoo_models:
+        # entries first: a seed replica that starts from its entry's warm-up state has the entry's hash in its recipe
+        for name in sorted(self.zoo_models, key=lambda m: self.warm_start_entry(m) is not None):
             zoo = self.models[name]["zoo"]
+            entry = self.warm_start_entry(name)
             recipe = zoo_recipe(name, self.models[name]["kind"], self.train_overrides(name), seed=self.model_seed(name),
-                                threads=zoo["threads"], tokenizer=self.tokenizer_hash)
+                                threads=zoo["threads"], tokenizer=self.tokenizer_hash,
+                                warm_start=None if entry is None else self.zoo_hashes[entry])
             # the floors are in the recipe: a changed floor is a new model directory, never a rerun (and first a
             # deletion) of a finished one
             self.zoo_hashes[name] = recipe_hash({**recipe, "floors": zoo["floors"], "val_n": zoo["val_n"]})
@@ -86,6 +89,15 @@ class Workspace:
             if replica is not None and self.model_seed(name) != replica[1]:
                 raise ValueError(f"config models.{name}: a seed replica of {replica[0]!r} named -s{replica[1]} must "
                                  f"set zoo.seed: {replica[1]} (it trains with seed {self.model_seed(name)})")
+            entry = self.warm_start_entry(name)
+            if entry is not None and "zoo" not in self.models.get(entry, {}):
+                raise ValueError(f"config models.{name}: a seed replica starts from its entry's warm-up state "
+                                 f"(the phases through {SHARED_WARMUP[zoo_spec(name).recipe_name]!r}), so the config must "
+                                 f"also train the entry {entry!r} (add it under `models` with a `zoo:` section)")
+            if entry is not None and (self.train_overrides(name) != self.train_overrides(entry)
+                                      or self.models[name]["zoo"]["threads"] != self.models[entry]["zoo"]["threads"]):
+                raise ValueError(f"config models.{name}: a seed replica starts from its entry's warm-up state, so "
+                                 f"its training overrides and zoo.threads must be {entry!r}'s")
             kind = self.models[name]["kind"]
             for task in self.models[name]["zoo"]["floors"]:
                 if task not in TASKS:
@@ -99,6 +111,14 @@ class Workspace:
                 apply_overrides(RECIPES[kind](), self.train_overrides(name))
             except ValueError as e:
                 raise ValueError(f"config training overrides of model {name!r}: {e}") from e
+
+    def warm_start_entry(self, model: str) -> str | None:
+        """The entry a zoo seed replica starts from (its warm-up state, :data:`kvbench.train.recipes.SHARED_WARMUP`),
+        or None: not a replica, or its recipe shares no phases."""
+        replica = seed_replica(model)
+        if replica is None or zoo_spec(model).recipe_name not in SHARED_WARMUP:
+            return None
+        return replica[0]
 
     # --- models ------------------------------------------------------------------------------------------
     def is_zoo(self, model: str) -> bool:

@@ -29,7 +29,7 @@ from kvbench.train.batches import BATCHES, PROBE_CLASSES, step_rng
 from kvbench.train.heads import head_supervision_loss, skip_supervision_loss, supervise_heads
 from kvbench.train.readthrough import hide_prompt
 from kvbench.train.recipes import Phase, phase_fields
-from kvbench.train.state import load_state, save_state
+from kvbench.train.state import copy_state, load_state, save_state
 from kvbench.utils.io import atomic_path
 from kvbench.utils.steps import SliceEnded, StepProgress
 
@@ -201,7 +201,7 @@ def run_phases(
     model: Any, proc: Any, phases: list[Phase], workdir: str | Path, *, seed: int,
     slice_s: float | None = None, extra_modules: dict[str, torch.nn.Module] | None = None,
     save_every_s: float = 60.0, log_every: int = 5, max_steps: int | None = None,
-    progress: str | None = None,
+    progress: str | None = None, keep_at: int | None = None,
 ) -> dict:
     """Train ``model`` through every step of ``phases``, resuming from ``workdir/state`` if present.
 
@@ -216,6 +216,9 @@ def run_phases(
     wall-clock, so two runs give identical bytes) and ``workdir/curves.timing.csv``
     (step, wall_s). ``progress``: label of the console progress lines
     (:class:`~kvbench.utils.steps.StepProgress`, every 5%); ``None`` prints none.
+    ``keep_at``: a global step at a phase end; the state saved there is also kept as ``workdir/warmup``, the
+    warm-up state seed replicas start from (:data:`kvbench.train.recipes.SHARED_WARMUP`). A state is always saved
+    at a phase end, also when a slice or a signal ends the invocation there.
 
     Returns:
         dict with ``steps`` (= ``total_steps``), ``total_steps``, ``train_time_s``
@@ -256,11 +259,15 @@ def run_phases(
     def save() -> None:
         m = {"global_step": g, "train_time_s": elapsed0 + time.monotonic() - t0, "recipe": recipe, "last": last}
         save_state(workdir / "state", modules, opt, m)
+        if g == keep_at:
+            copy_state(workdir / "state", workdir / "warmup")
         with atomic_path(curves_path) as tmp:
             pd.DataFrame(rows).to_csv(tmp, index=False)
         with atomic_path(timing_path) as tmp:
             pd.DataFrame(times).to_csv(tmp, index=False)
 
+    if keep_at is not None and done == keep_at and not (workdir / "warmup" / "meta.json").is_file():
+        copy_state(workdir / "state", workdir / "warmup")  # a stop between the phase end's save and its copy
     model.train()
     g = 0
     with StopOnSignal() as stop:

@@ -263,11 +263,37 @@ def chain_recipe() -> list[Phase]:
 #: the module that trains a zoo model (``kvbench train``): the code digest of a zoo recipe starts here
 TRAINING_ENTRY = "kvbench.train.zoo"
 RECIPES = {"lm": lm_recipe, "vlm": vlm_recipe, "vlm-mild": vlm_mild_recipe, "lm-chain": chain_recipe}
+#: recipe name -> the last phase a seed replica shares with its entry ("shared warm-up phases", issue #33, item 2).
+#: A replica ``<entry>-s<k>`` of such a recipe starts from the state the entry saved at the end of that phase
+#: (``warmup/`` in the entry's work directory: weights, probe head, AdamW moments, after the entry's seed drew the
+#: batches) and draws the batches of every later phase from its own seed. The VLM recipes share the vision probe and
+#: the one-page grid phase (950 of 1,950 steps), so seeds differ in how the multi-page task phase, where the staleness
+#: regime is learned, is trained, and a replica costs its 1,000 task steps (docs/decisions/conduit.md, "Profiles and
+#: cost"). Recipes not named here train every replica from its own seed from step 0.
+SHARED_WARMUP = {"vlm": "grid", "vlm-mild": "grid"}
 #: values of :attr:`Phase.cell_target`
 CELL_TARGETS = ("instruction", "content")
 
 
-def zoo_recipe(name: str, kind: str, overrides: dict, *, seed: int, threads: int, tokenizer: str) -> dict:
+def warmup_steps(recipe_name: str, phases: list[Phase]) -> int | None:
+    """Optimiser steps a seed replica of ``recipe_name`` shares with its entry (:data:`SHARED_WARMUP`): the steps of
+    ``phases`` through the shared phase; None when the recipe shares none.
+
+    Raises:
+        ValueError: the shared phase is not among ``phases`` (dropped by an override).
+    """
+    last = SHARED_WARMUP.get(recipe_name)
+    if last is None:
+        return None
+    names = [p.name for p in phases]
+    if last not in names:
+        raise ValueError(f"recipe {recipe_name!r}: seed replicas share its phases through {last!r}, which the "
+                         f"overrides dropped (phases {names})")
+    return sum(p.steps for p in phases[:names.index(last) + 1])
+
+
+def zoo_recipe(name: str, kind: str, overrides: dict, *, seed: int, threads: int, tokenizer: str,
+               warm_start: str | None = None) -> dict:
     """Everything that determines a zoo model's trained weights, as plain JSON.
 
     The architecture (class, text and vision config fields of the zoo entry),
@@ -277,7 +303,9 @@ def zoo_recipe(name: str, kind: str, overrides: dict, *, seed: int, threads: int
     of :data:`TRAINING_ENTRY`, the digest of every ``kvbench`` module the training runs and the library versions;
     a retrain under changed training code used to keep the hash and move Table 1 by up to 9 points, issue #33).
     Its :func:`kvbench.utils.recipe.recipe_hash` names the model's directory (``zoo/<profile>/<name>-<hash>/``);
-    slices, floors and scheduler settings are not part of it.
+    slices, floors and scheduler settings are not part of it. ``warm_start``: for a seed replica of a recipe in
+    :data:`SHARED_WARMUP`, the recipe hash of the entry whose saved warm-up state it starts from (so a retrained
+    entry renames its replicas); recorded as ``warm_start``, with the steps shared.
 
     Raises:
         KeyError: ``name`` is not a zoo entry or a seed replica of one.
@@ -290,8 +318,12 @@ def zoo_recipe(name: str, kind: str, overrides: dict, *, seed: int, threads: int
         raise ValueError(f"zoo model {name!r} is a {spec.kind!r} model, not {kind!r}")
     phases = apply_overrides(RECIPES[spec.recipe_name](), overrides)
     arch = {"architecture": spec.architecture, "text": spec.text, "vision": spec.vision, "recipe": spec.recipe_name}
-    return {"model": name, "kind": kind, "seed": seed, "threads": threads, "tokenizer": tokenizer,
-            "code": code_version(TRAINING_ENTRY), "arch": json.loads(json.dumps(arch)), "phases": json.loads(json.dumps([phase_fields(p) for p in phases]))}
+    recipe = {"model": name, "kind": kind, "seed": seed, "threads": threads, "tokenizer": tokenizer,
+              "code": code_version(TRAINING_ENTRY), "arch": json.loads(json.dumps(arch)),
+              "phases": json.loads(json.dumps([phase_fields(p) for p in phases]))}
+    if warm_start is not None:
+        recipe["warm_start"] = {"entry": warm_start, "steps": warmup_steps(spec.recipe_name, phases)}
+    return recipe
 
 
 #: Phase fields added after zoo models were trained, with the value those models had: left out of the recipe

@@ -35,12 +35,41 @@ def save_state(state_dir: str | Path, modules: dict[str, torch.nn.Module], optim
         save_file(tensors, str(tmp / "optimizer.safetensors"))
         (tmp / "optimizer.json").write_text(json.dumps(sd["param_groups"]))
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
-        old = state_dir.with_name(state_dir.name + ".old")
-        if state_dir.exists():
-            os.replace(state_dir, old)
-        os.replace(tmp, state_dir)
-        if old.exists():
-            shutil.rmtree(old)
+        _swap_in(tmp, state_dir)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+
+
+def _swap_in(tmp: Path, state_dir: Path) -> None:
+    """Rename the finished directory ``tmp`` over ``state_dir``, the old one kept as ``<state_dir>.old`` until the
+    new one is in place (:func:`load_state` falls back to it)."""
+    old = state_dir.with_name(state_dir.name + ".old")
+    if state_dir.exists():
+        os.replace(state_dir, old)
+    os.replace(tmp, state_dir)
+    if old.exists():
+        shutil.rmtree(old)
+
+
+def copy_state(src: str | Path, dst: str | Path, **meta: object) -> None:
+    """Copy the state directory ``src`` to ``dst`` atomically (a fresh directory renamed over ``dst``), with the
+    keys of ``meta`` replacing those of its ``meta.json``: how an entry keeps its warm-up state and a seed replica
+    starts from it (:data:`kvbench.train.recipes.SHARED_WARMUP`).
+
+    Raises:
+        FileNotFoundError: ``src`` holds no saved state (no ``meta.json``).
+    """
+    src, dst = Path(src), Path(dst)
+    if not (src / "meta.json").is_file():
+        raise FileNotFoundError(f"{src} holds no saved training state (no meta.json)")
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", dir=dst.parent))
+    try:
+        for f in src.iterdir():
+            shutil.copy2(f, tmp / f.name)
+        (tmp / "meta.json").write_text(json.dumps({**json.loads((src / "meta.json").read_text()), **meta}, indent=2))
+        _swap_in(tmp, dst)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp)

@@ -8,6 +8,7 @@ through :func:`kvbench.models.load_model` exactly like a real checkpoint.
 """
 from __future__ import annotations
 
+import json
 import platform
 import sys
 from pathlib import Path
@@ -18,11 +19,12 @@ import transformers
 import kvbench
 from kvbench.data.tokenizer import load_tokenizer_dir
 from kvbench.models.loader import save_checkpoint
-from kvbench.models.tiny import build_config, build_processor, zoo_spec
+from kvbench.models.tiny import build_config, build_processor, seed_replica, zoo_spec
 from kvbench.train.batches import PROBE_CLASSES, check_mixtures
 from kvbench.train.floors import Scorer, check_floor_values, check_floors, validation_scores
 from kvbench.train.loop import run_phases
-from kvbench.train.recipes import RECIPES, apply_overrides, check_head_layers
+from kvbench.train.recipes import RECIPES, SHARED_WARMUP, apply_overrides, check_head_layers, warmup_steps
+from kvbench.train.state import copy_state
 from kvbench.utils.io import write_json
 
 
@@ -30,7 +32,7 @@ def train_zoo_model(
     name: str, *, tokenizer_dir: str | Path, out_dir: str | Path, workdir: str | Path,
     slice_s: float | None = None, seed: int = 0, threads: int = 2, overrides: dict | None = None,
     floors: dict[str, float] | None = None, val_n: int = 100, feeds: str = "", score: Scorer | None = None,
-    max_steps: int | None = None,
+    max_steps: int | None = None, warm_start: str | Path | None = None,
 ) -> dict:
     """Train zoo model ``name`` through every step of its recipe, check its floors, save it.
 
@@ -57,14 +59,20 @@ def train_zoo_model(
         score: scores one validation record (:data:`kvbench.train.floors.Scorer`; the CLI passes
             :func:`kvbench.eval.methods.full_cache_score`); required with ``floors``.
         max_steps: steps of this invocation (tests; like a slice).
+        warm_start: for a seed replica ``<entry>-s<k>`` of a recipe in :data:`~kvbench.train.recipes.SHARED_WARMUP`,
+            the entry's kept warm-up state (``<entry workdir>/warmup``): training starts there, after the shared
+            phases, and draws the later phases' batches from ``seed``. An entry of such a recipe keeps that state
+            in its own ``workdir/warmup``.
 
     Raises:
         KeyError: unknown zoo name.
         ValueError: bad overrides, a slice <= 0, ``floors`` without ``score``, a phase's ``head_layers`` outside the
-            model's layers, a mixture entry its generator refuses, or a ``workdir`` state of another model or recipe.
+            model's layers, a mixture entry its generator refuses, a ``workdir`` state of another model or recipe,
+            or ``warm_start`` for a model that is not a seed replica of a recipe with shared warm-up phases or
+            holding the state of another step or recipe.
         BelowFloor: a validation score below its floor (nothing written).
         SliceEnded: the slice ended before the last step (state saved; rerun resumes).
-        FileNotFoundError: ``tokenizer_dir`` is not a directory.
+        FileNotFoundError: ``tokenizer_dir`` is not a directory, or ``warm_start`` holds no saved state.
     """
     if slice_s is not None and not slice_s > 0:
         raise ValueError(f"slice_s must be a positive number of seconds (or None: no slice), got {slice_s!r}")
@@ -87,10 +95,14 @@ def train_zoo_model(
         # Linear head (digit, printed letter, printed page) on the vision tower's merged
         # tokens, used only by the vision_probe phase and discarded afterwards.
         extra["probe"] = torch.nn.Linear(config.vision_config.out_hidden_size, sum(PROBE_CLASSES.values()))
+    shared = warmup_steps(spec.recipe_name, phases)
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
+    if warm_start is not None:
+        start_from_warmup(name, spec.recipe_name, shared, Path(warm_start), workdir)
+    keep_at = shared if seed_replica(name) is None else None
     result = run_phases(model, proc, phases, workdir, seed=seed, slice_s=slice_s, extra_modules=extra,
-                        max_steps=max_steps, progress=f"train {name}")
+                        max_steps=max_steps, progress=f"train {name}", keep_at=keep_at)
     scores = {}
     if floors:
         print(f"[train {name}] checking skill floors {floors} on {val_n} validation records per task",
@@ -114,6 +126,32 @@ def train_zoo_model(
                      "kvbench": kvbench.__version__, "python": platform.python_version()},
         **result,
     }
+    if warm_start is not None:
+        summary["warm_start"] = {"steps": shared}  # the first steps are the entry's, drawn from its seed
     write_json(workdir / "timing.json", timing)
     write_json(workdir / "summary.json", summary)
     return summary
+
+
+def start_from_warmup(name: str, recipe_name: str, shared: int | None, warm_start: Path, workdir: Path) -> None:
+    """Seed ``workdir/state`` of seed replica ``name`` with its entry's warm-up state (unless it already holds a
+    state: a resumed replica), its wall-clock zeroed so ``timing.json`` holds the replica's own time.
+
+    Raises:
+        ValueError: ``name`` is not a seed replica of a recipe in :data:`SHARED_WARMUP`, or the state was saved at
+            another step than the shared phases' end.
+        FileNotFoundError: ``warm_start`` holds no saved state.
+    """
+    if seed_replica(name) is None or shared is None:
+        raise ValueError(f"warm_start is for a seed replica <entry>-s<k> of a recipe with shared warm-up phases "
+                         f"({sorted(SHARED_WARMUP)}); {name!r} (recipe {recipe_name!r}) is not one")
+    meta_path = warm_start / "meta.json"
+    if not meta_path.is_file():
+        raise FileNotFoundError(f"warm-up state {warm_start} holds no saved training state (no meta.json); its entry "
+                                "keeps it in <entry workdir>/warmup when it trains")
+    step = json.loads(meta_path.read_text())["global_step"]
+    if step != shared:
+        raise ValueError(f"warm-up state {warm_start} was saved at step {step}, but {name!r} shares the first "
+                         f"{shared} steps of recipe {recipe_name!r} with its entry")
+    if not (workdir / "state" / "meta.json").is_file():
+        copy_state(warm_start, workdir / "state", train_time_s=0.0)
