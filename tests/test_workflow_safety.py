@@ -157,7 +157,8 @@ def test_latency_args_are_quoted():
 
 def test_every_shell_field_is_quoted():
     """Each `{...}` in a rule's command is `:q`-quoted, except `{threads}` (an int), `{params.args}` (argument
-    strings built with shlex.quote: RKVPlan.bench_args, latency_job, RKVPlan.codec_train_flags) and
+    strings built with shlex.quote: RKVPlan.bench_args, latency_job, RKVPlan.codec_train_flags, common.smk's
+    warm_start_args) and
     `{params.launch}` (RKVPlan.codec_launcher: `kvbench` or `torchrun ... --nproc_per_node N -m kvbench.cli`, N
     an int the schema checks; no config text)."""
     checked = 0

@@ -64,7 +64,10 @@ def warm_start_input(model):
 def warm_start_args(model):
     """` --warm-start <entry workdir>/warmup` (quoted) for such a seed replica, else ""."""
     entry = WS.warm_start_entry(model)
-    return "" if entry is None else f" --warm-start {shlex.quote(train_dir(entry) + '/warmup')}"
+    if entry is None:
+        return ""
+    warmup = shlex.quote(os.path.join(train_dir(entry), "warmup"))
+    return f" --warm-start {warmup}"
 
 
 def train_overrides(model):

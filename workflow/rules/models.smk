@@ -33,7 +33,7 @@ rule train:
         floors=lambda wc: json.dumps(MODELS[wc.model]["zoo"]["floors"], sort_keys=True),
         val_n=lambda wc: MODELS[wc.model]["zoo"]["val_n"],
         feeds=lambda wc: model_feeds(wc.model),
-        warm_start=lambda wc: warm_start_args(wc.model),
+        args=lambda wc: warm_start_args(wc.model),  # "" or ` --warm-start <quoted dir>` (a seed replica)
     log:
         "logs/train/{profile}/{model}-{recipe}.log",
     benchmark:
@@ -51,4 +51,4 @@ rule train:
         "kvbench train --model {wildcards.model:q} --tokenizer {params.tokenizer:q} --out {params.out:q}"
         " --workdir {params.workdir:q} --slice-s {resources.slice_s:q} --seed {params.seed:q} --threads {threads}"
         " --overrides {params.overrides:q} --floors {params.floors:q} --val-n {params.val_n:q}"
-        " --feeds {params.feeds:q}{params.warm_start} 2>&1 | tee {log:q}"
+        " --feeds {params.feeds:q}{params.args} 2>&1 | tee {log:q}"
