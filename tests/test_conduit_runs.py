@@ -711,6 +711,21 @@ def test_confirm_profile_dry_run(tmp_path):
     assert {k: len(v) for k, v in seed_groups(plan).items()} == {"strong": 3, "mild": 3}
 
 
+def test_the_seed_pooled_header_says_what_the_seeds_share():
+    """The confirm profile's replicas start from their entry's warm-up state, so the seed-pooled header line says
+    which backbones share which phases, and that the spread leaves out what those phases would add."""
+    from kvbench.report.conduit.accuracy import shared_warmup_note
+
+    cfg = yaml.safe_load(CONFIRM_CONFIG.read_text())
+    default = yaml.safe_load((REPO / "config" / "config.yaml").read_text())["conduit"]
+    note = shared_warmup_note(ConduitPlan({**default, **cfg["conduit"]}, "smoke", zoo_models=list(cfg["models"])))
+    assert note.startswith(" (tiny-qwen2.5-vl-s1, tiny-qwen2.5-vl-s2, tiny-qwen2.5-vl-mild-s1, tiny-qwen2.5-vl-mild-s2 "
+                           "start from their entry's training state after its phases through 'grid'")
+    assert "leaves out what the earlier phases would add" in note
+    plain = {**default, "models": ["m-s0", "m-s1"], "regimes": {"m-s0": "strong", "m-s1": "strong"}}
+    assert shared_warmup_note(ConduitPlan(plain, "smoke")) == ""  # not zoo replicas: nothing shared
+
+
 def test_confirm_profile_reuses_the_default_profile_s_models_splits_and_runs():
     """Seed 0 of each regime in the confirm profile is the default profile's VLM: the same tokenizer, splits, model
     directories and CONDUIT run commands, so after the default ``snakemake conduit`` only the replicas are built."""

@@ -29,9 +29,11 @@ import pandas as pd
 
 from kvbench.plan.base import Table, load_spec
 from kvbench.eval.registry import canonical, parse_method_spec
+from kvbench.models.tiny import seed_replica, zoo_spec
 from kvbench.plan.conduit import Column, ConduitPlan, Row, targets
 from kvbench.report.conduit import evidence
 from kvbench.report.paired import SEED_KIND, paired_bootstrap, paired_stats, seed_pooled_stats
+from kvbench.train.recipes import SHARED_WARMUP
 from kvbench.utils.io import atomic_path, read_jsonl, write_csv
 
 
@@ -415,6 +417,19 @@ def pair_names(rows: list[dict], extra=lambda d: "") -> str:
                      for d in rows) or "none"
 
 
+def shared_warmup_note(plan: ConduitPlan) -> str:
+    """What the zoo seed replicas among the grouped backbones share with their entry (kvbench.train.recipes.
+    SHARED_WARMUP), as a clause of the seed-pooled header line; "" when none shares a phase."""
+    shared = {}
+    for models in seed_groups(plan).values():
+        for m in models:
+            if seed_replica(m) is not None and zoo_spec(m).recipe_name in SHARED_WARMUP:
+                shared.setdefault(SHARED_WARMUP[zoo_spec(m).recipe_name], []).append(m)
+    return "".join(f" ({', '.join(ms)} start from their entry's training state after its phases through {phase!r} "
+                   "and draw only the later phases' batches from their own seed, so the spread between seeds leaves "
+                   "out what the earlier phases would add)" for phase, ms in shared.items())
+
+
 def seed_lines(plan: ConduitPlan, pooled: list[dict]) -> list[str]:
     """Header lines of the seed-pooled rows: how they are made, and which orderings hold in every seed. Where a
     regime has a single backbone (one training seed), one line says that its orderings rest on one seed and that
@@ -436,10 +451,10 @@ def seed_lines(plan: ConduitPlan, pooled: list[dict]) -> list[str]:
     held = [d for d in done if d["every_seed"] and d["told_apart"]]
     return lines + [
         (f"# seed-pooled differences (rows with kind = '{SEED_KIND}'): the regime's backbones are training seeds of "
-         "one recipe; diff = mean over seeds of each seed's pooled paired difference (each seed weighs the same); "
-         "95% CI by a two-level bootstrap (seeds with replacement, then each drawn seed's records with "
-         f"replacement), {boot['resamples']} resamples, seed {boot['seed']}: it covers model-to-model variation, "
-         "which the per-backbone CIs do not"),
+         f"one recipe{shared_warmup_note(plan)}; diff = mean over seeds of each seed's pooled paired difference (each "
+         "seed weighs the same; records per seed: the backbone rows' n); 95% CI by a two-level bootstrap (seeds "
+         f"with replacement, then each drawn seed's records with replacement), {boot['resamples']} resamples, seed "
+         f"{boot['seed']}: it covers model-to-model variation, which the per-backbone CIs do not"),
         f"# orderings that hold in every seed (every seed's difference on one side of 0 and the seed-and-record CI "
         f"excludes 0): {name(held)}",
         f"# orderings that do NOT hold in every seed: {name([d for d in done if d not in held])}",
