@@ -4,12 +4,15 @@ CPU-bound processes."""
 from __future__ import annotations
 
 import hashlib
+import json
+import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import kvbench
 from kvbench.utils import recipe as recipe_mod
@@ -98,6 +101,23 @@ def test_tokenizer_and_split_hashes_carry_the_code(monkeypatch):
     assert a.tokenizer_hash != b.tokenizer_hash
     assert all(a.data_hashes[t] != b.data_hashes[t] for t in a.data_hashes)
     assert all(a.zoo_hashes[m] != b.zoo_hashes[m] for m in a.zoo_hashes)  # through the tokenizer hash
+
+
+def test_another_cpu_instruction_set_renames_the_zoo_models():
+    """ATen's vector instruction set changes the trained bytes (an AVX2 and an AVX-512 machine gave two strong zoo
+    VLMs), so it is part of the hash: a process with ``ATEN_CPU_CAPABILITY=default`` (no vector kernels) names the
+    zoo VLM differently. The training summary records the CPU it trained on."""
+    here = code_version("kvbench.train.zoo")["cpu"]
+    assert here["aten"] == torch.backends.cpu.get_cpu_capability() and here["machine"]
+    probe = ("import json; from kvbench.utils.recipe import recipe_hash, code_version; "
+             "from kvbench.train.recipes import zoo_recipe; "
+             "print(json.dumps([code_version('kvbench.train.zoo')['cpu']['aten'], "
+             "recipe_hash(zoo_recipe('tiny-qwen2.5-vl', 'vlm', {}, seed=0, threads=2, tokenizer='t'))]))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True,
+                         env={**os.environ, "ATEN_CPU_CAPABILITY": "default"})
+    aten, other = json.loads(out.stdout)
+    assert aten == "DEFAULT" and here["aten"] != "DEFAULT"
+    assert other != _zoo_hash()
 
 
 def _sha256(path: Path) -> str:

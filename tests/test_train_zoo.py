@@ -87,6 +87,7 @@ def test_a_seed_replica_starts_from_its_entry_s_warm_up_state(tokenizer_dir, tmp
     entry's own seed ends on the entry's bytes (the fork is exact), with another seed on other weights; a bad warm
     start is refused naming what was expected."""
     from kvbench.train.recipes import RECIPES, apply_overrides, warmup_steps
+    from kvbench.utils.recipe import cpu_kernels
 
     def vlm(name, root, seed, **kw):
         return train_zoo_model(name, tokenizer_dir=tokenizer_dir, out_dir=tmp_path / root / "model",
@@ -101,6 +102,7 @@ def test_a_seed_replica_starts_from_its_entry_s_warm_up_state(tokenizer_dir, tmp
     weights = {r: (tmp_path / r / "model" / "model.safetensors").read_bytes() for r in ("s0", "fork0", "fork1")}
     assert weights["fork0"] == weights["s0"] != weights["fork1"]
     assert same["warm_start"] == other["warm_start"] == {"steps": shared} and "warm_start" not in entry
+    assert entry["cpu"] == cpu_kernels()  # the summary records the kernels that trained it
     curves = __import__("pandas").read_csv(tmp_path / "fork1" / "work" / "curves.csv")
     assert curves["step"].min() == shared  # the replica's own steps only
     assert not (tmp_path / "fork1" / "work" / "warmup").exists()  # a replica keeps no warm-up state of its own

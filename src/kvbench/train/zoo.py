@@ -26,6 +26,7 @@ from kvbench.train.loop import run_phases
 from kvbench.train.recipes import RECIPES, SHARED_WARMUP, apply_overrides, check_head_layers, warmup_steps
 from kvbench.train.state import copy_state
 from kvbench.utils.io import write_json
+from kvbench.utils.recipe import cpu_kernels
 
 
 def train_zoo_model(
@@ -122,6 +123,7 @@ def train_zoo_model(
         "overrides": overrides or {},
         "floors": floors or {},
         "validation": scores,
+        "cpu": cpu_kernels(),  # the kernels that trained it (the recipe hash has those of the machine that built the DAG)
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
                      "kvbench": kvbench.__version__, "python": platform.python_version()},
         **result,

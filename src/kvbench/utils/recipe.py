@@ -128,13 +128,39 @@ ARTEFACT_LIBRARIES = ("torch", "transformers", "tokenizers", "safetensors", "num
                       "pillow")
 
 
+#: CPU features (``/proc/cpuinfo`` flags) that select other floating-point kernels in torch (ATen's vectorised ops),
+#: MKL or oneDNN: x86 vector and matrix extensions, and their Arm counterparts
+KERNEL_CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "avx512_fp16", "amx_tile", "amx_bf16",
+                    "asimd", "sve", "sve2", "bf16", "i8mm")
+
+
+@cache
+def cpu_kernels() -> dict:
+    """Which float kernels this machine's torch runs: ATen's vector instruction set
+    (``torch.backends.cpu.get_cpu_capability()``, which the ``ATEN_CPU_CAPABILITY`` environment variable lowers),
+    the architecture, the CPU vendor and which of :data:`KERNEL_CPU_FLAGS` it has (Linux ``/proc/cpuinfo``; none
+    elsewhere). Part of :func:`code_version`: the same code and libraries trained the strong zoo VLM to other bytes on
+    an AVX2 and an AVX-512 machine, and ``ATEN_CPU_CAPABILITY=avx2`` alone changes the weights within 20 steps
+    (docs/decisions/workflow.md, "Recipe-hashed directories")."""
+    import torch
+
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
+    fields = dict(line.split(":", 1) for line in info.split("\n\n")[0].splitlines() if ":" in line)  # CPU 0
+    fields = {k.strip(): v.strip() for k, v in fields.items()}
+    flags = set((fields.get("flags") or fields.get("Features") or "").split())
+    return {"aten": torch.backends.cpu.get_cpu_capability(), "machine": platform.machine(),
+            "vendor": fields.get("vendor_id") or fields.get("CPU implementer") or "",
+            "flags": [f for f in KERNEL_CPU_FLAGS if f in flags]}
+
+
 def code_version(root: str) -> dict:
     """What code makes an artefact whose entry module is ``root``: its :func:`source_digest`, the Python version
-    (the standard library is the zoo's text corpus) and the versions of :data:`ARTEFACT_LIBRARIES`.
+    (the standard library is the zoo's text corpus), the versions of :data:`ARTEFACT_LIBRARIES` and the CPU's kernel
+    selection (:func:`cpu_kernels`).
 
     Raises:
         ValueError: ``root`` is not a ``kvbench`` module.
         importlib.metadata.PackageNotFoundError: a library is not installed.
     """
     return {"sources": source_digest(root), "python": platform.python_version(),
-            **{lib: metadata.version(lib) for lib in ARTEFACT_LIBRARIES}}
+            **{lib: metadata.version(lib) for lib in ARTEFACT_LIBRARIES}, "cpu": cpu_kernels()}
