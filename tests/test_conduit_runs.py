@@ -749,21 +749,24 @@ def test_confirm_profile_reuses_the_default_profile_s_models_splits_and_runs():
     assert set(runs_b) < set(runs_a) and all(runs_a[k] == runs_b[k] for k in runs_b)
 
 
-def test_a_seed_replica_needs_its_entry_s_recipe_and_fewer_records(tmp_path):
-    """A seed replica starts from its entry's warm-up state, so the config must train the entry with the same
-    overrides and threads; ``conduit.replica_n_test`` may not exceed ``n_test``. Each is refused naming the key."""
+def _confirm_workspace(edit):
+    """The confirm profile's Workspace and plans after ``edit(cfg)``, with the schema defaults filled in."""
     from snakemake.utils import validate
 
     from kvbench.plan import build_plans
     from kvbench.plan.workspace import Workspace
 
-    def load(edit):
-        cfg = yaml.safe_load(CONFIRM_CONFIG.read_text())
-        edit(cfg)
-        validate(cfg, str(REPO / "workflow" / "schemas" / "config.schema.yaml"))
-        ws = Workspace(cfg)
-        return ws, build_plans(ws)
+    cfg = yaml.safe_load(CONFIRM_CONFIG.read_text())
+    edit(cfg)
+    validate(cfg, str(REPO / "workflow" / "schemas" / "config.schema.yaml"))
+    ws = Workspace(cfg)
+    return ws, build_plans(ws)
 
+
+def test_a_seed_replica_needs_its_entry_s_recipe_and_fewer_records(tmp_path):
+    """A seed replica starts from its entry's warm-up state, so the config must train the entry with the same
+    overrides and threads; ``conduit.replica_n_test`` may not exceed ``n_test``. Each is refused naming the key."""
+    load = _confirm_workspace
     ws, _ = load(lambda cfg: None)
     assert ws.warm_start_entry("tiny-qwen2.5-vl-mild-s2") == "tiny-qwen2.5-vl-mild"
     assert ws.warm_start_entry("tiny-qwen2.5-vl") is None
@@ -771,8 +774,10 @@ def test_a_seed_replica_needs_its_entry_s_recipe_and_fewer_records(tmp_path):
                                          r"state \(the phases through 'grid'\), so the config must also train the "
                                          r"entry 'tiny-qwen2.5-vl'"):
         load(lambda cfg: cfg["models"].pop("tiny-qwen2.5-vl"))
-    with pytest.raises(ValueError, match="its training overrides and zoo.threads must be 'tiny-qwen2.5-vl-mild'"):
-        load(lambda cfg: cfg["models"]["tiny-qwen2.5-vl-mild-s1"]["zoo"].update(threads=1))
+    with pytest.raises(ValueError, match=r"models.tiny-qwen2.5-vl-mild-s1: a seed replica starts from its entry's "
+                                         r"warm-up state, so its training overrides \{'steps_scale': 0.5\} must be "
+                                         r"'tiny-qwen2.5-vl-mild''s \{\}"):
+        load(lambda cfg: cfg["models"]["tiny-qwen2.5-vl-mild-s1"]["zoo"].update(overrides={"steps_scale": 0.5}))
     with pytest.raises(ValueError, match=r"conduit.replica_n_test \(400\) must be at most conduit.n_test \(300\)"):
         load(lambda cfg: cfg["conduit"].update(replica_n_test=400))
 
@@ -912,3 +917,32 @@ def test_values_only_a_late_job_would_refuse_fail_the_dry_run(tmp_path, section,
     (cfg["conduit"].setdefault(section, {}) if section in ("evidence", "case_study") else cfg[section])[key] = value
     r = snakemake(tmp_path, "-n", target, "--configfile", str(write_config(tmp_path / "bad.yaml", cfg)))
     assert r.returncode != 0 and needle in r.stdout, r.stdout[-3000:]
+
+
+def test_seed_replicas_with_a_repeated_seed_or_another_regime_are_refused():
+    """A replica trained from a seed another model of its entry already uses would count one model twice in the
+    seed-pooled CI, and a replica pooled under another regime than its entry's would mix regimes: both refused
+    naming the keys. An override that drops the shared phase leaves a replica training from step 0."""
+    load = _confirm_workspace
+    def add(cfg, name, seed):
+        cfg["models"][name] = {"kind": "vlm", "zoo": {"seed": seed, "threads": 2, "floors": {"docpages": 0.8}}}
+
+    with pytest.raises(ValueError, match=r"models.tiny-qwen2.5-vl-s0: trains 'tiny-qwen2.5-vl' from seed 0, as "
+                                         r"'tiny-qwen2.5-vl' does"):
+        load(lambda cfg: add(cfg, "tiny-qwen2.5-vl-s0", 0))
+    with pytest.raises(ValueError, match=r"models.tiny-qwen2.5-vl-s01: trains 'tiny-qwen2.5-vl' from seed 1, as "
+                                         r"'tiny-qwen2.5-vl-s1' does"):
+        load(lambda cfg: add(cfg, "tiny-qwen2.5-vl-s01", 1))
+    with pytest.raises(ValueError, match=r"trains 'tiny-qwen2.5-vl' from seed 2, as 'tiny-qwen2.5-vl' does"):
+        load(lambda cfg: cfg.update(seed=2))
+    with pytest.raises(ValueError, match=r"conduit.regimes: 'tiny-qwen2.5-vl-s1' is 'mild', but it is a seed replica "
+                                         r"of 'tiny-qwen2.5-vl', which is 'strong'"):
+        load(lambda cfg: cfg["conduit"]["regimes"].update({"tiny-qwen2.5-vl-s1": "mild"}))
+    with pytest.raises(ValueError, match=r"models.tiny-qwen2.5-vl-s1.zoo.threads: 1, but .* must be "
+                                         r"'tiny-qwen2.5-vl''s \(2\)"):
+        load(lambda cfg: cfg["models"]["tiny-qwen2.5-vl-s1"]["zoo"].update(threads=1))
+
+    def drop_grid(cfg):
+        cfg["training"]["overrides"] = {"drop_phases": ["grid"]}
+    ws, _ = load(drop_grid)
+    assert ws.warm_start_entry("tiny-qwen2.5-vl-s1") is None  # nothing shared: trains from step 0

@@ -106,10 +106,24 @@ def test_a_seed_replica_starts_from_its_entry_s_warm_up_state(tokenizer_dir, tmp
     curves = __import__("pandas").read_csv(tmp_path / "fork1" / "work" / "curves.csv")
     assert curves["step"].min() == shared  # the replica's own steps only
     assert not (tmp_path / "fork1" / "work" / "warmup").exists()  # a replica keeps no warm-up state of its own
-    with pytest.raises(ValueError, match="'tiny-qwen2.5-vl' .* is not one"):
+    with pytest.raises(ValueError, match="--warm-start is for a seed replica <entry>-s<k>; 'tiny-qwen2.5-vl' is not one"):
         vlm("tiny-qwen2.5-vl", "bad1", 0, warm_start=warm)
-    with pytest.raises(FileNotFoundError, match="holds no saved training state"):
+    with pytest.raises(FileNotFoundError, match="nowhere: no such directory"):
         vlm("tiny-qwen2.5-vl-s2", "bad2", 2, warm_start=tmp_path / "nowhere")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match=r"is not a saved training state \(missing \['meta.json', "):
+        vlm("tiny-qwen2.5-vl-s2", "bad2", 2, warm_start=tmp_path / "empty")
+    import shutil
+
+    shutil.copytree(warm, tmp_path / "garbled")
+    (tmp_path / "garbled" / "model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(ValueError, match="garbled: an unreadable training state"):
+        vlm("tiny-qwen2.5-vl-s2", "bad2", 2, warm_start=tmp_path / "garbled")
+    assert not (tmp_path / "bad2").exists()  # a refused start leaves no work directory behind
+    shutil.copytree(warm, tmp_path / "other")
+    with pytest.raises(ValueError, match=r"holds a replica started from .*/s0/work/warmup, not from --warm-start"):
+        vlm("tiny-qwen2.5-vl-s1", "fork1", 1, warm_start=tmp_path / "other")  # resumed from another state
+    assert vlm("tiny-qwen2.5-vl-s1", "fork1", 1, warm_start=warm)["steps"] == entry["total_steps"]  # resumes
     with pytest.raises(ValueError, match=f"saved at step {entry['total_steps']}, but 'tiny-qwen2.5-vl-s2' shares the "
                                          f"first {shared} steps"):
         vlm("tiny-qwen2.5-vl-s2", "bad3", 2, warm_start=tmp_path / "s0" / "work" / "state")

@@ -92,6 +92,11 @@ class ConduitPlan(Plan):
         unknown = sorted(set(self.regimes) - set(self.models))
         if unknown:
             raise ValueError(f"conduit.regimes names {unknown}, which are not in conduit.models {self.models}")
+        for m in self.models:  # a seed replica is pooled with its regime's seeds: it must be its entry's regime
+            entry = (seed_replica(m) or (None,))[0]
+            if entry in self.models and self.regime(m) != self.regime(entry):
+                raise ValueError(f"conduit.regimes: {m!r} is {self.regime(m)!r}, but it is a seed replica of {entry!r}, "
+                                 f"which is {self.regime(entry)!r}; a replica's regime is its entry's")
         self.reference = canonical(conduit["reference"])
         self.multi = [Column(n, c["dataset"], tuple(c["k"]) if c.get("k") else None)
                       for n, c in conduit["multi_image"].items()]

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from kvbench.data.smoke import TASKS
 from kvbench.models.tiny import seed_replica, zoo_spec
 from kvbench.plan.residualkv import known_model_shape
-from kvbench.train.recipes import RECIPES, SHARED_WARMUP, apply_overrides, zoo_recipe
+from kvbench.train.recipes import RECIPES, SHARED_WARMUP, apply_overrides, warmup_steps, zoo_recipe
 from kvbench.utils.recipe import code_version, recipe_hash
 
 #: the modules that write the tokenizer (``kvbench tokenizer``) and a smoke split (``kvbench data``): where the code
@@ -89,15 +89,6 @@ class Workspace:
             if replica is not None and self.model_seed(name) != replica[1]:
                 raise ValueError(f"config models.{name}: a seed replica of {replica[0]!r} named -s{replica[1]} must "
                                  f"set zoo.seed: {replica[1]} (it trains with seed {self.model_seed(name)})")
-            entry = self.warm_start_entry(name)
-            if entry is not None and "zoo" not in self.models.get(entry, {}):
-                raise ValueError(f"config models.{name}: a seed replica starts from its entry's warm-up state "
-                                 f"(the phases through {SHARED_WARMUP[zoo_spec(name).recipe_name]!r}), so the config must "
-                                 f"also train the entry {entry!r} (add it under `models` with a `zoo:` section)")
-            if entry is not None and (self.train_overrides(name) != self.train_overrides(entry)
-                                      or self.models[name]["zoo"]["threads"] != self.models[entry]["zoo"]["threads"]):
-                raise ValueError(f"config models.{name}: a seed replica starts from its entry's warm-up state, so "
-                                 f"its training overrides and zoo.threads must be {entry!r}'s")
             kind = self.models[name]["kind"]
             for task in self.models[name]["zoo"]["floors"]:
                 if task not in TASKS:
@@ -111,14 +102,58 @@ class Workspace:
                 apply_overrides(RECIPES[kind](), self.train_overrides(name))
             except ValueError as e:
                 raise ValueError(f"config training overrides of model {name!r}: {e}") from e
+        self.check_replicas()
+        self.check_distinct_seeds()
+
+    def check_replicas(self) -> None:
+        """A seed replica that starts from its entry's warm-up state needs the entry in the config, trained with the
+        same overrides and threads.
+
+        Raises:
+            ValueError: naming the replica's config key and what it must be.
+        """
+        for name in self.zoo_models:
+            entry = self.warm_start_entry(name)
+            if entry is not None and "zoo" not in self.models.get(entry, {}):
+                raise ValueError(f"config models.{name}: a seed replica starts from its entry's warm-up state "
+                                 f"(the phases through {SHARED_WARMUP[zoo_spec(name).recipe_name]!r}), so the config must "
+                                 f"also train the entry {entry!r} (add it under `models` with a `zoo:` section)")
+            if entry is not None and self.train_overrides(name) != self.train_overrides(entry):
+                raise ValueError(f"config models.{name}: a seed replica starts from its entry's warm-up state, so its "
+                                 f"training overrides {self.train_overrides(name)} must be {entry!r}'s "
+                                 f"{self.train_overrides(entry)}")
+            threads = [self.models[m]["zoo"]["threads"] for m in (name, entry or name)]
+            if threads[0] != threads[1]:
+                raise ValueError(f"config models.{name}.zoo.threads: {threads[0]}, but a seed replica starts from its "
+                                 f"entry's warm-up state, so it must be {entry!r}'s ({threads[1]})")
+
+    def check_distinct_seeds(self) -> None:
+        """Each zoo entry and its seed replicas in the config train from distinct seeds: two with one seed are one
+        model trained twice (a replica forked with its entry's seed ends on the entry's bytes), which would count
+        as two seeds in the seed-pooled CI.
+
+        Raises:
+            ValueError: naming the two models and their seed.
+        """
+        seen: dict[tuple[str, int], str] = {}
+        for name in self.zoo_models:
+            replica = seed_replica(name)
+            key = (replica[0] if replica else name, self.model_seed(name))
+            if key in seen:
+                raise ValueError(f"config models.{name}: trains {key[0]!r} from seed {key[1]}, as {seen[key]!r} does; "
+                                 "each seed replica needs a seed of its own (the entry trains from its zoo.seed, else "
+                                 "the top-level seed)")
+            seen[key] = name
 
     def warm_start_entry(self, model: str) -> str | None:
         """The entry a zoo seed replica starts from (its warm-up state, :data:`kvbench.train.recipes.SHARED_WARMUP`),
         or None: not a replica, or its recipe shares no phases."""
         replica = seed_replica(model)
-        if replica is None or zoo_spec(model).recipe_name not in SHARED_WARMUP:
+        if replica is None:
             return None
-        return replica[0]
+        recipe = zoo_spec(model).recipe_name
+        shared = warmup_steps(recipe, apply_overrides(RECIPES[recipe](), self.train_overrides(model)))
+        return None if shared is None else replica[0]
 
     # --- models ------------------------------------------------------------------------------------------
     def is_zoo(self, model: str) -> bool:

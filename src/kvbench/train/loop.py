@@ -257,7 +257,8 @@ def run_phases(
     bar = StepProgress(progress or "train", total, done) if progress else None
 
     def save() -> None:
-        m = {"global_step": g, "train_time_s": elapsed0 + time.monotonic() - t0, "recipe": recipe, "last": last}
+        m = {**meta, "global_step": g, "train_time_s": elapsed0 + time.monotonic() - t0, "recipe": recipe,
+             "last": last}  # other keys of a loaded state (a replica's warm_start) are kept
         save_state(workdir / "state", modules, opt, m)
         if g == keep_at:
             copy_state(workdir / "state", workdir / "warmup")

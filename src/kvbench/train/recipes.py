@@ -277,19 +277,11 @@ CELL_TARGETS = ("instruction", "content")
 
 def warmup_steps(recipe_name: str, phases: list[Phase]) -> int | None:
     """Optimiser steps a seed replica of ``recipe_name`` shares with its entry (:data:`SHARED_WARMUP`): the steps of
-    ``phases`` through the shared phase; None when the recipe shares none.
-
-    Raises:
-        ValueError: the shared phase is not among ``phases`` (dropped by an override).
-    """
-    last = SHARED_WARMUP.get(recipe_name)
-    if last is None:
-        return None
+    ``phases`` through the shared phase; None when the recipe shares none or the overrides dropped that phase (then
+    a replica trains from step 0 on its own seed, like a replica of any other recipe)."""
     names = [p.name for p in phases]
-    if last not in names:
-        raise ValueError(f"recipe {recipe_name!r}: seed replicas share its phases through {last!r}, which the "
-                         f"overrides dropped (phases {names})")
-    return sum(p.steps for p in phases[:names.index(last) + 1])
+    last = SHARED_WARMUP.get(recipe_name)
+    return None if last not in names else sum(p.steps for p in phases[:names.index(last) + 1])
 
 
 def zoo_recipe(name: str, kind: str, overrides: dict, *, seed: int, threads: int, tokenizer: str,

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 import transformers
+from safetensors import SafetensorError, safe_open
 
 import kvbench
 from kvbench.data.tokenizer import load_tokenizer_dir
@@ -98,9 +99,9 @@ def train_zoo_model(
         extra["probe"] = torch.nn.Linear(config.vision_config.out_hidden_size, sum(PROBE_CLASSES.values()))
     shared = warmup_steps(spec.recipe_name, phases)
     workdir = Path(workdir)
-    workdir.mkdir(parents=True, exist_ok=True)
-    if warm_start is not None:
+    if warm_start is not None:  # checked before the work directory exists: a refused start leaves nothing behind
         start_from_warmup(name, spec.recipe_name, shared, Path(warm_start), workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
     keep_at = shared if seed_replica(name) is None else None
     result = run_phases(model, proc, phases, workdir, seed=seed, slice_s=slice_s, extra_modules=extra,
                         max_steps=max_steps, progress=f"train {name}", keep_at=keep_at)
@@ -139,21 +140,44 @@ def start_from_warmup(name: str, recipe_name: str, shared: int | None, warm_star
     """Seed ``workdir/state`` of seed replica ``name`` with its entry's warm-up state (unless it already holds a
     state: a resumed replica), its wall-clock zeroed so ``timing.json`` holds the replica's own time.
 
+    Every file of the warm-up state is checked before anything is copied (meta.json readable with its step, each
+    safetensors header readable), so a bad state never lands in ``workdir``; a replica resumed with another
+    ``warm_start`` than the one it started from is refused.
+
     Raises:
-        ValueError: ``name`` is not a seed replica of a recipe in :data:`SHARED_WARMUP`, or the state was saved at
-            another step than the shared phases' end.
-        FileNotFoundError: ``warm_start`` holds no saved state.
+        ValueError: ``name`` is not a seed replica, or its recipe shares no warm-up phases (not in
+            :data:`SHARED_WARMUP`, or the overrides dropped the shared phase); the state was saved at another step
+            than the shared phases' end, or a file of it is unreadable; ``workdir`` was started from another state.
+        FileNotFoundError: ``warm_start`` is not a directory or lacks a file of a saved state.
     """
-    if seed_replica(name) is None or shared is None:
-        raise ValueError(f"warm_start is for a seed replica <entry>-s<k> of a recipe with shared warm-up phases "
-                         f"({sorted(SHARED_WARMUP)}); {name!r} (recipe {recipe_name!r}) is not one")
-    meta_path = warm_start / "meta.json"
-    if not meta_path.is_file():
-        raise FileNotFoundError(f"warm-up state {warm_start} holds no saved training state (no meta.json); its entry "
-                                "keeps it in <entry workdir>/warmup when it trains")
-    step = json.loads(meta_path.read_text())["global_step"]
+    if seed_replica(name) is None:
+        raise ValueError(f"--warm-start is for a seed replica <entry>-s<k>; {name!r} is not one (a zoo entry trains "
+                         "from step 0 and keeps its own warm-up state)")
+    if shared is None:
+        raise ValueError(f"--warm-start: the recipe {recipe_name!r} of {name!r} shares no warm-up phases with its entry "
+                         f"(recipes that do: {SHARED_WARMUP}; an override that drops that phase removes the sharing), "
+                         "so the replica trains from step 0 without --warm-start")
+    if not warm_start.is_dir():
+        raise FileNotFoundError(f"--warm-start {warm_start}: no such directory; the entry keeps its warm-up state in "
+                                "<entry workdir>/warmup when it trains")
+    missing = [f for f in ("meta.json", "model.safetensors", "optimizer.safetensors", "optimizer.json")
+               if not (warm_start / f).is_file()]
+    if missing:
+        raise FileNotFoundError(f"--warm-start {warm_start} is not a saved training state (missing {missing}); the "
+                                "entry keeps it in <entry workdir>/warmup when it trains")
+    try:
+        step = json.loads((warm_start / "meta.json").read_text())["global_step"]
+        for f in sorted(warm_start.glob("*.safetensors")):
+            with safe_open(str(f), framework="pt"):
+                pass
+    except (ValueError, KeyError, TypeError, SafetensorError) as e:
+        raise ValueError(f"--warm-start {warm_start}: an unreadable training state ({type(e).__name__}: {e})") from e
     if step != shared:
-        raise ValueError(f"warm-up state {warm_start} was saved at step {step}, but {name!r} shares the first "
+        raise ValueError(f"--warm-start {warm_start} was saved at step {step}, but {name!r} shares the first "
                          f"{shared} steps of recipe {recipe_name!r} with its entry")
-    if not (workdir / "state" / "meta.json").is_file():
-        copy_state(warm_start, workdir / "state", train_time_s=0.0)
+    state = workdir / "state" / "meta.json"
+    if not state.is_file():
+        copy_state(warm_start, workdir / "state", train_time_s=0.0, warm_start=str(warm_start.resolve()))
+    elif json.loads(state.read_text()).get("warm_start") != str(warm_start.resolve()):
+        raise ValueError(f"{workdir} holds a replica started from {json.loads(state.read_text()).get('warm_start')}, "
+                         f"not from --warm-start {warm_start}; use a new --workdir, or delete that one to start over")
