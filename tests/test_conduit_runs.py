@@ -782,6 +782,16 @@ def test_a_seed_replica_needs_its_entry_s_recipe_and_fewer_records(tmp_path):
         load(lambda cfg: cfg["conduit"].update(replica_n_test=400))
 
 
+def test_training_uses_the_recipe_s_threads_whatever_the_cores(tmp_path):
+    """The recipe hash holds the training's thread count, which changes the trained bytes; Snakemake scales a rule's
+    {threads} down to --cores, so the train command takes the recipe's count from the config (a new user's dry run
+    with --cores 1 showed --threads 1 under a hash that says 2)."""
+    r = snakemake(tmp_path, "-n", "-p", "--cores", "1", "conduit", "--configfile", str(CONFIRM_CONFIG))
+    assert r.returncode == 0, r.stdout[-3000:]
+    trains = [line for line in r.stdout.splitlines() if "kvbench train " in line]
+    assert len(trains) == 6 and all(" --threads 2 " in line for line in trains)
+
+
 def test_a_seed_replica_must_name_its_seed(tmp_path):
     cfg = yaml.safe_load(CONFIRM_CONFIG.read_text())
     cfg["models"]["tiny-qwen2.5-vl-s1"]["zoo"]["seed"] = 2

@@ -33,6 +33,9 @@ rule train:
         floors=lambda wc: json.dumps(MODELS[wc.model]["zoo"]["floors"], sort_keys=True),
         val_n=lambda wc: MODELS[wc.model]["zoo"]["val_n"],
         feeds=lambda wc: model_feeds(wc.model),
+        # the recipe's thread count, not {threads}: Snakemake scales {threads} down to --cores, and another thread
+        # count trains other bytes than the recipe hash names (the job then shares fewer cores, with the same result)
+        threads=lambda wc: MODELS[wc.model]["zoo"]["threads"],
         args=lambda wc: warm_start_args(wc.model),  # "" or ` --warm-start <quoted dir>` (a seed replica)
     log:
         "logs/train/{profile}/{model}-{recipe}.log",
@@ -49,6 +52,6 @@ rule train:
         "../../envs/kvbench.yaml"
     shell:
         "kvbench train --model {wildcards.model:q} --tokenizer {params.tokenizer:q} --out {params.out:q}"
-        " --workdir {params.workdir:q} --slice-s {resources.slice_s:q} --seed {params.seed:q} --threads {threads}"
+        " --workdir {params.workdir:q} --slice-s {resources.slice_s:q} --seed {params.seed:q} --threads {params.threads:q}"
         " --overrides {params.overrides:q} --floors {params.floors:q} --val-n {params.val_n:q}"
         " --feeds {params.feeds:q}{params.args} 2>&1 | tee {log:q}"
