@@ -175,9 +175,11 @@ def start_from_warmup(name: str, recipe_name: str, shared: int | None, warm_star
     if step != shared:
         raise ValueError(f"--warm-start {warm_start} was saved at step {step}, but {name!r} shares the first "
                          f"{shared} steps of recipe {recipe_name!r} with its entry")
-    state = workdir / "state" / "meta.json"
+    state, source = workdir / "state" / "meta.json", str(warm_start.resolve())
     if not state.is_file():
-        copy_state(warm_start, workdir / "state", train_time_s=0.0, warm_start=str(warm_start.resolve()))
-    elif json.loads(state.read_text()).get("warm_start") != str(warm_start.resolve()):
-        raise ValueError(f"{workdir} holds a replica started from {json.loads(state.read_text()).get('warm_start')}, "
-                         f"not from --warm-start {warm_start}; use a new --workdir, or delete that one to start over")
+        copy_state(warm_start, workdir / "state", train_time_s=0.0, warm_start=source)
+        return
+    started = json.loads(state.read_text()).get("warm_start")
+    if started != source:
+        raise ValueError(f"{workdir} holds a replica started from {started}, not from --warm-start {warm_start}; "
+                         "use a new --workdir, or delete that one to start over")
